@@ -1,0 +1,1 @@
+"""The expert cache: slots, budget, telemetry (mechanism) and residency policies (policy)."""

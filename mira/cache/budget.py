@@ -1,0 +1,75 @@
+"""From a byte budget to a number of expert slots (paper IV-C, DESIGN.md 2.5).
+
+reserve = non-expert weights + KV cache for the maximum context + workspaces; what is left of the
+budget, divided by the expert blob size, is the number of slots. A budget that leaves room for
+fewer slots than one MoE layer has experts is refused: every expert of a layer call must be
+resident while the layer computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mira.errors import MiraError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    budget_bytes: int
+    reserve_bytes: int
+    slot_bytes: int
+    slots: int
+
+
+def plan_slots(budget: int, non_expert_bytes: int, kv_bytes: int, workspace_bytes: int, blob_bytes: int,
+               experts_per_layer: int, total_experts: int, max_context: int) -> SlotPlan:
+    """Expert slots that fit in `budget` bytes (never more than the model has experts).
+
+    Raises:
+        MiraError: the budget is below what the non-expert weights, KV cache, workspaces and one
+            layer of experts need; the message says how much is needed and what to change.
+    """
+    reserve = non_expert_bytes + kv_bytes + workspace_bytes
+    needed = reserve + experts_per_layer * blob_bytes
+    if budget < needed:
+        raise MiraError(
+            f"the budget of {format_size(budget)} is below the {format_size(needed)} needed "
+            f"({format_size(non_expert_bytes)} non-expert weights, {format_size(kv_bytes)} KV cache for "
+            f"{max_context} tokens, {format_size(workspace_bytes)} workspaces, {experts_per_layer} expert slots of "
+            f"{format_size(blob_bytes)}); pass --vram-budget of at least {format_size(needed, up=True)}"
+            + (" or a smaller --max-context" if kv_bytes else "")
+        )
+    slots = min((budget - reserve) // blob_bytes, total_experts)
+    return SlotPlan(budget, reserve, blob_bytes, int(slots))
+
+
+def format_size(nbytes: int, up: bool = False) -> str:
+    """Bytes as GiB (from 1 GiB) or MiB, two decimals; rounded up when `up` (for a minimum to ask for)."""
+    unit, name = (GiB, "GiB") if nbytes >= GiB else (1 << 20, "MiB")
+    value = nbytes / unit
+    if up:
+        value = math.ceil(value * 100) / 100
+    return f"{value:.2f} {name}"
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24G', '512MiB', '1.5GB' or a plain number of bytes -> bytes (powers of 1024).
+
+    Raises:
+        MiraError: unreadable size.
+    """
+    units = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = cleaned, ""
+    if cleaned and cleaned[-1] in units:
+        number, unit = cleaned[:-1], cleaned[-1]
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise MiraError(f"cannot read the size {text!r}; write it like 24GiB, 512MiB or 8G") from None
+    if value <= 0:
+        raise MiraError(f"the size {text!r} must be positive")
+    return int(value)

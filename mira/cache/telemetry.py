@@ -1,0 +1,43 @@
+"""Token-level telemetry of the expert cache (paper IV-D): per expert, tokens routed and served by tier.
+
+The mechanism records every served expert; these cumulative figures feed reports and
+`--stats-json`. (Policies keep their own sliding windows from the accesses they see.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mira.cache.policy import Tier
+
+
+class Telemetry:
+    """counts[layer, expert] = (tokens routed, tokens served from HOT, from STAGE, from the host store)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = np.zeros((num_layers, num_experts, 1 + len(Tier)), dtype=np.int64)
+        self.accesses = np.zeros(len(Tier), dtype=np.int64)  # (layer, expert) lookups by tier
+        self.bytes_to_device = 0
+        self.copies = 0
+
+    def record(self, layer_position: int, expert: int, tokens: int, tier: Tier) -> None:
+        row = self.counts[layer_position, expert]
+        row[0] += tokens
+        row[1 + tier] += tokens
+        self.accesses[tier] += 1
+
+    def record_copy(self, nbytes: int) -> None:
+        self.bytes_to_device += nbytes
+        self.copies += 1
+
+    def summary(self) -> dict:
+        totals = self.counts.sum(axis=(0, 1))
+        lookups = int(self.accesses.sum())
+        return {
+            "tokens_routed": int(totals[0]),
+            "tokens_served": {tier.name.lower(): int(totals[1 + tier]) for tier in Tier},
+            "lookups": {tier.name.lower(): int(self.accesses[tier]) for tier in Tier},
+            "hit_rate": float(self.accesses[Tier.HOT] + self.accesses[Tier.STAGE]) / lookups if lookups else 0.0,
+            "copies": self.copies,
+            "bytes_to_device": self.bytes_to_device,
+        }

@@ -1,0 +1,69 @@
+"""Frozen configuration objects, passed whole instead of long lists of flags (STYLE.md habit 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mira.store.layout import SCHEMES
+
+POLICIES = ("mira", "lru", "lfu", "static", "on-demand")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the expert slots are split and managed (paper IV-C, IV-D; DESIGN.md 2.5, 2.6).
+
+    policy: which residency policy manages the slots.
+    small_vram_fraction: below this share of all experts fitting in the slots, the cache runs in
+        small-VRAM mode (a handful of STAGE slots reclaimed right after use); above, large-VRAM mode.
+    stage_fraction_small / stage_fraction_large: the share of slots given to STAGE in each mode.
+    rebalance_interval: tokens between two rebalancing passes of the mira policy.
+    max_swaps: at most this many HOT<->STAGE swaps per pass.
+    victim_weights / candidate_weights: score weights of the mira rebalancer (volume, recency,
+        frequency) and (volume, CPU-served count).
+    """
+
+    policy: str = "mira"
+    small_vram_fraction: float = 0.25
+    stage_fraction_small: float = 0.125
+    stage_fraction_large: float = 0.25
+    rebalance_interval: int = 16
+    max_swaps: int = 4
+    victim_weights: tuple[float, float, float] = (1.0, 0.5, 0.25)
+    candidate_weights: tuple[float, float] = (1.0, 1.0)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.rebalance_interval < 1 or self.max_swaps < 0:
+            raise ValueError("rebalance_interval must be >= 1 and max_swaps >= 0")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how a model runs.
+
+    device: "cuda", "cuda:N" or "cpu".
+    dtype: compute dtype of the non-expert weights and activations: bfloat16 on CUDA; float32 on
+        the CPU, where bf16 matmuls are slow on most processors and float32 makes the CPU path an
+        exact reference.
+    vram_budget: bytes of device memory Mira may use (weights, KV cache, workspaces, expert slots);
+        None means the free memory less a margin on CUDA, and room for every expert on the CPU.
+    max_context: tokens of KV cache reserved (prompt + generated).
+    quant: expert quantization scheme of the store.
+    """
+
+    device: str = "cpu"
+    dtype: str = ""
+    vram_budget: int | None = None
+    max_context: int = 4096
+    quant: str = "int8-shared"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.quant not in SCHEMES:
+            raise ValueError(f"unknown quantization {self.quant!r}; choose one of {', '.join(SCHEMES)}")
+        if not self.dtype:
+            object.__setattr__(self, "dtype", "float32" if self.device == "cpu" else "bfloat16")
+        if self.max_context < 1:
+            raise ValueError("max_context must be >= 1")

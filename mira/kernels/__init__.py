@@ -1,0 +1,102 @@
+"""The expert FFN of a MoE layer computed from INT8 blobs (paper IV-F; DESIGN.md 2.8).
+
+`make_moe_ffn` chooses the implementation once, at construction (never per call):
+
+- the fused Triton kernels (`mira.kernels.triton_ffn`) on a CUDA device, for the SiLU activation
+  (SwiGLU experts) and the `int8-shared` or `int8-row` schemes;
+- otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path and
+  the ground truth the kernels are tested against.
+
+Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], blobs, out=None)`:
+`blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the device slot
+buffer, or its blob in the pinned host store, which the Triton kernels read directly over PCIe) or
+None when it is not routed. The result is [T, H] in hidden's dtype, written into `out` when given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mira.kernels.reference import moe_ffn_reference
+from mira.store.layout import ExpertLayout
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+class ReferenceMoEFFN:
+    """`moe_ffn_reference` with the layout and activation bound, and an optional `out`."""
+
+    def __init__(self, layout: ExpertLayout, act: Callable) -> None:
+        self.layout = layout
+        self.act = act
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        blobs: Sequence[torch.Tensor | None],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+
+def is_silu(act: Callable | str) -> bool:
+    """Whether `act` is SiLU (swish): a name, `F.silu`, or an `nn.SiLU` module (transformers'
+    ACT2FN["silu"] is one)."""
+    if isinstance(act, str):
+        return act.lower() in ("silu", "swish")
+    return act is F.silu or isinstance(act, torch.nn.SiLU)
+
+
+def make_moe_ffn(
+    device: torch.device | str,
+    layout: ExpertLayout,
+    act: Callable | str,
+    *,
+    backend: str = "auto",
+    **triton_options,
+) -> Callable[..., torch.Tensor]:
+    """The expert FFN for this device, blob layout and activation, chosen once.
+
+    Args:
+        device: where the layer runs.
+        layout: the blob layout of the store.
+        act: the experts' activation (a callable such as `F.silu` or transformers' ACT2FN entry;
+            the name "silu" also works).
+        backend: "auto" (Triton where it applies, else the reference), "triton" (raise if it does
+            not apply; on a CPU device it needs TRITON_INTERPRET=1) or "reference".
+        **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k, dtype)
+            when the Triton path is chosen.
+
+    Returns:
+        A callable `ffn(hidden, top_k_index, top_k_weights, blobs, *, out=None) -> [T, H]`.
+
+    Raises:
+        ValueError: an unknown backend, or backend="triton" for a scheme or activation the fused
+            kernels do not implement.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    fused = layout.scheme in ("int8-shared", "int8-row") and is_silu(act)
+    if backend == "triton" and not fused:
+        raise ValueError(
+            f"the fused kernels implement SiLU experts on int8-shared or int8-row blobs, not "
+            f"{layout.scheme} with {act!r}; use backend='auto' to fall back to the reference"
+        )
+    if backend == "triton" or (backend == "auto" and fused and device.type == "cuda"):
+        from mira.kernels.triton_ffn import TritonMoEFFN  # imports triton only when it is used
+
+        return TritonMoEFFN(layout, device, **triton_options)
+    if not callable(act):
+        act = {"silu": F.silu, "swish": F.silu}[act.lower()]
+    return ReferenceMoEFFN(layout, act)

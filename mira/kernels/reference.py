@@ -1,0 +1,69 @@
+"""The expert FFN computed from quantized blobs in plain PyTorch (paper IV-F, DESIGN.md 2.8).
+
+This is the CPU path and the ground truth every fused kernel is tested against. The kernel sees
+only blobs: `blobs[e]` is expert e's uint8 blob (a row of the slot buffer, or the expert's row in
+the pinned store), or None when expert e is not routed in this call. It never knows about the cache.
+
+T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mira.store.layout import ExpertLayout
+
+
+def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLayout, act: Callable) -> torch.Tensor:
+    """One expert's SwiGLU FFN on x [T, H] -> [T, H], dequantization folded into the activations."""
+    dtype = x.dtype
+    w13, w2 = views["w13"].to(dtype), views["w2"].to(dtype)
+    if layout.scheme == "int8-shared":
+        scale = views["scale"].to(dtype)
+        gate_up = (x * scale) @ w13.T  # [T, 2I]
+    elif layout.scheme == "int8-row":
+        gate_up = (x @ w13.T) * views["scale13"].to(dtype)
+    else:
+        gate_up = x @ w13.T
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    y = (act(gate) * up) @ w2.T  # [T, H]
+    if layout.scheme == "int8-shared":
+        y = y * scale
+    elif layout.scheme == "int8-row":
+        y = y * views["scale2"].to(dtype)
+    return y
+
+
+def moe_ffn_reference(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    blobs: Sequence[torch.Tensor | None],
+    layout: ExpertLayout,
+    act: Callable,
+) -> torch.Tensor:
+    """Weighted sum of the routed experts' outputs, like transformers' Experts.forward.
+
+    Args:
+        hidden: [T, H] token states.
+        top_k_index: [T, K] routed expert ids.
+        top_k_weights: [T, K] routing weights.
+        blobs: length E; the blob of every routed expert (others may be None).
+        layout: the blob layout of this store.
+        act: the activation applied to the gate projection.
+
+    Returns:
+        [T, H] in hidden's dtype.
+    """
+    out = torch.zeros_like(hidden)
+    for expert in top_k_index.unique().tolist():  # ascending, as transformers adds them
+        blob = blobs[expert]
+        if blob is None:
+            raise ValueError(f"expert {expert} is routed but no blob was given for it")
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        y = expert_ffn(hidden[token_idx], layout.views(blob), layout, act)  # [T_e, H]
+        y = y * top_k_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out

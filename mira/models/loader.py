@@ -1,0 +1,121 @@
+"""Build a transformers model whose routed experts are never read into it (DESIGN.md 2.1).
+
+While `from_pretrained` builds the model, the architecture's Experts class is swapped for a
+parameter-free placeholder (one place, restored in `finally`); the checkpoint's expert tensors then
+match no parameter and are skipped unread. Everything else (attention, norms, embeddings, router,
+shared experts, LM head) loads through transformers' own code, in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from mira.errors import MiraError
+from mira.models.base import Adapter
+from mira.models.registry import adapter_for
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+class ExpertsPlaceholder(nn.Module):
+    """Stands where the Experts module was while the model is built; replaced before first use."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the experts of this model are not bound to a Mira expert store")
+
+
+@dataclass(frozen=True)
+class MoESite:
+    """Where one Experts module sits: its parent module, attribute name and decoder layer index."""
+
+    parent: nn.Module
+    attr: str
+    layer: int
+
+
+def read_config(model_dir: Path) -> PretrainedConfig:
+    """The transformers config of a local model directory.
+
+    Raises:
+        MiraError: the directory or its config.json is missing or unreadable.
+    """
+    if not model_dir.is_dir():
+        raise MiraError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
+    if not (model_dir / "config.json").is_file():
+        raise MiraError(f"{model_dir} has no config.json; pass a Hugging Face model directory (config.json, "
+                        "*.safetensors, tokenizer files) or a Mira store")
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as error:
+        raise MiraError(f"cannot read {model_dir / 'config.json'}: {error}") from error
+
+
+@contextlib.contextmanager
+def _experts_swapped(adapter: Adapter) -> Iterator[None]:
+    module = importlib.import_module(adapter.experts_module)
+    original = getattr(module, adapter.experts_class)
+    setattr(module, adapter.experts_class, ExpertsPlaceholder)
+    try:
+        yield
+    finally:
+        setattr(module, adapter.experts_class, original)
+
+
+def _model_class(config: PretrainedConfig) -> type:
+    base = AutoModelForCausalLM._model_mapping[type(config)]
+    # Expert tensors in the checkpoint are expected to be left unread: say so, so transformers does
+    # not report them as unexpected keys.
+    ignore = list(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []) + [r"\.experts\."]
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore})
+
+
+def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, list[MoESite]]:
+    """Load the non-expert part of a checkpoint and find its MoE sites.
+
+    Args:
+        model_dir: a Hugging Face directory (config.json and safetensors), e.g. a Mira store.
+        dtype: dtype of the non-expert weights.
+        device: where the model runs.
+
+    Returns:
+        The model in eval mode, and its Experts sites in layer order (each holds an
+        ExpertsPlaceholder until bound).
+    """
+    config = read_config(model_dir)
+    adapter = adapter_for(config, str(model_dir))
+    with _experts_swapped(adapter):
+        model = _model_class(config).from_pretrained(model_dir, dtype=dtype)
+    model.to(device).eval()
+    return model, moe_sites(model)
+
+
+def moe_skeleton_layers(config: PretrainedConfig) -> list[int]:
+    """Decoder layer indices that hold routed experts, found by building the model on the meta device."""
+    adapter = adapter_for(config)
+    with _experts_swapped(adapter), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [site.layer for site in moe_sites(model)]
+
+
+def moe_sites(model: nn.Module) -> list[MoESite]:
+    sites = []
+    for name, module in model.named_modules():
+        for attr, child in module.named_children():
+            if isinstance(child, ExpertsPlaceholder):
+                match = _LAYER_INDEX.search(f".{name}.")
+                if match is None:
+                    raise MiraError(f"cannot tell the decoder layer of experts module {name}.{attr}")
+                sites.append(MoESite(module, attr, int(match.group(1))))
+    return sorted(sites, key=lambda s: s.layer)

@@ -1,0 +1,1 @@
+"""The runtime: the module that replaces transformers' experts, the transfer layer, and the engine."""

@@ -1,0 +1,199 @@
+"""`mira.load`: a model directory or store -> a ready model whose experts come from the store.
+
+This is where the pieces meet: the store (host memory), the budget (how many slots), the policy
+and the cache mechanism, the transfer layer, the kernel, and transformers' model with Mira's
+experts module bound at every MoE site.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.activations import ACT2FN
+
+from mira.cache.budget import SlotPlan, plan_slots
+from mira.cache.cache import ExpertCache
+from mira.cache.policy import LRU, Policy
+from mira.cache.slots import SlotPool
+from mira.cache.telemetry import Telemetry
+from mira.config import CacheConfig, RuntimeConfig
+from mira.errors import MiraError
+from mira.kernels.reference import moe_ffn_reference
+from mira.models.loader import build_model, read_config
+from mira.models.registry import adapter_for
+from mira.runtime.experts import MiraExperts
+from mira.runtime.transfer import Transfer
+from mira.store.convert import convert, source_fingerprint
+from mira.store.manifest import Manifest, is_store
+from mira.store.store import ExpertStore
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
+DEFAULT_MAX_CONTEXT = 4096
+FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
+ACTIVATION_WORKSPACE = 256 << 20
+
+
+class MiraModel:
+    """A transformers causal LM whose routed experts are served by Mira.
+
+    Attributes:
+        hf_model: the transformers model (call it, or use `generate`).
+        tokenizer: the model's tokenizer, or None when the directory has none.
+        config: the RuntimeConfig it was loaded with.
+        store, cache, plan: the expert store, the cache mechanism and the slot plan.
+    """
+
+    def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
+                 plan: SlotPlan | None, max_context: int):
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.store = store
+        self.cache = cache
+        self.plan = plan
+        self.max_context = max_context
+        self.device = torch.device(config.device)
+        hf_model.register_forward_hook(self._after_step)
+
+    def _after_step(self, module, args, output) -> None:
+        self.cache.end_step(int(output.logits.shape[0] * output.logits.shape[1]))
+
+    def __call__(self, *args, **kwargs):
+        return self.hf_model(*args, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """transformers' `generate`: token ids [B, T] in, token ids [B, T + new] out.
+
+        Raises:
+            MiraError: the prompt plus max_new_tokens does not fit in max_context.
+        """
+        prompt_tokens = input_ids.shape[-1]
+        total = prompt_tokens + kwargs.get("max_new_tokens", 0)
+        if total > self.max_context:
+            raise MiraError(f"the prompt of {prompt_tokens} tokens plus {kwargs.get('max_new_tokens', 0)} new tokens "
+                            f"is longer than the context of {self.max_context} tokens; shorten the prompt, lower "
+                            f"--max-new-tokens or pass a larger --max-context")
+        kwargs.setdefault("disable_compile", True)
+        return self.hf_model.generate(input_ids.to(self.device), **kwargs)
+
+    def stats(self) -> dict:
+        """Cache statistics and the setup, as plain JSON-ready values."""
+        return {
+            "device": self.config.device,
+            "dtype": self.config.dtype,
+            "quant": self.store.manifest.scheme,
+            "policy": self.config.cache.policy,
+            "slots": self.cache.pool.num_slots,
+            "total_experts": self.store.num_layers * self.store.num_experts,
+            "expert_blob_bytes": self.store.blob_bytes,
+            "budget": asdict(self.plan) if self.plan else None,
+            "cache": self.cache.telemetry.summary(),
+        }
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
+         quant: str | None = None, policy: str = "lru", max_context: int | None = None, dtype: str | None = None,
+         progress: bool = True) -> MiraModel:
+    """Load a model for generation with its experts served from a Mira store.
+
+    Args:
+        path: a Hugging Face model directory (converted on first use into a store under the cache
+            directory, `$MIRA_CACHE` or ~/.cache/mira) or a store; None for the bundled model.
+        device: "cuda", "cuda:N" or "cpu"; default CUDA when present.
+        vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots;
+            default: free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read
+            in place from the store in RAM) unless a budget is given.
+        quant: expert scheme; default int8-shared, or the store's own when `path` is a store.
+        policy: expert residency policy.
+        max_context: tokens of KV cache to reserve; default min(model maximum, 4096).
+        dtype: compute dtype; default bfloat16 on CUDA, float32 on the CPU.
+        progress: show progress bars.
+
+    Raises:
+        MiraError: with a message naming the fix, for every problem a user can fix.
+    """
+    store_path = resolve_store(Path(path) if path is not None else BUNDLED_MODEL, quant, progress)
+    manifest = Manifest.read(store_path)
+    config = RuntimeConfig(device=device or default_device(), dtype=dtype or "", vram_budget=vram_budget,
+                           max_context=max_context or DEFAULT_MAX_CONTEXT, quant=manifest.scheme,
+                           cache=CacheConfig(policy=policy))
+    torch_device = torch.device(config.device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise MiraError("--device cuda was asked for but no CUDA device is available; pass --device cpu")
+    store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=progress)
+    hf_model, sites = build_model(store_path, getattr(torch, config.dtype), torch_device)
+    model_config = hf_model.config
+    max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(model_config, "max_position_embeddings", 1 << 30))
+
+    transfer = Transfer(torch_device, store.blob_bytes, store.num_experts)
+    plan = _plan(config, hf_model, store, transfer, max_ctx)
+    capacity = plan.slots if plan else 0
+    cache = ExpertCache(store, _make_policy(config.cache, capacity), SlotPool(capacity, store.blob_bytes, torch_device),
+                        transfer, Telemetry(store.num_layers, store.num_experts))
+    act = ACT2FN[model_config.hidden_act]
+    for position, site in enumerate(sites):
+        setattr(site.parent, site.attr, MiraExperts(position, cache, moe_ffn_reference, store.layout, act))
+    return MiraModel(hf_model, _tokenizer(store_path), config, store, cache, plan, max_ctx)
+
+
+def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
+    """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory."""
+    if not path.exists():
+        hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
+        raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
+                        "model directory or a Mira store")
+    if is_store(path):
+        manifest = Manifest.read(path)
+        if quant is not None and quant != manifest.scheme:
+            raise MiraError(f"store {path} holds {manifest.scheme} experts, not {quant}; pass --quant "
+                            f"{manifest.scheme}, or convert the model again with --quant {quant}")
+        return path
+    scheme = quant or "int8-shared"
+    read_config(path)
+    target = cache_dir() / f"{path.resolve().name}-{source_fingerprint(path)[:12]}-{scheme}"
+    if not is_store(target):
+        print(f"mira: converting {path} into the store {target} (first use; later runs reuse it)", file=sys.stderr)
+    convert(path, target, scheme, progress=progress)
+    return target
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
+
+
+def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, transfer: Transfer, max_context: int) -> SlotPlan | None:
+    device = torch.device(config.device)
+    budget = config.vram_budget
+    if budget is None:
+        if device.type == "cpu":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        budget = free + allocated - FREE_MEMORY_MARGIN
+    non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
+    kv_bytes = adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
+    workspace = transfer.workspace_bytes + (ACTIVATION_WORKSPACE if device.type == "cuda" else 0)
+    return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
+                      store.num_layers * store.num_experts, max_context)
+
+
+def _make_policy(config: CacheConfig, capacity: int) -> Policy:
+    if config.policy != "lru":
+        raise MiraError(f"policy {config.policy!r} is not available yet; pass --policy lru")
+    return LRU(capacity)
+
+
+def _tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:
+    if not any((store_path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(store_path)
+

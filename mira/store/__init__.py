@@ -1,0 +1,1 @@
+"""The expert store: quantization, blob layout, conversion from checkpoints, and loading."""

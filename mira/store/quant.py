@@ -1,0 +1,78 @@
+"""Reference quantization of expert weights (paper IV-B, DESIGN.md 2.4).
+
+`int8-shared` is Mira's scheme: symmetric INT8 with ONE bf16 scale vector per expert, of length H,
+shared by the three matrices. W1 and W3 ([I, H]) are scaled per input channel and W2 ([H, I]) per
+output channel, so dequantization folds into the activations:
+
+    W13q diag(s) x = W13q (s * x)        y = s * (W2q h)
+
+and a kernel converts INT8 to the compute dtype with no per-weight multiply. `int8-row` is the usual
+per-output-row scheme (one scale per row of each matrix). `none` keeps the checkpoint's dtype.
+
+Scales are rounded UP to bf16, so |w| <= 127 * scale still holds after rounding: no weight is
+clipped and every dequantized weight lies within half a quantization step (scale / 2) of the
+original. Quantization runs in float64 so that bound is exact.
+
+H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mira.store.layout import ExpertLayout
+
+QMAX = 127
+
+
+def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """Quantize one expert.
+
+    Args:
+        w13: [2I, H] gate rows then up rows.
+        w2: [H, I] down projection.
+        layout: the target blob layout (its scheme decides the quantization).
+
+    Returns:
+        The tensors to pack, keyed by section name.
+    """
+    if layout.scheme == "none":
+        return {"w13": w13.to(layout.weight_dtype), "w2": w2.to(layout.weight_dtype)}
+    w13, w2 = w13.double(), w2.double()
+    if layout.scheme == "int8-shared":
+        amax = torch.maximum(w13.abs().amax(dim=0), w2.abs().amax(dim=1))  # [H]
+        scale = _scale_from_amax(amax)
+        q13 = _round(w13 / scale.double()[None, :])
+        q2 = _round(w2 / scale.double()[:, None])
+        return {"w13": q13, "w2": q2, "scale": scale}
+    scale13 = _scale_from_amax(w13.abs().amax(dim=1))  # [2I]
+    scale2 = _scale_from_amax(w2.abs().amax(dim=1))  # [H]
+    return {
+        "w13": _round(w13 / scale13.double()[:, None]),
+        "w2": _round(w2 / scale2.double()[:, None]),
+        "scale13": scale13,
+        "scale2": scale2,
+    }
+
+
+def dequantize_expert(views: dict[str, torch.Tensor], layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 weights ([2I, H], [H, I]) from the typed views of one blob (for tests and analysis)."""
+    w13, w2 = views["w13"].double(), views["w2"].double()
+    if layout.scheme == "int8-shared":
+        scale = views["scale"].double()
+        return w13 * scale[None, :], w2 * scale[:, None]
+    if layout.scheme == "int8-row":
+        return w13 * views["scale13"].double()[:, None], w2 * views["scale2"].double()[:, None]
+    return w13, w2
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """bf16 scales >= amax / 127, rounded up; an all-zero channel gets scale 1 (its weights quantize to 0)."""
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
+    bits = scale.view(torch.int32).to(torch.int64)
+    rounded_up = ((bits + 0xFFFF) >> 16) << 16  # positive floats: clearing the low half rounds toward zero
+    return rounded_up.to(torch.int32).view(torch.float32).to(torch.bfloat16)
+
+
+def _round(values: torch.Tensor) -> torch.Tensor:
+    return values.round().clamp_(-QMAX, QMAX).to(torch.int8)

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints of every family and their stores, built once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Conversions made on first use land in a per-session folder, never in the user's ~/.cache."""
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path_factory.getbasetemp() / "mira-cache"))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: make_checkpoint(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory, checkpoints) -> dict[tuple[str, str], Path]:
+    """(family, scheme) -> store directory."""
+    from mira.store.convert import convert
+
+    root = tmp_path_factory.mktemp("stores")
+    out = {}
+    for family, ckpt in checkpoints.items():
+        for scheme in ("none", "int8-shared", "int8-row"):
+            out[family, scheme] = root / f"{family}-{scheme}"
+            convert(ckpt, out[family, scheme], scheme, progress=False)
+    return out

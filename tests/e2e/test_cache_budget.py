@@ -1,0 +1,41 @@
+"""The expert cache changes where experts are read from, never what the model computes."""
+
+import torch
+
+import mira
+
+GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+
+
+def _prompt():
+    return torch.randint(2, 320, (1, 10), generator=torch.Generator().manual_seed(3))
+
+
+def test_greedy_output_is_identical_under_budgets_that_force_evictions(stores):
+    store = stores["mixtral", "int8-shared"]
+    unlimited = mira.load(store, device="cpu", progress=False)
+    expected = unlimited.generate(_prompt(), **GREEDY)
+    reserve_probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
+    reserve, blob = reserve_probe.plan.reserve_bytes, reserve_probe.store.blob_bytes
+    for slots in (8, 13, 24):  # one layer's experts, a little more, every expert
+        model = mira.load(store, device="cpu", vram_budget=reserve + slots * blob, progress=False)
+        assert model.cache.pool.num_slots == slots
+        assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
+        stats = model.stats()["cache"]
+        lookups = sum(stats["lookups"].values())
+        assert stats["tokens_served"]["hot"] + stats["tokens_served"]["miss"] == stats["tokens_routed"] > 0
+        assert stats["copies"] == stats["lookups"]["miss"]  # LRU admits every miss
+        assert stats["bytes_to_device"] == stats["copies"] * blob
+        if slots < 24:
+            assert stats["copies"] > slots  # the budget forced evictions
+        else:
+            assert stats["copies"] == 24 and stats["hit_rate"] == 1 - 24 / lookups
+
+
+def test_without_a_budget_the_cpu_reads_experts_in_place(stores):
+    model = mira.load(stores["olmoe", "int8-row"], device="cpu", progress=False)
+    model.generate(_prompt(), **GREEDY)
+    stats = model.stats()
+    assert stats["slots"] == 0 and stats["cache"]["copies"] == 0
+    # 10 prompt tokens + 19 decode steps, 3 MoE layers, top-2 of 8: every routed token counted once
+    assert stats["cache"]["tokens_routed"] == (10 + 19) * 3 * 2

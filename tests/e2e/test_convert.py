@@ -1,0 +1,56 @@
+"""`mira convert`: resumable, atomic, and the store reads back what was written."""
+
+import json
+
+import pytest
+import torch
+
+import mira.store.convert as convert_module
+from mira.store.convert import convert
+from mira.store.store import ExpertStore
+
+
+def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, checkpoints, monkeypatch):
+    checkpoint = checkpoints["qwen2_moe"]
+    reference = convert(checkpoint, tmp_path / "reference", "int8-shared", progress=False)
+
+    real_pack, packed = convert_module.ExpertLayout.pack, []
+
+    def failing_pack(self, tensors, out):
+        if len(packed) == 10:  # 8 experts per layer: dies in the second layer
+            raise KeyboardInterrupt
+        packed.append(1)
+        real_pack(self, tensors, out)
+
+    monkeypatch.setattr(convert_module.ExpertLayout, "pack", failing_pack)
+    with pytest.raises(KeyboardInterrupt):
+        convert(checkpoint, tmp_path / "store", "int8-shared", progress=False)
+    partial = tmp_path / "store.partial"
+    assert not (tmp_path / "store").exists() and partial.is_dir()
+    assert list(json.loads((partial / "progress.json").read_text())["files"]) == ["experts/layer-000.safetensors"]
+
+    monkeypatch.setattr(convert_module.ExpertLayout, "pack", real_pack)
+    resumed_layers = []
+    monkeypatch.setattr(convert_module, "_read_expert",
+                        lambda ckpt, adapter, layer, expert, real=convert_module._read_expert:
+                        resumed_layers.append(layer) or real(ckpt, adapter, layer, expert))
+    manifest = convert(checkpoint, tmp_path / "store", "int8-shared", progress=False)
+    assert 0 not in resumed_layers  # the finished layer was not converted again
+    assert not partial.exists()
+    assert manifest.files == reference.files  # byte-identical to an uninterrupted conversion
+
+
+def test_store_blobs_read_back_and_non_expert_weights_are_kept(checkpoints, stores):
+    store = ExpertStore.open(stores["deepseek_v3", "none"], progress=False)
+    assert store.manifest.moe_layers == [1, 2]  # first_k_dense_replace=1: layer 0 is dense
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoints["deepseek_v3"] / "model.safetensors"), "pt") as f:
+        gate = f.get_tensor("model.layers.2.mlp.experts.5.gate_proj.weight")
+        down = f.get_tensor("model.layers.2.mlp.experts.5.down_proj.weight")
+    views = store.layout.views(store.blob(1, 5))
+    assert torch.equal(views["w13"][: gate.shape[0]], gate) and torch.equal(views["w2"], down)
+    with safe_open(str(stores["deepseek_v3", "none"] / "model-00001.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense layer's MLP stays in the model
+    assert not any(".mlp.experts." in n for n in names)

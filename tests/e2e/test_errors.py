@@ -1,0 +1,99 @@
+"""Every user-fixable problem is refused with one clear message that names the fix."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import mira
+from mira.errors import MiraError
+from mira.store.convert import convert
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(MiraError, match="does not exist.*pass --model"):
+        mira.load(tmp_path / "nowhere", device="cpu")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(MiraError, match="has no config.json"):
+        convert(tmp_path, tmp_path / "store")
+
+
+def test_unreadable_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(MiraError, match="cannot read"):
+        mira.load(tmp_path, device="cpu")
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(MiraError, match="'llama' model.*supported architectures.*deepseek_v2.*mixtral.*olmoe"):
+        convert(tmp_path, tmp_path / "store")
+
+
+def test_corrupt_store_is_refused(tmp_path, stores):
+    store = tmp_path / "store"
+    shutil.copytree(stores["mixtral", "int8-shared"], store)
+    layer_file = sorted((store / "experts").iterdir())[1]
+    data = bytearray(layer_file.read_bytes())
+    data[-100] ^= 0xFF
+    layer_file.write_bytes(bytes(data))
+    with pytest.raises(MiraError, match=f"corrupt: experts/{layer_file.name} does not match its checksum"):
+        mira.load(store, device="cpu", progress=False)
+
+
+def test_truncated_and_missing_store_files_are_refused(tmp_path, stores):
+    store = tmp_path / "store"
+    shutil.copytree(stores["olmoe", "int8-row"], store)
+    layer_file = sorted((store / "experts").iterdir())[0]
+    layer_file.write_bytes(layer_file.read_bytes()[:-10])
+    with pytest.raises(MiraError, match="truncated"):
+        mira.load(store, device="cpu", progress=False)
+    (store / "tokenizer.json").unlink()
+    with pytest.raises(MiraError, match="tokenizer.json is missing"):
+        mira.load(store, device="cpu", progress=False)
+
+
+def test_store_of_another_scheme_is_refused(stores):
+    with pytest.raises(MiraError, match="holds int8-shared experts, not int8-row.*--quant int8-shared"):
+        mira.load(stores["mixtral", "int8-shared"], device="cpu", quant="int8-row")
+
+
+def test_converting_into_a_store_of_another_model_is_refused(checkpoints, stores):
+    with pytest.raises(MiraError, match="was made from another model"):
+        convert(checkpoints["olmoe"], stores["mixtral", "int8-shared"], "int8-shared")
+    with pytest.raises(MiraError, match="holds int8-shared experts, not none"):
+        convert(checkpoints["mixtral"], stores["mixtral", "int8-shared"], "none")
+
+
+def test_store_of_a_newer_format_is_refused(tmp_path, stores):
+    store = tmp_path / "store"
+    shutil.copytree(stores["mixtral", "none"], store)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(MiraError, match="format version 99"):
+        mira.load(store, device="cpu")
+
+
+def test_budget_below_the_non_expert_weights_and_kv_cache_says_how_much_is_needed(stores):
+    with pytest.raises(MiraError, match=r"budget of 0.00 MiB is below the [0-9.]+ MiB needed \(.*KV cache for 256 "
+                                        r"tokens.*\); pass --vram-budget of at least .* or a smaller --max-context"):
+        mira.load(stores["mixtral", "int8-shared"], device="cpu", vram_budget=1000, progress=False)
+
+
+def test_prompt_longer_than_the_context(stores):
+    model = mira.load(stores["qwen3_moe", "int8-shared"], device="cpu", max_context=16, progress=False)
+    with pytest.raises(MiraError, match="longer than the context of 16 tokens"):
+        model.generate(torch.ones(1, 12, dtype=torch.long), max_new_tokens=8)
+
+
+def test_cuda_requested_without_a_gpu(stores):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(MiraError, match="no CUDA device.*--device cpu"):
+        mira.load(stores["mixtral", "none"], device="cuda")

@@ -1,0 +1,68 @@
+"""Tiny random checkpoints of every supported family, written with transformers' `save_pretrained`
+so that the on-disk names are the real ones, plus a small byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV3Config,
+    MixtralConfig,
+    OlmoeConfig,
+    PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+from transformers import AutoModelForCausalLM
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1,
+           first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=48, n_routed_experts=8)
+
+CONFIGS = {
+    "mixtral": lambda: MixtralConfig(num_local_experts=8, **COMMON),
+    "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                                        **COMMON),
+    "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=8, moe_intermediate_size=48, head_dim=16, **COMMON),
+    "deepseek_v2": lambda: DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
+                                            routed_scaling_factor=1.5, **MLA, **COMMON),
+    "deepseek_v3": lambda: DeepseekV3Config(q_lora_rank=16, routed_scaling_factor=2.5, **MLA, **COMMON),
+    "olmoe": lambda: OlmoeConfig(num_experts=8, eos_token_id=1, pad_token_id=0, **COMMON),
+}
+FAMILIES = sorted(CONFIGS)
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny tokenizer",
+        "mixture of experts models route each token to a few experts", "def sort(xs): return sorted(xs)"] * 20
+
+
+def write_tokenizer(directory: Path) -> None:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(directory)
+
+
+def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
+    """Write a tiny random `family` checkpoint (float32) with a tokenizer into `directory`."""
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    config.eos_token_id, config.pad_token_id = 1, 0
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:  # larger than the default init, so experts matter in the logits
+                param.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):  # a decisive router: quantization noise flips no top-k choice
+                param.normal_(0.0, 1.0)
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
