@@ -11,7 +11,7 @@ per-output-row scheme (one scale per row of each matrix). `none` keeps the check
 
 Scales are rounded UP to bf16, so |w| <= 127 * scale still holds after rounding: no weight is
 clipped and every dequantized weight lies within half a quantization step (scale / 2) of the
-original. Quantization runs in float64 so that bound is exact.
+original. Quantization runs in float64, a few rows at a time, so that bound is exact.
 
 H hidden, I expert intermediate.
 """
@@ -23,6 +23,7 @@ import torch
 from mira.store.layout import ExpertLayout
 
 QMAX = 127
+ROWS = 256  # rows quantized at a time
 
 
 def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
@@ -38,21 +39,14 @@ def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -
     """
     if layout.scheme == "none":
         return {"w13": w13.to(layout.weight_dtype), "w2": w2.to(layout.weight_dtype)}
-    w13, w2 = w13.double(), w2.double()
     if layout.scheme == "int8-shared":
-        amax = torch.maximum(w13.abs().amax(dim=0), w2.abs().amax(dim=1))  # [H]
+        amax = torch.maximum(w13.abs().amax(dim=0), w2.abs().amax(dim=1)).double()  # [H]
         scale = _scale_from_amax(amax)
-        q13 = _round(w13 / scale.double()[None, :])
-        q2 = _round(w2 / scale.double()[:, None])
-        return {"w13": q13, "w2": q2, "scale": scale}
-    scale13 = _scale_from_amax(w13.abs().amax(dim=1))  # [2I]
-    scale2 = _scale_from_amax(w2.abs().amax(dim=1))  # [H]
-    return {
-        "w13": _round(w13 / scale13.double()[:, None]),
-        "w2": _round(w2 / scale2.double()[:, None]),
-        "scale13": scale13,
-        "scale2": scale2,
-    }
+        return {"w13": _quantize(w13, scale[None, :]), "w2": _quantize(w2, scale[:, None]), "scale": scale}
+    scale13 = _scale_from_amax(w13.abs().amax(dim=1).double())  # [2I]
+    scale2 = _scale_from_amax(w2.abs().amax(dim=1).double())  # [H]
+    return {"w13": _quantize(w13, scale13[:, None]), "w2": _quantize(w2, scale2[:, None]),
+            "scale13": scale13, "scale2": scale2}
 
 
 def dequantize_expert(views: dict[str, torch.Tensor], layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,5 +68,11 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return rounded_up.to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
-def _round(values: torch.Tensor) -> torch.Tensor:
-    return values.round().clamp_(-QMAX, QMAX).to(torch.int8)
+def _quantize(weights: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(weights / scale) as int8, in float64, ROWS rows at a time (bounded temporary memory)."""
+    out = torch.empty(weights.shape, dtype=torch.int8)
+    for start in range(0, weights.shape[0], ROWS):
+        rows = slice(start, start + ROWS)
+        row_scale = scale[rows] if scale.shape[0] > 1 else scale  # [rows, 1] per row, or [1, cols] shared
+        out[rows] = (weights[rows].double() / row_scale.double()).round_().clamp_(-QMAX, QMAX)
+    return out
