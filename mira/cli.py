@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from mira.cache.budget import parse_size
+from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
+from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.config import POLICIES
 from mira.errors import MiraError
 from mira.store.layout import SCHEMES
@@ -30,15 +32,81 @@ def _convert(args: argparse.Namespace) -> None:
           f"{manifest.scheme}, {manifest.layout['nbytes'] / 2**20:.2f} MiB per expert")
 
 
+def _load(args: argparse.Namespace):
+    from mira.runtime.engine import load
+
+    return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant, policy=args.policy,
+                max_context=args.max_context, profile=args.profile, progress=not args.quiet)
+
+
+def _trace(args: argparse.Namespace) -> None:
+    from mira.runtime.tracing import read_prompts, record_trace
+
+    prompts = read_prompts(Path(args.prompts))
+    trace = record_trace(_load(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
+    trace.save(args.out)
+    print(f"trace {args.out}: {trace.num_tokens} tokens ({int(trace.is_prefill.sum())} prompt, "
+          f"{int((~trace.is_prefill).sum())} generated) from {len(prompts)} prompts, {trace.num_layers} MoE layers, "
+          f"top-{trace.top_k} of {trace.num_experts}")
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    import json
+
+    from mira.cache.simulate import format_table, plot_sweep, simulate
+    from mira.predict.trace import RoutingTrace
+
+    trace = RoutingTrace.load(args.trace)
+    profile = RoutingTrace.load(args.profile) if args.profile else None
+    slot_counts = args.sweep or [args.slots]
+    policies = args.policy or SIMULATED_POLICIES
+    options = dict(stage_slots=args.stage_slots, expert_bytes=args.expert_bytes, bandwidth_gbps=args.bandwidth,
+                   profile=profile)
+    try:
+        results = [simulate(trace, policy, slots, **options) for slots in slot_counts for policy in policies]
+    except ValueError as error:
+        raise MiraError(str(error)) from error
+    if args.json:
+        for result in results:
+            print(json.dumps(result))
+    else:
+        print(format_table(results))
+    if args.plot:
+        plot_sweep(results, args.plot, title=f"{Path(args.trace).name}: {trace.num_tokens} tokens")
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _slot_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected slot counts like 64,128,256, got {text!r}") from None
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
+                                        "Mira store; default: the bundled mira-tiny-moe")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    parser.add_argument("--vram-budget", type=_size, metavar="SIZE",
+                        help="device memory Mira may use, e.g. 12GiB (default: free memory less 1 GiB on CUDA; "
+                             "on the CPU, experts are read in place unless a budget is given)")
+    parser.add_argument("--max-context", type=int, help="tokens of KV cache to reserve (default: up to 4096)")
+    parser.add_argument("--quant", choices=SCHEMES, help=QUANT_HELP + "; default: the store's own")
+    parser.add_argument("--policy", choices=POLICIES, default="mira",
+                        help="expert residency policy: mira (adaptive HOT+STAGE rebalancer, the default), lru, lfu, "
+                             "static (the experts most routed in --profile stay resident), on-demand (no caching)")
+    parser.add_argument("--profile", metavar="TRACE", help="routing trace (.npz from `mira trace`) for --policy static")
+    parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def _generate(args: argparse.Namespace) -> None:
     import json
 
-    from mira.runtime.engine import load
     from mira.runtime.generate import SamplingConfig, generate_text
     from mira.store.files import write_json_atomic
 
-    model = load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant,
-                 policy=args.policy, max_context=args.max_context, progress=not args.quiet)
+    model = _load(args)
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     report = generate_text(model, args.prompt, sampling, raw=args.raw)
     stats = model.stats()
@@ -74,24 +142,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text, streamed as it comes",
                               description="Generate text from a prompt, streaming it to stdout; timings and "
                                           "cache statistics go to stderr at the end.")
-    gen.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
-                                     "Mira store; default: the bundled mira-tiny-moe")
+    _add_model_options(gen)
     gen.add_argument("--prompt", required=True, help="the user's message")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    gen.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    gen.add_argument("--vram-budget", type=_size, metavar="SIZE",
-                     help="device memory Mira may use, e.g. 12GiB (default: free memory less 1 GiB on CUDA; "
-                          "on the CPU, experts are read in place unless a budget is given)")
-    gen.add_argument("--max-context", type=int, help="tokens of KV cache to reserve (default: up to 4096)")
-    gen.add_argument("--quant", choices=SCHEMES, help=QUANT_HELP + "; default: the store's own")
-    gen.add_argument("--policy", choices=POLICIES, default="lru", help="expert residency policy (default lru)")
     gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 for greedy (default 0.7)")
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    gen.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     gen.add_argument("--stats-json", metavar="FILE", help="write timings and cache statistics to FILE")
-    gen.add_argument("--quiet", action="store_true", help="no progress bars")
     gen.set_defaults(run=_generate)
+
+    trace = commands.add_parser("trace", help="record the routing of every token while generating",
+                                description="Greedy-generate from every prompt of a file and record, for every "
+                                            "token and MoE layer, the experts the router chose (an .npz in the "
+                                            "trace format that `mira simulate` replays).")
+    _add_model_options(trace)
+    trace.add_argument("--prompts", required=True, metavar="FILE",
+                       help="one prompt per line, or JSON lines with a \"prompt\" field")
+    trace.add_argument("--out", required=True, metavar="T.npz", help="the trace to write")
+    trace.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    trace.set_defaults(run=_trace)
+
+    sim = commands.add_parser("simulate", help="replay a routing trace through cache policies and Belady's bound",
+                              description="Replay a routing trace (token by token, layer by layer, experts in "
+                                          "ascending id) through expert-cache policies sharing N slots over all "
+                                          "layers, and through Belady's optimum (the bound). Prints hits and "
+                                          "misses by tier, PCIe bytes and the implied PCIe time per token.")
+    sim.add_argument("--trace", required=True, metavar="T.npz", help="the routing trace to replay")
+    sim.add_argument("--policy", action="append", choices=SIMULATED_POLICIES,
+                     help="a policy to replay (repeatable; default: all of them and belady)")
+    sim.add_argument("--slots", type=int, default=64, help="expert slots shared by all layers (default 64)")
+    sim.add_argument("--sweep", type=_slot_list, metavar="N,N,...", help="replay at each of these slot counts")
+    sim.add_argument("--stage-slots", type=int, help="STAGE slots of the mira policy (default: from the cache config)")
+    sim.add_argument("--expert-bytes", type=int, default=MIXTRAL_EXPERT_BYTES,
+                     help="bytes of one expert, the PCIe cost of a miss (default: a Mixtral-8x7B int8-shared expert)")
+    sim.add_argument("--bandwidth", type=float, default=BANDWIDTH_GBPS, metavar="GBPS",
+                     help="host-to-device bandwidth in GB/s (default 55, PCIe 5 x16 as measured)")
+    sim.add_argument("--profile", metavar="TRACE", help="trace placing the static policy's experts (default: the "
+                                                       "replayed trace itself, an oracle profile)")
+    sim.add_argument("--json", action="store_true", help="one JSON object per policy and slot count")
+    sim.add_argument("--plot", metavar="FILE.png", help="with --sweep: write miss rate against slots as a PNG")
+    sim.set_defaults(run=_simulate)
     return parser
 
 

@@ -19,6 +19,9 @@ class CacheConfig:
     stage_fraction_small / stage_fraction_large: the share of slots given to STAGE in each mode.
     rebalance_interval: tokens between two rebalancing passes of the mira policy.
     max_swaps: at most this many HOT<->STAGE swaps per pass.
+    heat_decay: per token step, an expert's heat (its decayed routed-token count, the
+        "frequency" of IV-D) is multiplied by this, so old popularity fades, which keeps the
+        rebalancer free of LFU's pollution; in (0, 1].
     victim_weights / candidate_weights: score weights of the mira rebalancer (volume, recency,
         frequency) and (volume, CPU-served count).
     """
@@ -26,9 +29,10 @@ class CacheConfig:
     policy: str = "mira"
     small_vram_fraction: float = 0.25
     stage_fraction_small: float = 0.125
-    stage_fraction_large: float = 0.25
-    rebalance_interval: int = 16
-    max_swaps: int = 4
+    stage_fraction_large: float = 0.5
+    rebalance_interval: int = 4
+    max_swaps: int = 16
+    heat_decay: float = 0.9
     victim_weights: tuple[float, float, float] = (1.0, 0.5, 0.25)
     candidate_weights: tuple[float, float] = (1.0, 1.0)
 
@@ -37,6 +41,8 @@ class CacheConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.rebalance_interval < 1 or self.max_swaps < 0:
             raise ValueError("rebalance_interval must be >= 1 and max_swaps >= 0")
+        if not 0 < self.heat_decay <= 1:
+            raise ValueError(f"heat_decay must be in (0, 1], got {self.heat_decay}")
 
 
 @dataclass(frozen=True)

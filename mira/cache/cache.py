@@ -29,6 +29,11 @@ class ExpertCache:
         self.telemetry = telemetry
         self._slot_of: dict[int, int] = {}  # uid -> slot
         self._blobs: list[torch.Tensor | None] = [None] * store.num_experts  # reused by every call
+        for uid in sorted(policy.resident()):  # a policy may start with a placement (static)
+            self._slot_of[uid] = slot = pool.take()
+            transfer.load(store.blob(*divmod(uid, store.num_experts)), pool.row(slot))
+            telemetry.record_copy(store.blob_bytes)
+        transfer.end_layer()
 
     def fetch(self, layer_position: int, experts: list[int], tokens: list[int]) -> list[torch.Tensor | None]:
         """Blobs for one layer call.

@@ -1,4 +1,4 @@
-"""Which experts occupy the expert slots: policy on plain integers, no tensors (DESIGN.md 2.6).
+"""Which experts occupy the expert slots: policy on plain integers, no tensors (paper IV-C, IV-D; DESIGN.md 2.6).
 
 An expert is identified by a uid, `layer_position * num_experts + expert` (layer_position counts MoE
 layers only). The mechanism (`mira.cache.cache.ExpertCache`, or the simulator) replays accesses in
@@ -6,15 +6,28 @@ a fixed order: token step by token step, MoE layer by MoE layer, and within one 
 each distinct routed expert once, in ascending id. For every access the policy answers where the
 expert is served from and what changes in residency; the mechanism carries that out (copies, slot
 hand-overs). A policy never evicts an expert accessed in the current group, so every expert of a
-layer call stays resident until the layer has computed (capacity >= experts per layer is required).
+layer call stays resident until the layer has computed (capacity >= experts per layer is required
+for every one of them to be resident; with fewer slots the rest are served from the host).
+A policy may start with residents (the static placement): the mechanism loads `resident()` before
+the first access. Only `access` and `stage` change which uids are resident; `end_step` may move
+residents between the HOT and STAGE tiers (a slot hand-over, no copy) but never admits or evicts.
+
+Policies: `MiraPolicy` (the paper's HOT+STAGE cache with the adaptive rebalancer), and the
+baselines `LRU`, `LFU`, `Static` (Fiddler-style placement from a profile) and `OnDemand`.
+Belady's offline optimum is in `mira.cache.belady`.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from mira.config import CacheConfig
 
 
 class Tier(enum.IntEnum):
@@ -41,7 +54,11 @@ class Access:
 
 
 class Policy(ABC):
-    """A cache replacement policy over `capacity` expert slots."""
+    """A cache replacement policy over `capacity` expert slots.
+
+    hot_slots / stage_slots: how the capacity is split between the two tiers; single-tier policies
+    keep every resident in HOT.
+    """
 
     name: str = "policy"
 
@@ -49,6 +66,8 @@ class Policy(ABC):
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.hot_slots = capacity
+        self.stage_slots = 0
         self._group: set[int] = set()
 
     def begin_group(self) -> None:
@@ -56,7 +75,15 @@ class Policy(ABC):
         self._group.clear()
 
     def access(self, uid: int, tokens: int) -> Access:
-        """Expert `uid` is routed `tokens` tokens in the current group."""
+        """Expert `uid` is routed `tokens` tokens in the current group.
+
+        Args:
+            uid: the expert, `layer_position * num_experts + expert`.
+            tokens: how many tokens of the group are routed to it (>= 1).
+
+        Returns:
+            Where it is served from and, on a miss, whether and in place of whom it is admitted.
+        """
         self._group.add(uid)
         return self._access(uid, tokens)
 
@@ -66,6 +93,19 @@ class Policy(ABC):
     @abstractmethod
     def resident(self) -> set[int]:
         """The uids that hold a slot now."""
+
+    def tier_of(self, uid: int) -> Tier:
+        """The tier `uid` sits in now: HOT or STAGE when it holds a slot, else MISS."""
+        return Tier.HOT if uid in self.resident() else Tier.MISS
+
+    def stage(self, uid: int) -> Access:
+        """The prefetcher asks for `uid` ahead of use (paper IV-E); policies without STAGE decline.
+
+        Returns:
+            Access(tier_of(uid)) when declined or already resident; an admission otherwise, carried
+            out like one answered by `access` (the uid is copied into a free slot, `evict` is None).
+        """
+        return Access(self.tier_of(uid))
 
     def end_step(self, tokens: int) -> None:
         """A token step of `tokens` tokens has finished (interval-driven policies act here)."""
@@ -100,3 +140,401 @@ class LRU(Policy):
 
     def resident(self) -> set[int]:
         return set(self._order)
+
+    def tier_of(self, uid: int) -> Tier:
+        return Tier.HOT if uid in self._order else Tier.MISS
+
+
+class LFU(Policy):
+    """Least frequently used: every miss is admitted, the resident with the fewest accesses so far goes.
+
+    Access counts cover the whole history, residents or not (an expert keeps its count when
+    evicted); ties go to the least recently used. Residents sit in a min-heap keyed
+    (count, last access); entries made stale by a later access are skipped when they surface.
+    """
+
+    name = "lfu"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._count: dict[int, int] = {}  # uid -> accesses so far
+        self._last: dict[int, int] = {}  # resident uid -> clock of its last access
+        self._heap: list[tuple[int, int, int]] = []  # (count, last, uid)
+        self._clock = 0
+
+    def _access(self, uid: int, tokens: int) -> Access:
+        self._clock += 1
+        self._count[uid] = self._count.get(uid, 0) + 1
+        if uid in self._last:
+            self._touch(uid)
+            return Access(Tier.HOT)
+        if self.capacity == 0:
+            return Access(Tier.MISS)
+        victim = None
+        if len(self._last) >= self.capacity:
+            victim = self._pop_victim()
+            if victim is None:
+                return Access(Tier.MISS)  # every slot holds an expert of this group
+        self._touch(uid)
+        return Access(Tier.MISS, admit=True, evict=victim)
+
+    def _touch(self, uid: int) -> None:
+        self._last[uid] = self._clock
+        heapq.heappush(self._heap, (self._count[uid], self._clock, uid))
+        if len(self._heap) > 4 * len(self._last) + 64:  # drop stale entries now and then
+            self._heap = [(self._count[u], last, u) for u, last in self._last.items()]
+            heapq.heapify(self._heap)
+
+    def _pop_victim(self) -> int | None:
+        """Remove and return the least frequent evictable resident, or None if there is none."""
+        kept: list[tuple[int, int, int]] = []
+        victim = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            _, last, uid = entry
+            if self._last.get(uid) != last:
+                continue  # stale
+            if self._evictable(uid):
+                victim = uid
+                del self._last[uid]
+                break
+            kept.append(entry)
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
+        return victim
+
+    def resident(self) -> set[int]:
+        return set(self._last)
+
+    def tier_of(self, uid: int) -> Tier:
+        return Tier.HOT if uid in self._last else Tier.MISS
+
+
+class Static(Policy):
+    """Fiddler-style static placement: the `capacity` experts with the most routed tokens in a profile.
+
+    The placement is loaded before the first access and never changes; everything else is served
+    from the host store.
+
+    Args:
+        capacity: expert slots.
+        counts: routed tokens per uid in the profile, as a sequence indexed by uid or a mapping;
+            ties go to the lower uid, and uids with no tokens are never placed.
+    """
+
+    name = "static"
+
+    def __init__(self, capacity: int, counts: Sequence[int] | Mapping[int, int]):
+        super().__init__(capacity)
+        pairs = counts.items() if isinstance(counts, Mapping) else enumerate(counts)
+        ranked = sorted((uid for uid, count in pairs if count > 0), key=lambda uid: (-counts[uid], uid))
+        self._placed = frozenset(int(uid) for uid in ranked[:capacity])
+
+    def _access(self, uid: int, tokens: int) -> Access:
+        return Access(Tier.HOT if uid in self._placed else Tier.MISS)
+
+    def resident(self) -> set[int]:
+        return set(self._placed)
+
+    def tier_of(self, uid: int) -> Tier:
+        return Tier.HOT if uid in self._placed else Tier.MISS
+
+
+class OnDemand(Policy):
+    """No cache at all: every access is a miss served from the host store (the capacity is unused)."""
+
+    name = "on-demand"
+
+    def _access(self, uid: int, tokens: int) -> Access:
+        return Access(Tier.MISS)
+
+    def resident(self) -> set[int]:
+        return set()
+
+    def tier_of(self, uid: int) -> Tier:
+        return Tier.MISS
+
+
+class Heat:
+    """Routed tokens per uid with exponential decay: each token's weight is multiplied by `decay` per step.
+
+    Kept in units that grow by 1/decay per step (tracked as a logarithm), so a step costs O(1)
+    rather than one multiply per expert; the units are brought back to 1 before they grow past
+    about 1e100, which also makes long prefill steps safe.
+    """
+
+    _RESCALE_AT = 230.0  # natural log of the unit, about 1e100
+
+    def __init__(self, decay: float):
+        if not 0 < decay <= 1:
+            raise ValueError(f"heat decay must be in (0, 1], got {decay}")
+        self._growth = -math.log(decay)  # log of the unit's growth per step
+        self._log_unit = 0.0  # log of the weight of a token routed now
+        self._scaled: dict[int, float] = {}
+
+    def add(self, uid: int, tokens: int) -> None:
+        self._scaled[uid] = self._scaled.get(uid, 0.0) + tokens * math.exp(self._log_unit)
+
+    def advance(self, steps: int) -> None:
+        """`steps` token steps have passed."""
+        self._log_unit += steps * self._growth
+        if self._log_unit > self._RESCALE_AT:
+            shrink = math.exp(-self._log_unit)  # 0.0 when everything has decayed away
+            self._scaled = {uid: value * shrink for uid, value in self._scaled.items()}
+            self._log_unit = 0.0
+
+    def __getitem__(self, uid: int) -> float:
+        return self._scaled.get(uid, 0.0) * math.exp(-self._log_unit)
+
+
+class WindowTelemetry:
+    """Token-level accounting per expert (paper IV-D): tokens routed, split by the tier that served them.
+
+    `window` covers the tokens since the last rebalancing pass and is reset by it; `total` covers
+    everything since construction (for reports). Routed tokens of an expert are the sum of its
+    three tiers.
+    """
+
+    def __init__(self) -> None:
+        self.window: dict[int, list[int]] = {}  # uid -> tokens served from [HOT, STAGE, MISS]
+        self.total: dict[int, list[int]] = {}
+
+    def record(self, uid: int, tier: Tier, tokens: int) -> None:
+        """`tokens` tokens routed to `uid` were served from `tier`."""
+        for counts in (self.window, self.total):
+            counts.setdefault(uid, [0, 0, 0])[tier] += tokens
+
+    def routed(self, uid: int) -> int:
+        """Tokens routed to `uid` in the current window."""
+        return sum(self.window.get(uid, (0, 0, 0)))
+
+    def served(self, uid: int, tier: Tier) -> int:
+        """Tokens of `uid` served from `tier` in the current window."""
+        return self.window.get(uid, (0, 0, 0))[tier]
+
+    def reset_window(self) -> None:
+        self.window = {}
+
+
+def split_slots(capacity: int, total_experts: int, config: CacheConfig) -> tuple[int, int]:
+    """HOT and STAGE slot counts for `capacity` slots (paper IV-C: small- and large-VRAM modes).
+
+    Small-VRAM mode, when less than `config.small_vram_fraction` of all experts fit, gives STAGE
+    `stage_fraction_small` of the slots, large-VRAM mode `stage_fraction_large`. With two slots
+    or more, STAGE gets at least one (a probation area must exist) and HOT at least one.
+
+    Args:
+        capacity: expert slots.
+        total_experts: experts over all MoE layers.
+        config: the cache configuration.
+
+    Returns:
+        (hot_slots, stage_slots), summing to `capacity`.
+    """
+    if capacity < 2:
+        return capacity, 0
+    small = capacity < config.small_vram_fraction * total_experts
+    fraction = config.stage_fraction_small if small else config.stage_fraction_large
+    stage = min(max(round(capacity * fraction), 1), capacity - 1)
+    return capacity - stage, stage
+
+
+class MiraPolicy(Policy):
+    """The paper's HOT+STAGE cache with the adaptive rebalancer (IV-C, IV-D).
+
+    While HOT has free slots a miss fills it directly. After that a miss is admitted into STAGE,
+    the probation area, taking a free STAGE slot or the slot of the least valuable STAGE entry
+    outside the current group, provided the newcomer is at least as valuable; otherwise it is
+    served from the host without admission (zero-copy). Value is the expert's heat: its routed
+    tokens, decayed by `config.heat_decay` per token step; ties go to recency.
+
+    Every `config.rebalance_interval` tokens (counted by `end_step`) a rebalancing pass runs:
+    victim scores for HOT residents (low routed volume in the window, long since last use, low
+    heat; `config.victim_weights`), candidate scores for STAGE residents with traffic in the
+    window (high volume, many tokens served from the host; `config.candidate_weights`), then at
+    most `config.max_swaps` swaps of the best candidate with the worst victim, each only if the
+    candidate would make the better HOT resident (lower victim score). A swap hands the slots
+    over: the candidate becomes HOT and the victim STAGE, so nothing is copied or evicted. Then the
+    telemetry window is reset.
+
+    Args:
+        capacity: expert slots.
+        total_experts: experts over all MoE layers (selects small- or large-VRAM mode).
+        config: the cache configuration.
+        stage_slots: overrides the STAGE size from `split_slots`.
+    """
+
+    name = "mira"
+
+    def __init__(self, capacity: int, total_experts: int, config: CacheConfig, stage_slots: int | None = None):
+        super().__init__(capacity)
+        if stage_slots is None:
+            self.hot_slots, self.stage_slots = split_slots(capacity, total_experts, config)
+        elif 0 <= stage_slots <= capacity:
+            self.hot_slots, self.stage_slots = capacity - stage_slots, stage_slots
+        else:
+            raise ValueError(f"stage_slots must be between 0 and the capacity {capacity}, got {stage_slots}")
+        self.config = config
+        self.telemetry = WindowTelemetry()
+        self._hot: set[int] = set()
+        self._stage: set[int] = set()
+        self.heat_decay = config.heat_decay
+        self._heat = Heat(self.heat_decay)
+        self._last: dict[int, int] = {}  # uid -> clock of its last access
+        self._clock = 0
+        self._tokens = 0  # since the last rebalancing pass
+
+    def _access(self, uid: int, tokens: int) -> Access:
+        self._clock += 1
+        self._last[uid] = self._clock
+        self._heat.add(uid, tokens)
+        tier = self.tier_of(uid)
+        self.telemetry.record(uid, tier, tokens)
+        if tier is not Tier.MISS:
+            return Access(tier)
+        return self._admit(uid)
+
+    def _admit(self, uid: int) -> Access:
+        """Where a missed expert goes: a free HOT slot, a free STAGE slot, a worse STAGE entry's slot, or nowhere."""
+        if len(self._hot) < self.hot_slots:
+            self._hot.add(uid)
+            return Access(Tier.MISS, admit=True)
+        if len(self._stage) < self.stage_slots:
+            self._stage.add(uid)
+            return Access(Tier.MISS, admit=True)
+        victim = self._stage_victim()
+        if victim is None or self._value(victim) > self._value(uid):
+            return Access(Tier.MISS)
+        self._stage.remove(victim)
+        self._stage.add(uid)
+        return Access(Tier.MISS, admit=True, evict=victim)
+
+    def heat(self, uid: int) -> float:
+        """Routed tokens of `uid`, each weighted by the heat decay to the power of its age in steps."""
+        return self._heat[uid]
+
+    def age(self, uid: int) -> int:
+        """Accesses (to any expert) since `uid` was last accessed; all of them if it never was."""
+        return self._clock - self._last.get(uid, 0)
+
+    def _value(self, uid: int) -> tuple[float, int]:
+        return self._heat[uid], self._last.get(uid, 0)
+
+    def _stage_victim(self) -> int | None:
+        """The least valuable STAGE entry outside the current group."""
+        evictable = [uid for uid in self._stage if self._evictable(uid)]
+        return min(evictable, key=self._value) if evictable else None
+
+    def stage(self, uid: int) -> Access:
+        """Admit `uid` into a free STAGE slot ahead of use, or decline (paper IV-C: a full STAGE declines)."""
+        tier = self.tier_of(uid)
+        if tier is not Tier.MISS or len(self._stage) >= self.stage_slots:
+            return Access(tier)
+        self._stage.add(uid)
+        return Access(Tier.MISS, admit=True)
+
+    def resident(self) -> set[int]:
+        return self._hot | self._stage
+
+    def tier_of(self, uid: int) -> Tier:
+        if uid in self._hot:
+            return Tier.HOT
+        return Tier.STAGE if uid in self._stage else Tier.MISS
+
+    def end_step(self, tokens: int) -> None:
+        self._heat.advance(tokens)
+        self._tokens += tokens
+        if self._tokens >= self.config.rebalance_interval:
+            self._tokens = 0
+            self.rebalance()
+
+    def rebalance(self) -> list[tuple[int, int]]:
+        """One rebalancing pass: score, swap at most `max_swaps` pairs, reset the window.
+
+        Returns:
+            The (promoted, demoted) uid pairs, in the order they were swapped.
+        """
+        scores = _Scores(self)
+        victims = sorted(self._hot, key=scores.victim, reverse=True)
+        candidates = sorted(
+            (uid for uid in self._stage if self.telemetry.routed(uid) > 0), key=scores.candidate, reverse=True
+        )
+        swaps = []
+        for promoted, demoted in zip(candidates, victims[: self.config.max_swaps]):
+            if scores.victim(promoted) >= scores.victim(demoted):
+                break
+            self._hot.remove(demoted)
+            self._stage.remove(promoted)
+            self._hot.add(promoted)
+            self._stage.add(demoted)
+            swaps.append((promoted, demoted))
+        self.telemetry.reset_window()
+        return swaps
+
+
+class _Scores:
+    """Victim and candidate scores of one rebalancing pass, each term scaled to [0, 1] by its largest value."""
+
+    def __init__(self, policy: MiraPolicy):
+        self._policy = policy
+        pool = policy.resident()
+        telemetry = policy.telemetry
+        self._max_volume = max((telemetry.routed(uid) for uid in pool), default=0) or 1
+        self._max_missed = max((telemetry.served(uid, Tier.MISS) for uid in pool), default=0) or 1
+        self._max_heat = max((policy.heat(uid) for uid in pool), default=0.0) or 1.0
+        self._max_age = max((policy.age(uid) for uid in pool), default=0) or 1
+
+    def victim(self, uid: int) -> float:
+        """High for an expert that serves few tokens, has not been used for long and has low heat."""
+        volume, recency, frequency = self._policy.config.victim_weights
+        return (
+            volume * (1 - self._policy.telemetry.routed(uid) / self._max_volume)
+            + recency * self._policy.age(uid) / self._max_age
+            + frequency * (1 - self._policy.heat(uid) / self._max_heat)
+        )
+
+    def candidate(self, uid: int) -> float:
+        """High for an expert with many routed tokens, many of them served from the host."""
+        volume, missed = self._policy.config.candidate_weights
+        telemetry = self._policy.telemetry
+        return (
+            volume * telemetry.routed(uid) / self._max_volume
+            + missed * telemetry.served(uid, Tier.MISS) / self._max_missed
+        )
+
+
+def make_policy(
+    name: str,
+    capacity: int,
+    total_experts: int,
+    config: CacheConfig = CacheConfig(),
+    profile: Sequence[int] | Mapping[int, int] | None = None,
+    stage_slots: int | None = None,
+) -> Policy:
+    """Build a policy by name (the names of `mira.config.POLICIES`).
+
+    Args:
+        name: mira, lru, lfu, static or on-demand.
+        capacity: expert slots.
+        total_experts: experts over all MoE layers (the mira policy's VRAM mode depends on it).
+        config: interval, swap bound, score weights and STAGE fractions of the mira policy.
+        profile: routed tokens per uid (`RoutingTrace.expert_counts()` of a profiling trace);
+            required by static, ignored by the others.
+        stage_slots: STAGE size of the mira policy instead of the one `split_slots` gives.
+
+    Returns:
+        A fresh policy with no history (static: with its placement resident).
+
+    Raises:
+        ValueError: an unknown name, or static without a profile.
+    """
+    if name == "mira":
+        return MiraPolicy(capacity, total_experts, config, stage_slots=stage_slots)
+    if name == "static":
+        if profile is None:
+            raise ValueError("the static policy needs a profile of routed tokens per expert (a routing trace)")
+        return Static(capacity, profile)
+    simple = {"lru": LRU, "lfu": LFU, "on-demand": OnDemand}
+    if name not in simple:
+        raise ValueError(f"unknown policy {name!r}; choose one of mira, {', '.join(simple)}, static")
+    return simple[name](capacity)

@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
-from mira.cache.policy import LRU, Policy
+from mira.cache.policy import make_policy
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.config import CacheConfig, RuntimeConfig
@@ -101,8 +101,8 @@ def default_device() -> str:
 
 
 def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
-         quant: str | None = None, policy: str = "lru", max_context: int | None = None, dtype: str | None = None,
-         progress: bool = True) -> MiraModel:
+         quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
+         profile: str | os.PathLike | None = None, progress: bool = True) -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
@@ -113,9 +113,12 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             default: free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read
             in place from the store in RAM) unless a budget is given.
         quant: expert scheme; default int8-shared, or the store's own when `path` is a store.
-        policy: expert residency policy.
+        policy: expert residency policy: mira (the adaptive HOT+STAGE rebalancer), lru, lfu, static
+            (a fixed placement of the experts most routed in `profile`) or on-demand (no caching).
         max_context: tokens of KV cache to reserve; default min(model maximum, 4096).
         dtype: compute dtype; default bfloat16 on CUDA, float32 on the CPU.
+        profile: a routing trace (.npz, `mira trace`) whose routed-token counts place the static
+            policy's experts.
         progress: show progress bars.
 
     Raises:
@@ -137,8 +140,14 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     transfer = Transfer(torch_device, store.blob_bytes, store.num_experts)
     plan = _plan(config, hf_model, store, transfer, max_ctx)
     capacity = plan.slots if plan else 0
-    cache = ExpertCache(store, _make_policy(config.cache, capacity), SlotPool(capacity, store.blob_bytes, torch_device),
-                        transfer, Telemetry(store.num_layers, store.num_experts))
+    total_experts = store.num_layers * store.num_experts
+    counts = _profile_counts(profile, total_experts) if profile is not None else None
+    try:
+        residency = make_policy(config.cache.policy, capacity, total_experts, config.cache, profile=counts)
+    except ValueError as error:
+        raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
+    cache = ExpertCache(store, residency, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
+                        Telemetry(store.num_layers, store.num_experts))
     act = ACT2FN[model_config.hidden_act]
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, moe_ffn_reference, store.layout, act))
@@ -186,10 +195,14 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, transfer: Transfe
                       store.num_layers * store.num_experts, max_context)
 
 
-def _make_policy(config: CacheConfig, capacity: int) -> Policy:
-    if config.policy != "lru":
-        raise MiraError(f"policy {config.policy!r} is not available yet; pass --policy lru")
-    return LRU(capacity)
+def _profile_counts(path: str | os.PathLike, total_experts: int) -> list[int]:
+    from mira.predict.trace import RoutingTrace
+
+    counts = RoutingTrace.load(path).expert_counts()
+    if len(counts) != total_experts:
+        raise MiraError(f"the profile {path} routes over {len(counts)} experts but this model has {total_experts}; "
+                        "record the profile with `mira trace` on the same model")
+    return list(counts)
 
 
 def _tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:

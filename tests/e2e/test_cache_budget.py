@@ -1,8 +1,10 @@
 """The expert cache changes where experts are read from, never what the model computes."""
 
+import pytest
 import torch
 
 import mira
+from mira.runtime.tracing import RoutingRecorder
 
 GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
 
@@ -18,7 +20,7 @@ def test_greedy_output_is_identical_under_budgets_that_force_evictions(stores):
     reserve_probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
     reserve, blob = reserve_probe.plan.reserve_bytes, reserve_probe.store.blob_bytes
     for slots in (8, 13, 24):  # one layer's experts, a little more, every expert
-        model = mira.load(store, device="cpu", vram_budget=reserve + slots * blob, progress=False)
+        model = mira.load(store, device="cpu", vram_budget=reserve + slots * blob, policy="lru", progress=False)
         assert model.cache.pool.num_slots == slots
         assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
         stats = model.stats()["cache"]
@@ -39,3 +41,27 @@ def test_without_a_budget_the_cpu_reads_experts_in_place(stores):
     assert stats["slots"] == 0 and stats["cache"]["copies"] == 0
     # 10 prompt tokens + 19 decode steps, 3 MoE layers, top-2 of 8: every routed token counted once
     assert stats["cache"]["tokens_routed"] == (10 + 19) * 3 * 2
+
+
+@pytest.mark.parametrize("policy", ["mira", "lru", "lfu", "static", "on-demand"])
+@pytest.mark.parametrize("slots", [8, 12])
+def test_greedy_output_is_identical_for_every_policy_and_budget(stores, tmp_path, policy, slots):
+    store = stores["qwen2_moe", "int8-row"]
+    unlimited = mira.load(store, device="cpu", progress=False)
+    with RoutingRecorder(unlimited) as recorder:
+        recorder.next_sequence()
+        expected = unlimited.generate(_prompt(), **GREEDY)
+    profile = tmp_path / "profile.npz"
+    recorder.trace().save(profile)
+    reserve = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False).plan.reserve_bytes
+    blob = unlimited.store.blob_bytes
+    model = mira.load(store, device="cpu", vram_budget=reserve + slots * blob, policy=policy, profile=profile,
+                      progress=False)
+    assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
+    stats = model.stats()["cache"]
+    served = stats["tokens_served"]
+    assert served["hot"] + served["stage"] + served["miss"] == stats["tokens_routed"] == (10 + 19) * 3 * 2
+    if policy == "on-demand":
+        assert stats["copies"] == 0 and served["miss"] == stats["tokens_routed"]
+    if policy == "static":
+        assert stats["copies"] == slots  # placed once, never changed

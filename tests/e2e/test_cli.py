@@ -57,3 +57,31 @@ def test_help_explains_every_command():
     for flag in ("--model", "--prompt", "--max-new-tokens", "--device", "--vram-budget", "--quant", "--policy",
                  "--temperature", "--top-p", "--seed", "--raw", "--stats-json"):
         assert flag in gen.stdout
+
+
+def test_trace_then_simulate_replays_the_recorded_routing(checkpoints, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "sort a list"}\nhello there\n')
+    trace_file = tmp_path / "t.npz"
+    traced = _mira("trace", "--model", str(checkpoints["olmoe"]), "--prompts", str(prompts), "--out", str(trace_file),
+                   "--max-new-tokens", "6", "--device", "cpu", "--raw", "--quiet",
+                   env={"MIRA_CACHE": str(tmp_path / "cache")})
+    assert traced.returncode == 0, traced.stderr
+    from mira.predict.trace import RoutingTrace
+
+    trace = RoutingTrace.load(trace_file)
+    assert trace.num_layers == 3 and trace.top_k == 2 and trace.num_experts == 8
+    seq = trace.seq_id.tolist()
+    assert seq == sorted(seq) and set(seq) == {0, 1}  # two sequences, in order
+    for sequence in (0, 1):
+        prefill = trace.is_prefill[trace.seq_id == sequence]
+        assert prefill[0] and not prefill[-1]  # each starts with its prompt, ends generating
+    assert int((~trace.is_prefill).sum()) == 2 * 5  # 6 new tokens: the first comes from the prompt step
+    simulated = _mira("simulate", "--trace", str(trace_file), "--slots", "8", "--json")
+    assert simulated.returncode == 0, simulated.stderr
+    results = {r["policy"]: r for r in map(json.loads, simulated.stdout.splitlines())}
+    assert set(results) == {"mira", "lru", "lfu", "static", "on-demand", "belady"}
+    assert all(r["accesses"] == results["belady"]["accesses"] for r in results.values())
+    assert results["belady"]["misses"] <= min(results[p]["misses"] for p in ("mira", "lru", "lfu", "on-demand"))
+    table = _mira("simulate", "--trace", str(trace_file), "--sweep", "8,16", "--policy", "lru", "--policy", "belady")
+    assert table.returncode == 0 and table.stdout.count("lru") == 2

@@ -1,0 +1,300 @@
+"""Replay a routing trace through any cache policy and through Belady's optimum (`mira simulate`).
+
+Paper IV-C and IV-D compare the HOT+STAGE rebalancer with LRU, LFU and static placement; this
+module makes that comparison on any trace of DESIGN.md 5 without a GPU: every policy of
+`mira.cache.policy` runs behind a small model of the slot mechanism (an expert-to-slot map that
+checks the policy keeps its contract), and `belady` gives the bound of DESIGN.md 4. A miss costs
+one expert blob over PCIe (the zero-copy miss path reads it once, admitted or not), so
+PCIe bytes = misses x expert bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from mira.cache.belady import belady_misses
+from mira.cache.policy import Access, Policy, Tier, make_policy
+from mira.config import CacheConfig
+from mira.predict.trace import RoutingTrace
+
+POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
+# Defaults: a Mixtral-8x7B expert in int8-shared (w1|w3 and w2 int8 [14336 x 4096] each, one bf16
+# scale vector [4096]), and the pinned host-to-device bandwidth measured on the H200 (DESIGN.md 3).
+MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 + 2 * 4096
+BANDWIDTH_GBPS = 55.0
+
+
+class PolicyContractError(RuntimeError):
+    """A policy answered something the mechanism cannot carry out (a bug in the policy)."""
+
+
+def simulate(
+    trace: RoutingTrace,
+    policy: str,
+    slots: int,
+    stage_slots: int | None = None,
+    expert_bytes: int = MIXTRAL_EXPERT_BYTES,
+    bandwidth_gbps: float = BANDWIDTH_GBPS,
+    config: CacheConfig = CacheConfig(),
+    profile: RoutingTrace | None = None,
+    check: bool = False,
+) -> dict:
+    """Replay `trace` through one policy with `slots` expert slots shared by all layers.
+
+    Args:
+        trace: the routing trace.
+        policy: one of `POLICIES` (belady is the offline optimum).
+        slots: expert slots.
+        stage_slots: STAGE size of the mira policy (default: from `config`); other policies ignore it.
+        expert_bytes: bytes of one expert blob, the PCIe cost of a miss.
+        bandwidth_gbps: host-to-device bandwidth in GB/s (1e9 bytes per second).
+        config: the cache configuration of the mira policy.
+        profile: the trace whose routed-token counts choose the static placement; None uses the
+            replayed trace itself (an oracle profile, labelled so in the result).
+        check: after every group, also check the policy's whole resident set and tier sizes
+            against the mechanism (slower; the tests use it).
+
+    Returns:
+        A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
+        placement is loaded before the first access, so it has no warm-up misses; every other
+        policy and Belady start empty), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
+        hits_stage, pcie_bytes, pcie_seconds_per_token, expert_bytes, bandwidth_gbps; for the
+        online policies also admissions and tokens_routed/_hot/_stage/_miss; for mira the
+        config it ran with, for static the profile it used. Belady has no tiers: hot_slots and
+        stage_slots are absent and all its hits count as hits_hot.
+
+    Raises:
+        ValueError: unknown policy, negative slots, a bad stage size, or a profile of another model.
+        PolicyContractError: the policy broke its contract with the mechanism.
+    """
+    if slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "belady":
+        counts = _belady_counts(trace, slots)
+        extra = {}
+    else:
+        if profile is not None and profile.num_uids != trace.num_uids:
+            raise ValueError(
+                f"the profile trace {profile.source} has {profile.num_layers} x {profile.num_experts} experts but "
+                f"{trace.source} has {trace.num_layers} x {trace.num_experts}; profile the same model"
+            )
+        counts_profile = (profile if profile is not None else trace).expert_counts().tolist()
+        instance = make_policy(policy, slots, trace.num_uids, config, counts_profile, stage_slots)
+        counts = replay(trace, instance, check=check)
+        extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
+        if policy == "mira":
+            extra["config"] = {**dataclasses.asdict(config), "heat_decay": instance.heat_decay}
+        if policy == "static":
+            extra["profile"] = profile.source if profile is not None else "oracle: the replayed trace itself"
+    pcie_bytes = counts["misses"] * expert_bytes
+    return {
+        "policy": policy,
+        "slots": slots,
+        **extra,
+        "tokens": trace.num_tokens,
+        **counts,
+        "hit_rate": counts["hits"] / counts["accesses"],
+        "miss_rate": counts["misses"] / counts["accesses"],
+        "pcie_bytes": pcie_bytes,
+        "pcie_seconds_per_token": pcie_bytes / (bandwidth_gbps * 1e9) / trace.num_tokens,
+        "expert_bytes": expert_bytes,
+        "bandwidth_gbps": bandwidth_gbps,
+    }
+
+
+def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
+    sequence = trace.uid_sequence()
+    misses = belady_misses(sequence, slots)
+    hits = len(sequence) - misses
+    return {
+        "preloaded": 0, "accesses": len(sequence), "hits": hits, "misses": misses, "hits_hot": hits, "hits_stage": 0
+    }
+
+
+def replay(trace: RoutingTrace, policy: Policy, check: bool = False) -> dict[str, int]:
+    """Drive `policy` through the trace's accesses behind a model of the slot mechanism.
+
+    The mechanism loads `policy.resident()` first (static placement), then for each access checks
+    that the answer can be carried out: a hit is resident, a miss is not, an admission takes a free
+    slot or the slot of a resident outside the current group, and an admission is a miss.
+
+    Args:
+        trace: the routing trace.
+        policy: a fresh policy.
+        check: also compare the whole resident set and the HOT/STAGE sizes after every group.
+
+    Returns:
+        Counts: preloaded (residents loaded before the first access, not counted as misses),
+        accesses, hits, misses, hits_hot, hits_stage, admissions, tokens_routed, tokens_hot,
+        tokens_stage, tokens_miss.
+
+    Raises:
+        PolicyContractError: the first broken rule, named.
+    """
+    mechanism = _Slots(policy)
+    counts = dict.fromkeys(("accesses", "hits", "misses", "hits_hot", "hits_stage", "admissions"), 0)
+    counts["preloaded"] = len(mechanism.slot_of)
+    tokens = [0, 0, 0]  # served from HOT, STAGE, MISS
+    last_layer = trace.num_layers - 1
+    for group in trace.accesses():
+        policy.begin_group()
+        mechanism.begin_group()
+        for uid, routed in group.experts:
+            answer = policy.access(uid, routed)
+            mechanism.carry_out(uid, answer)
+            tokens[answer.tier] += routed
+            counts["accesses"] += 1
+            counts["admissions"] += answer.admit
+            counts["misses" if answer.tier is Tier.MISS else "hits"] += 1
+            counts["hits_hot"] += answer.tier is Tier.HOT
+            counts["hits_stage"] += answer.tier is Tier.STAGE
+        if group.layer == last_layer:
+            policy.end_step(1)
+        if check:
+            mechanism.check_all()
+    counts.update(tokens_routed=sum(tokens), tokens_hot=tokens[0], tokens_stage=tokens[1], tokens_miss=tokens[2])
+    return counts
+
+
+class _Slots:
+    """The expert-to-slot map of the mechanism, checking every answer of the policy against it."""
+
+    def __init__(self, policy: Policy):
+        self._policy = policy
+        placed = sorted(policy.resident())
+        if len(placed) > policy.capacity:
+            raise PolicyContractError(f"{policy.name}: starts with {len(placed)} residents in {policy.capacity} slots")
+        self.slot_of = {uid: slot for slot, uid in enumerate(placed)}
+        self._free = list(range(policy.capacity - 1, len(placed) - 1, -1))
+        self._group: set[int] = set()
+
+    def begin_group(self) -> None:
+        self._group = set()
+
+    def carry_out(self, uid: int, answer: Access) -> None:
+        """Serve `uid` as the policy answered, admitting it if asked."""
+        self._group.add(uid)
+        name = self._policy.name
+        resident = uid in self.slot_of
+        if resident != (answer.tier is not Tier.MISS):
+            raise PolicyContractError(f"{name}: answered {answer.tier.name} for uid {uid}, resident={resident}")
+        if not answer.admit:
+            return
+        if resident:
+            raise PolicyContractError(f"{name}: admits uid {uid}, which already holds a slot")
+        self.slot_of[uid] = self._take_slot(answer.evict, name)
+
+    def _take_slot(self, evict: int | None, name: str) -> int:
+        if evict is None:
+            if not self._free:
+                raise PolicyContractError(f"{name}: admits into a free slot, but all {self._policy.capacity} are taken")
+            return self._free.pop()
+        if evict not in self.slot_of:
+            raise PolicyContractError(f"{name}: evicts uid {evict}, which holds no slot")
+        if evict in self._group:
+            raise PolicyContractError(f"{name}: evicts uid {evict}, accessed in the current group")
+        return self.slot_of.pop(evict)
+
+    def check_all(self) -> None:
+        """The policy's resident set is the map's, and HOT and STAGE fit their sizes."""
+        policy = self._policy
+        if policy.resident() != set(self.slot_of):
+            raise PolicyContractError(f"{policy.name}: resident() differs from the slots it was told to fill")
+        tiers = [policy.tier_of(uid) for uid in self.slot_of]
+        if tiers.count(Tier.HOT) > policy.hot_slots or tiers.count(Tier.STAGE) > policy.stage_slots:
+            raise PolicyContractError(
+                f"{policy.name}: {tiers.count(Tier.HOT)} HOT and {tiers.count(Tier.STAGE)} STAGE residents exceed "
+                f"{policy.hot_slots} and {policy.stage_slots} slots"
+            )
+
+
+def sweep(
+    trace: RoutingTrace,
+    slot_counts: Sequence[int],
+    policies: Sequence[str] = POLICIES,
+    **options,
+) -> list[dict]:
+    """`simulate` for every policy at every slot count.
+
+    Args:
+        trace: the routing trace.
+        slot_counts: expert slot counts to try.
+        policies: policy names from `POLICIES`.
+        **options: passed on to `simulate` (stage_slots, expert_bytes, bandwidth_gbps, config, profile).
+
+    Returns:
+        One result per (slot count, policy), slot counts outermost, in the order given.
+    """
+    return [simulate(trace, policy, slots, **options) for slots in slot_counts for policy in policies]
+
+
+def format_table(results: Sequence[dict]) -> str:
+    """A plain-text table of simulation results, one row each.
+
+    The last column divides each policy's misses by Belady's at the same slot count, where the
+    results include Belady's.
+
+    Args:
+        results: dicts returned by `simulate` or `sweep`.
+
+    Returns:
+        The table, lines joined by newlines, without a trailing newline.
+    """
+    bound = {row["slots"]: row["misses"] for row in results if row["policy"] == "belady"}
+    header = ("policy", "slots", "hot", "stage", "accesses", "hit rate", "misses", "HOT hits", "STAGE hits",
+              "PCIe GB", "PCIe ms/token", "x Belady")
+    rows = [header]
+    for row in results:
+        best = bound.get(row["slots"])
+        rows.append((
+            row["policy"],
+            str(row["slots"]),
+            str(row.get("hot_slots", "-")),
+            str(row.get("stage_slots", "-")),
+            str(row["accesses"]),
+            f"{row['hit_rate']:.4f}",
+            str(row["misses"]),
+            str(row["hits_hot"]),
+            str(row["hits_stage"]),
+            f"{row['pcie_bytes'] / 1e9:.2f}",
+            f"{row['pcie_seconds_per_token'] * 1e3:.3f}",
+            f"{row['misses'] / best:.2f}" if best else "-",
+        ))
+    widths = [max(len(line[column]) for line in rows) for column in range(len(header))]
+    return "\n".join("  ".join(_align(line, widths)) for line in rows)
+
+
+def _align(cells: Sequence[str], widths: Sequence[int]) -> list[str]:
+    """The first cell padded on the right (names), the others on the left (numbers)."""
+    return [cells[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+
+
+def plot_sweep(results: Sequence[dict], path: str, title: str = "") -> None:
+    """Write a PNG of miss rate against slot count, one line per policy (matplotlib, imported here).
+
+    Args:
+        results: dicts returned by `sweep`.
+        path: the PNG file to write.
+        title: a title for the figure, e.g. the trace's name and whether its routing is real.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(row["policy"] for row in results):
+        points = sorted((row["slots"], row["miss_rate"]) for row in results if row["policy"] == policy)
+        axes.plot([slots for slots, _ in points], [rate for _, rate in points], marker="o", label=policy)
+    axes.set_xlabel("expert slots")
+    axes.set_ylabel("miss rate (accesses served from the host)")
+    axes.set_ylim(bottom=0)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)

@@ -1,0 +1,110 @@
+"""`mira trace`: record the router's choices while a model generates (DESIGN.md 5).
+
+A forward pre-hook on every Mira experts module sees (hidden, top_k_index, top_k_weights) of that
+layer; a forward hook on the whole model closes the step. Hooks observe; they change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mira.errors import MiraError
+from mira.predict.trace import RoutingTrace
+from mira.runtime.engine import MiraModel
+from mira.runtime.experts import MiraExperts
+from mira.runtime.generate import encode_prompt
+
+
+class RoutingRecorder:
+    """Collects top-k ids and weights of every token at every MoE layer while active.
+
+    Use as a context manager around forward passes or `generate`; `trace()` returns what was seen.
+    """
+
+    def __init__(self, model: MiraModel):
+        self.model = model
+        self._layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+        self._step: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ids: list[np.ndarray] = []  # [T_step, L, K] per step
+        self._weights: list[np.ndarray] = []
+        self._seq: list[np.ndarray] = []
+        self._prefill: list[np.ndarray] = []
+        self.sequence = -1  # next_sequence() opens sequence 0
+        self._first_step = False  # the next step is a sequence's prompt
+        self._handles: list = []
+
+    def __enter__(self) -> RoutingRecorder:
+        for position, layer in enumerate(self._layers):
+            self._handles.append(layer.register_forward_pre_hook(
+                lambda module, args, position=position: self._step.__setitem__(position, (args[1], args[2]))))
+        self._handles.append(self.model.hf_model.register_forward_hook(self._close_step))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _close_step(self, module, args, output) -> None:
+        ids = torch.stack([self._step[p][0] for p in range(len(self._layers))], dim=1)  # [T, L, K]
+        weights = torch.stack([self._step[p][1].float() for p in range(len(self._layers))], dim=1)
+        self._step.clear()
+        tokens = ids.shape[0]
+        self._ids.append(ids.to("cpu", torch.int16).numpy())
+        self._weights.append(weights.to("cpu", torch.float16).numpy())
+        self._seq.append(np.full(tokens, max(self.sequence, 0), dtype=np.int32))
+        self._prefill.append(np.full(tokens, self._first_step, dtype=bool))
+        self._first_step = False
+
+    def next_sequence(self) -> None:
+        """The following steps belong to a new sequence; its first step is its prompt (prefill)."""
+        self.sequence += 1
+        self._first_step = True
+
+    def trace(self) -> RoutingTrace:
+        if not self._ids:
+            raise MiraError("no tokens were recorded")
+        return RoutingTrace(np.concatenate(self._ids), self.model.store.num_experts,
+                            topk_weights=np.concatenate(self._weights), seq_id=np.concatenate(self._seq),
+                            is_prefill=np.concatenate(self._prefill))
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a file: one per line, or JSON lines with a "prompt" field.
+
+    Raises:
+        MiraError: missing file, a JSON line without "prompt", or no prompts at all.
+    """
+    if not path.is_file():
+        raise MiraError(f"prompt file {path} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise MiraError(f"{path}:{number}: a JSON line needs a \"prompt\" field") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise MiraError(f"{path} holds no prompts; write one per line or JSON lines with a \"prompt\" field")
+    return prompts
+
+
+def record_trace(model: MiraModel, prompts: list[str], max_new_tokens: int, raw: bool = False,
+                 progress: bool = True) -> RoutingTrace:
+    """Greedy-generate from each prompt (batch 1) and return the routing of every token."""
+    with RoutingRecorder(model) as recorder:
+        for prompt in tqdm(prompts, desc="tracing", unit="prompt", disable=not progress):
+            recorder.next_sequence()
+            ids = encode_prompt(model, prompt, raw)
+            model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                           pad_token_id=model.tokenizer.pad_token_id or model.tokenizer.eos_token_id)
+    return recorder.trace()
