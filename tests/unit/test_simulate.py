@@ -237,7 +237,6 @@ def test_sweep_and_table():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")  # an optional dependency (the `plot` extra)
     path = tmp_path / "sweep.png"
     plot_sweep(_small_sweep(), str(path), title="random routing")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
