@@ -58,10 +58,18 @@ class MiraModel:
         self.plan = plan
         self.max_context = max_context
         self.device = torch.device(config.device)
+        self._step_tokens = 0
+        hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
         hf_model.register_forward_hook(self._after_step)
 
+    def _before_step(self, module, args, kwargs) -> None:
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
+
     def _after_step(self, module, args, output) -> None:
-        self.cache.end_step(int(output.logits.shape[0] * output.logits.shape[1]))
+        self.cache.end_step(self._step_tokens)
 
     def __call__(self, *args, **kwargs):
         return self.hf_model(*args, **kwargs)

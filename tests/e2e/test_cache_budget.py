@@ -65,3 +65,12 @@ def test_greedy_output_is_identical_for_every_policy_and_budget(stores, tmp_path
         assert stats["copies"] == 0 and served["miss"] == stats["tokens_routed"]
     if policy == "static":
         assert stats["copies"] == slots  # placed once, never changed
+
+
+def test_each_forward_step_reports_its_token_count_to_the_policy(stores, monkeypatch):
+    model = mira.load(stores["mixtral", "int8-row"], device="cpu", vram_budget=64 << 20, progress=False)
+    steps = []
+    monkeypatch.setattr(model.cache.policy, "end_step", steps.append)
+    model.generate(_prompt(), max_new_tokens=4, do_sample=False, pad_token_id=0)  # generate keeps 1 logit row
+    model(torch.ones(2, 7, dtype=torch.long))
+    assert steps == [10, 1, 1, 1, 14]
