@@ -1,4 +1,6 @@
-"""On CUDA, under a budget that forces evictions, Mira generates what the CPU path generates.
+"""On CUDA, under a budget that forces evictions, Mira generates what it generates with every
+expert resident, and in float32 what the CPU path generates. (bf16 matmuls round differently on
+the CPU and the GPU, so bf16 greedy text may part ways after a near-tie; that is not the cache.)
 
 Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
 """
@@ -26,13 +28,15 @@ def _prompt():
     return torch.randint(2, 320, (1, 16), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_under_an_evicting_budget_generates_what_the_cpu_generates(store, dtype):
-    cpu = mira.load(store, device="cpu", dtype=dtype, progress=False)
-    expected = cpu.generate(_prompt(), **GREEDY).cpu()
-    probe = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
-    budget = probe.plan.reserve_bytes + 10 * probe.store.blob_bytes  # 10 of 24 experts fit
-    del probe
+@pytest.mark.parametrize(("dtype", "reference_device"), [("float32", "cpu"), ("bfloat16", "cuda")])
+def test_cuda_under_an_evicting_budget_generates_the_reference_text(store, dtype, reference_device):
+    everything = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
+    assert everything.cache.pool.num_slots == 24
+    reference = everything if reference_device == "cuda" else mira.load(store, device="cpu", dtype=dtype,
+                                                                          progress=False)
+    expected = reference.generate(_prompt(), **GREEDY).cpu()
+    budget = everything.plan.reserve_bytes + 10 * everything.store.blob_bytes  # 10 of 24 experts fit
+    del everything, reference
     model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, progress=False)
     assert model.cache.pool.num_slots == 10
     assert model.store.data.is_pinned()
