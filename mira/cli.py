@@ -111,11 +111,14 @@ def _generate(args: argparse.Namespace) -> None:
     report = generate_text(model, args.prompt, sampling, raw=args.raw)
     stats = model.stats()
     cache = stats["cache"]
+    if stats["slots"]:
+        experts = (f"{stats['policy']} policy, {stats['slots']}/{stats['total_experts']} expert slots, hit rate "
+                   f"{cache['hit_rate']:.2f}, {cache['copies']} copies ({cache['bytes_to_device'] / 2**20:.1f} MiB)")
+    else:
+        experts = "experts read in place from host memory"
     print(f"\n[mira] TTFT {report.ttft_s:.3f} s | decode {report.decode_tokens_per_s:.1f} tokens/s "
-          f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']} {stats['quant']} "
-          f"{stats['policy']} {stats['slots']}/{stats['total_experts']} expert slots | expert hit rate "
-          f"{cache['hit_rate']:.2f}, {cache['copies']} copies, {cache['bytes_to_device'] / 2**20:.1f} MiB moved",
-          file=sys.stderr)
+          f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']}, {stats['quant']}, "
+          f"{experts}", file=sys.stderr)
     if args.stats_json:
         stats["generation"] = {k: v for k, v in report.__dict__.items() if k != "text"}
         write_json_atomic(Path(args.stats_json), json.loads(json.dumps(stats, default=str)))

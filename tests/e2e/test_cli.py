@@ -39,7 +39,7 @@ def test_convert_then_generate_from_the_store(checkpoints, tmp_path):
     generated = _mira("generate", "--model", str(store), "--prompt", "hello", "--max-new-tokens", "4",
                       "--vram-budget", "64MiB", "--raw", "--quiet")
     assert generated.returncode == 0, generated.stderr
-    assert "cpu int8-row lru 24/24 expert slots" in generated.stderr
+    assert "cpu, int8-row, mira policy, 24/24 expert slots" in generated.stderr
 
 
 def test_errors_are_one_line_with_exit_code_1(tmp_path):
