@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+# Triton reads TRITON_INTERPRET when it is first imported: without a GPU its kernels run in the
+# interpreter on CPU tensors (tests/kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import FAMILIES, make_checkpoint  # noqa: E402

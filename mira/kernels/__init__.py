@@ -15,6 +15,7 @@ None when it is not routed. The result is [T, H] in hidden's dtype, written into
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 
 import torch
@@ -70,9 +71,9 @@ def make_moe_ffn(
     Args:
         device: where the layer runs.
         layout: the blob layout of the store.
-        act: the experts' activation (a callable such as `F.silu` or transformers' ACT2FN entry;
-            the name "silu" also works).
-        backend: "auto" (Triton where it applies, else the reference), "triton" (raise if it does
+        act: the experts' activation: a callable such as `F.silu`, or a name of transformers'
+            ACT2FN (a config's `hidden_act`, e.g. "silu").
+        backend: "auto" (Triton where it applies and is installed, else the reference), "triton" (raise if it does
             not apply; on a CPU device it needs TRITON_INTERPRET=1) or "reference".
         **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k, dtype)
             when the Triton path is chosen.
@@ -93,10 +94,13 @@ def make_moe_ffn(
             f"the fused kernels implement SiLU experts on int8-shared or int8-row blobs, not "
             f"{layout.scheme} with {act!r}; use backend='auto' to fall back to the reference"
         )
-    if backend == "triton" or (backend == "auto" and fused and device.type == "cuda"):
+    installed = importlib.util.find_spec("triton") is not None
+    if backend == "triton" or (backend == "auto" and fused and device.type == "cuda" and installed):
         from mira.kernels.triton_ffn import TritonMoEFFN  # imports triton only when it is used
 
         return TritonMoEFFN(layout, device, **triton_options)
     if not callable(act):
-        act = {"silu": F.silu, "swish": F.silu}[act.lower()]
+        from transformers.activations import ACT2FN
+
+        act = ACT2FN[act]
     return ReferenceMoEFFN(layout, act)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.activations import ACT2FN
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
@@ -23,7 +22,7 @@ from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.config import CacheConfig, RuntimeConfig
 from mira.errors import MiraError
-from mira.kernels.reference import moe_ffn_reference
+from mira.kernels import make_moe_ffn
 from mira.models.loader import build_model, read_config
 from mira.models.registry import adapter_for
 from mira.runtime.experts import MiraExperts
@@ -156,9 +155,9 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
     cache = ExpertCache(store, residency, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
-    act = ACT2FN[model_config.hidden_act]
+    ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     for position, site in enumerate(sites):
-        setattr(site.parent, site.attr, MiraExperts(position, cache, moe_ffn_reference, store.layout, act))
+        setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device))
     return MiraModel(hf_model, _tokenizer(store_path), config, store, cache, plan, max_ctx)
 
 

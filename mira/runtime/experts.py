@@ -12,26 +12,28 @@ import torch
 from torch import nn
 
 from mira.cache.cache import ExpertCache
-from mira.store.layout import ExpertLayout
 
-MoEFFN = Callable[..., torch.Tensor]  # (hidden, top_k_index, top_k_weights, blobs, layout, act) -> [T, H]
+MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_k_index, top_k_weights, blobs) -> [T, H]
 
 
 class MiraExperts(nn.Module):
-    def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, layout: ExpertLayout, act: Callable):
+    def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, device: torch.device):
         super().__init__()
         self.layer_position = layer_position
         self.cache = cache
         self.ffn = ffn
-        self.layout = layout
-        self.act = act
+        # preallocated: counting routed tokens per expert allocates nothing and needs no sync
+        self._tokens = torch.zeros(cache.store.num_experts, dtype=torch.int64, device=device)  # [E]
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        # T tokens, K routed per token, H hidden
-        experts, tokens = torch.unique(top_k_index, return_counts=True)  # [n], [n] ascending ids
-        experts, tokens = torch.stack([experts, tokens]).tolist()  # the one host sync of this layer
-        blobs = self.cache.fetch(self.layer_position, experts, tokens)
-        return self.ffn(hidden_states, top_k_index, top_k_weights, blobs, self.layout, self.act)  # [T, H]
+        # T tokens, K routed per token, H hidden, E experts
+        routed = top_k_index.reshape(-1)  # [T*K]
+        per_expert = self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel())).tolist()  # [E]
+        # ^ the one host sync of this layer
+        experts = [e for e, count in enumerate(per_expert) if count]  # ascending ids
+        blobs = self.cache.fetch(self.layer_position, experts, [per_expert[e] for e in experts])
+        return self.ffn(hidden_states, top_k_index, top_k_weights, blobs)  # [T, H]
 
     def extra_repr(self) -> str:
-        return f"layer_position={self.layer_position}, scheme={self.layout.scheme}"
+        return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}"

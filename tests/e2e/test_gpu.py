@@ -45,3 +45,45 @@ def test_cuda_under_an_evicting_budget_generates_the_reference_text(store, dtype
     print(f"\n{dtype}: {stats}")
     assert stats["copies"] > 10  # evictions happened
     assert torch.equal(got, expected)
+
+
+def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store):
+    """Counts host syncs (CUDA sync-debug warnings) and caching-allocator allocations made inside
+    Mira's experts modules during one decode step, all experts resident."""
+    import warnings
+
+    from mira.runtime.experts import MiraExperts
+
+    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, progress=False)
+    experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+    with torch.no_grad():
+        prefill = model(_prompt().cuda(), use_cache=True)
+        step_ids = prefill.logits[:, -1:].argmax(-1)
+        model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)  # warm: every expert resident
+        counts = {"syncs": 0, "allocations": 0, "calls": 0}
+        marks = {}
+
+        def before(module, args):
+            marks["warnings"] = len(caught)
+            marks["allocations"] = torch.cuda.memory_stats()["allocation.all.allocated"]
+
+        def after(module, args, output):
+            counts["syncs"] += sum("synchroniz" in str(w.message) for w in caught[marks["warnings"]:])
+            counts["allocations"] += torch.cuda.memory_stats()["allocation.all.allocated"] - marks["allocations"]
+            counts["calls"] += 1
+
+        hooks = [h for m in experts for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for hook in hooks:
+            hook.remove()
+    print(f"\ndecode step inside the experts modules: {counts}; whole step: "
+          f"{sum('synchroniz' in str(w.message) for w in caught)} sync warnings")
+    assert counts["calls"] == len(experts) == 3
+    assert all(type(m.ffn).__name__ == "TritonMoEFFN" for m in experts)  # the fused kernels ran
+    assert counts["syncs"] <= len(experts)

@@ -1,0 +1,647 @@
+"""Fused INT8 expert FFN kernels in Triton (paper IV-F; DESIGN.md 2.4, 2.8).
+
+One kernel family computes a MoE layer's routed experts straight from their INT8 blobs: weights
+are converted in registers (never written back as bf16), SwiGLU is fused, the routing weights are
+applied and each token's routed experts are summed. The kernels see only addresses: a table of one
+int64 base address per expert of the layer (0 for an expert with no blob), from which they read
+w13, w2 and the scales at the offsets of `ExpertLayout`; a base must be a multiple of 16 bytes (the
+weights are read as 16-byte vectors). A base may be a row of the device slot buffer or the
+expert's blob in the pinned host store: under unified addressing a pinned host address is valid on
+the GPU, so a missed expert is read over PCIe inside the same launch ("zero-copy"), with no
+transient slot and no wait for a copy. The kernels never know about the cache.
+
+Two shapes, chosen per call from the number of routed pairs P = T * K (a host integer: no sync):
+
+decode (P <= config.decode_max_pairs): two launches over all routed pairs of the layer.
+    1. gate/up, grid (P, I / block_rows): per routed pair, the gate and up rows against the token,
+       SwiGLU, into the fp32 workspace act [P, I].
+    2. down, grid (T, H / block_rows): per token, the down projection of each of its K experts in
+       turn, scaled and weighted, summed in registers and written once into out [T, H]: no
+       atomics, deterministic, every output element written.
+    Each launch comes as a CUDA-core GEMV (`_gate_up_gemv`, `_down_gemv`: fp32 FMAs, INT8
+    converted by integer tricks instead of the quarter-rate int-to-float unit) or on the tensor
+    cores (`_gate_up_gemv_mma`, `_down_gemv_mma`: the token padded to 16 columns, weight loads
+    pipelined); the tuned configuration picks one per launch and shape.
+prefill (larger P): the routed pairs are grouped by expert on the device (`group_by_expert`:
+    sort, counts, padding to block_m; torch ops without a host sync), then two grouped tiled
+    GEMMs, each program one (expert, block_m pairs, block_n weight rows) tile:
+    1. `_gate_up_gemm`: act [P, I] (hidden dtype) = SwiGLU of the pairs' tokens against w13.
+    2. `_down_gemm`: y [P, H] = weight * (act @ w2^T), one row per pair; then out = the sum of each
+       token's K rows (one deterministic torch reduction into `out`).
+    The weight tile is the left operand of the dot (on Hopper the converted INT8 operand stays in
+    registers) and the tokens the right one.
+
+`int8-shared` folds its scale vector into the activations (x * s before the gate/up product,
+s * y after the down product): no multiply per weight. `int8-row` multiplies each output row once
+after its reduction. Accumulation is fp32; hidden may be bf16 (the GPU path) or fp32.
+
+Allocation. Decode allocates no device memory after the first call: the fp32 decode workspace is
+made at construction, the address table on the first call (or at construction given
+`num_experts`), and the output goes into `out=` when given. Prefill allocates small index tensors
+(O(P + E)) through the caching allocator on every call, and its act/y workspaces unless
+`max_tokens` and `top_k` were given at construction (they grow when a larger call comes). No path
+synchronises with the host: the blob-list form stages the address table in pinned host memory and
+copies it without waiting (`forward_bases` takes a device table the caller keeps instead, which
+also makes a decode step capturable in a CUDA graph).
+
+T tokens, E experts in the layer, K routed per token, P = T*K routed pairs, H hidden,
+I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mira.kernels.tuning import GemvConfig, KernelConfig, load_config
+from mira.store.layout import ExpertLayout
+
+_SHARED, _ROW = 0, 1
+_SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _int8_to_f32(w, CVT: tl.constexpr):
+    """INT8 -> fp32, exactly. "native": the int-to-float unit (a quarter-rate unit on recent GPUs).
+    "bits": q + 128 placed in the mantissa of 2**23 by integer logic, then one add. "prmt": the same
+    with one byte-permute instruction per weight (inline PTX: compiled GPUs only)."""
+    if CVT == "prmt":
+        bits = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, m;
+            mov.b32 m, 0x4B000000;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, m, 0x7650;
+            prmt.b32 $1, t, m, 0x7651;
+            prmt.b32 $2, t, m, 0x7652;
+            prmt.b32 $3, t, m, 0x7653;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4,
+        )
+        return bits - 8388736.0
+    elif CVT == "bits":
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x80) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _gate_up_gemv(
+    hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
+    H, I, K, S_IN_OFF,
+    SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr,
+):
+    """Decode launch 1 on the CUDA cores: program (pair, block of I rows) -> act[pair, rows]."""
+    pair = tl.program_id(0)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    token = pair // K
+    base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+    present = base != 0  # an expert routed without a blob yields NaN, not a fault
+    w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
+    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    in_rows = offs_i < I
+    row_mask = offs_i < tl.where(present, I, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
+    h_limit = tl.where(present, H, 0)
+    gate_rows = w13 + offs_i[:, None] * H  # [BLOCK_I, 1]
+    up_rows = w13 + (offs_i[:, None] + I) * H
+    x_row = hidden_ptr + token * stride_ht
+    acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H * UNROLL):
+        for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
+            offs_h = tl.max_contiguous(tl.multiple_of(h0 + u * BLOCK_H + tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+            if EVEN_H:
+                x = tl.load(x_row + offs_h).to(tl.float32)
+                w_mask = row_mask[:, None]
+            else:
+                in_h = offs_h < H
+                x = tl.load(x_row + offs_h, mask=in_h, other=0.0).to(tl.float32)
+                w_mask = row_mask[:, None] & in_h[None, :]
+            if SCHEME == 0:  # int8-shared: W13q diag(s) x = W13q (s * x)
+                x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
+            wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+            wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+            acc_g += _int8_to_f32(wg, CVT) * x[None, :]
+            acc_u += _int8_to_f32(wu, CVT) * x[None, :]
+    g = tl.sum(acc_g, axis=1)  # [BLOCK_I]
+    u = tl.sum(acc_u, axis=1)
+    if SCHEME == 1:  # int8-row: one scale per output row
+        g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+        u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u
+    act = tl.where(present, act, float("nan"))
+    tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
+
+
+@triton.jit
+def _down_gemv(
+    act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
+    H, I, K, W2_OFF, S_OUT_OFF,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr,
+    EVEN_I: tl.constexpr, CVT: tl.constexpr,
+):
+    """Decode launch 2 on the CUDA cores: program (token, block of H rows) -> out[token, rows],
+    the token's K experts summed in registers."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_rows = offs_h < H
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in range(0, K):
+        pair = token * K + k
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+        present = base != 0
+        w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.int8)), 16)
+        s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+        row_mask = offs_h < tl.where(present, H, 0)
+        rows = w2 + offs_h[:, None] * I  # [BLOCK_H, 1]
+        act_row = act_ptr + pair * I
+        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I * UNROLL):
+            for u in tl.static_range(UNROLL):
+                offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
+                if EVEN_I:
+                    a = tl.load(act_row + offs_i)
+                    w_mask = row_mask[:, None]
+                else:
+                    in_i = offs_i < I
+                    a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
+                    w_mask = row_mask[:, None] & in_i[None, :]
+                w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+                acc += _int8_to_f32(w, CVT) * a[None, :]
+        y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
+        total += tl.where(present, y, float("nan")) * weight
+    tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+@triton.jit
+def _gate_up_gemv_mma(
+    hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # as _gate_up_gemv
+    H, I, K, S_IN_OFF,
+    SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
+    operand (the other columns are zero), the weights the left one. The MMA work is wasted
+    15/16, which costs nothing in a memory-bound launch, and the weight loads are pipelined."""
+    pair = tl.program_id(0)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    token = pair // K
+    base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+    present = base != 0
+    w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
+    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    in_rows = offs_i < I
+    row_mask = offs_i < tl.where(present, I, 0)
+    h_limit = tl.where(present, H, 0)
+    gate_rows = w13 + offs_i[:, None] * H  # [BLOCK_I, 1]
+    up_rows = w13 + (offs_i[:, None] + I) * H
+    x_row = hidden_ptr + token * stride_ht
+    first = (tl.arange(0, 16) == 0)[None, :]  # [1, 16]
+    acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = tl.max_contiguous(tl.multiple_of(h0 + tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
+        if EVEN_H:
+            x = tl.load(x_row + offs_h).to(tl.float32)
+            w_mask = row_mask[:, None]
+        else:
+            in_h = offs_h < H
+            x = tl.load(x_row + offs_h, mask=in_h, other=0.0).to(tl.float32)
+            w_mask = row_mask[:, None] & in_h[None, :]
+        if SCHEME == 0:
+            x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
+        x_t = tl.where(first, x[:, None], 0.0).to(hidden_ptr.dtype.element_ty).to(DOT_DTYPE)  # [BLOCK_H, 16]
+        wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BLOCK_I, BLOCK_H]
+        wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
+        acc_g = tl.dot(wg, x_t, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
+    g = tl.sum(acc_g, axis=1)  # columns 1..15 are zero
+    u = tl.sum(acc_u, axis=1)
+    if SCHEME == 1:
+        g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+        u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u
+    act = tl.where(present, act, float("nan"))
+    tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
+
+
+@triton.jit
+def _down_gemv_mma(
+    act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # as _down_gemv
+    H, I, K, W2_OFF, S_OUT_OFF,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """_down_gemv on the tensor cores (see _gate_up_gemv_mma); act is rounded to the output
+    dtype for the product, as the reference does."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_rows = offs_h < H
+    first = (tl.arange(0, 16) == 0)[None, :]
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in range(0, K):
+        pair = token * K + k
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+        present = base != 0
+        w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.int8)), 16)
+        s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+        row_mask = offs_h < tl.where(present, H, 0)
+        rows = w2 + offs_h[:, None] * I
+        act_row = act_ptr + pair * I
+        acc = tl.zeros([BLOCK_H, 16], dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            offs_i = tl.max_contiguous(tl.multiple_of(i0 + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
+            if EVEN_I:
+                a = tl.load(act_row + offs_i)
+                w_mask = row_mask[:, None]
+            else:
+                in_i = offs_i < I
+                a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
+                w_mask = row_mask[:, None] & in_i[None, :]
+            a_t = tl.where(first, a[:, None], 0.0).to(out_ptr.dtype.element_ty).to(DOT_DTYPE)  # [BLOCK_I, 16]
+            w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_I]
+            acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
+        y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
+        total += tl.where(present, y, float("nan")) * weight
+    tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+@triton.jit
+def _gate_up_gemm(
+    hidden_ptr, stride_ht, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
+    P, H, I, K, S_IN_OFF,
+    SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows."""
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert < 0:  # past the last padded block of this call
+        return
+    base = tl.load(bases_ptr + expert)
+    present = base != 0
+    w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
+    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    pairs = tl.load(sorted_pair_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    valid = pairs < P
+    tokens = pairs // K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = offs_n < I
+    row_mask = offs_n < tl.where(present, I, 0)
+    k_limit = tl.where(present, H, 0)
+    x_cols = hidden_ptr + tokens[None, :] * stride_ht  # [1, BM]
+    gate_rows = w13 + offs_n[:, None] * H  # [BN, 1]
+    up_rows = w13 + (offs_n[:, None] + I) * H
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        if EVEN_K:
+            x_mask = valid[None, :]
+            w_mask = row_mask[:, None]
+        else:
+            in_k = offs_k < H
+            x_mask = valid[None, :] & in_k[:, None]
+            w_mask = row_mask[:, None] & in_k[None, :]
+        s_mask = offs_k < k_limit
+        x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)  # [BK, BM]
+        if SCHEME == 0:
+            s = tl.load(s_in + offs_k, mask=s_mask, other=0.0).to(tl.float32)
+            x_t = (x_t.to(tl.float32) * s[:, None]).to(hidden_ptr.dtype.element_ty)
+        wg = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BN, BK]
+        wu = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
+        x_t = x_t.to(DOT_DTYPE)
+        acc_g = tl.dot(wg, x_t, acc_g, input_precision=PRECISION)  # [BN, BM]
+        acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
+    if SCHEME == 1:
+        acc_g = acc_g * tl.load(s_in + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        acc_u = acc_u * tl.load(s_in + I + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = tl.where(present, act, float("nan"))
+    tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
+             mask=valid[None, :] & in_rows[:, None])
+
+
+@triton.jit
+def _down_gemm(
+    act_ptr, sorted_pair_ptr, block_expert_ptr, bases_ptr, weights_ptr, y_ptr,  # act [P, I], y [P, H]
+    P, H, I, W2_OFF, S_OUT_OFF,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Prefill launch 2: program (block of one expert's pairs, block of H rows) -> y rows,
+    scaled and weighted (one row per pair; the launcher sums each token's K rows)."""
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert < 0:
+        return
+    base = tl.load(bases_ptr + expert)
+    present = base != 0
+    w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.int8)), 16)
+    s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    pairs = tl.load(sorted_pair_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < P
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = offs_n < H
+    row_mask = offs_n < tl.where(present, H, 0)
+    a_cols = act_ptr + pairs[None, :] * I  # [1, BM]
+    rows = w2 + offs_n[:, None] * I  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        if EVEN_K:
+            a_mask = valid[None, :]
+            w_mask = row_mask[:, None]
+        else:
+            in_k = offs_k < I
+            a_mask = valid[None, :] & in_k[:, None]
+            w_mask = row_mask[:, None] & in_k[None, :]
+        a_t = tl.load(a_cols + offs_k[:, None], mask=a_mask, other=0.0).to(DOT_DTYPE)  # [BK, BM]
+        w = tl.load(rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BN, BK]
+        acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
+    scale = tl.load(s_out + offs_n, mask=row_mask, other=0.0).to(tl.float32)
+    weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    y = acc * scale[:, None] * weight[None, :]
+    y = tl.where(present, y, float("nan"))
+    tl.store(y_ptr + pairs[None, :] * H + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
+             mask=valid[None, :] & in_rows[:, None])
+
+
+class TritonMoEFFN:
+    """The routed experts of one MoE layer from their INT8 blobs, on the fused Triton kernels.
+
+    One instance serves every layer of a model (they share the blob layout); calls on one stream
+    share its workspaces. On a CPU device it runs only under `TRITON_INTERPRET=1` (the tests).
+    """
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        device: torch.device | str,
+        *,
+        config: KernelConfig | None = None,
+        num_experts: int | None = None,
+        max_tokens: int | None = None,
+        top_k: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """
+        Args:
+            layout: the blob layout of the store; its scheme must be int8-shared or int8-row.
+            device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
+            config: launch configuration; default: the stored tuning for this device and shape
+                (`mira.kernels.tuning.load_config`).
+            num_experts: experts per layer (E), to allocate the address table now.
+            max_tokens, top_k: with both given, the prefill workspaces for max_tokens * top_k
+                routed pairs are allocated now (in `dtype`, default bf16 on CUDA, fp32 on CPU).
+
+        Raises:
+            ValueError: the scheme has no INT8 kernel, or a blob would need offsets beyond int32.
+        """
+        if layout.scheme not in _SCHEME_IDS:
+            raise ValueError(
+                f"the fused kernels read int8-shared or int8-row blobs, not {layout.scheme!r}; "
+                "use mira.kernels.make_moe_ffn, which falls back to the PyTorch reference"
+            )
+        if layout.nbytes >= 2**31:
+            raise ValueError(f"an expert blob of {layout.nbytes} bytes needs 64-bit offsets, which these kernels do not use")
+        self.layout = layout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        H, I = layout.hidden, layout.intermediate
+        if config is None:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+            config = load_config(name, H, I)
+        self.config = config
+        self._scheme = _SCHEME_IDS[layout.scheme]
+        sections = layout.sections
+        self._w2_off = sections["w2"].offset
+        self._s_in_off = sections["scale" if self._scheme == _SHARED else "scale13"].offset
+        self._s_out_off = sections["scale" if self._scheme == _SHARED else "scale2"].offset
+        self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
+        self._bases = None if num_experts is None else torch.zeros(num_experts, dtype=torch.int64, device=self.device)
+        self._prefill: dict[str, torch.Tensor] = {}
+        if max_tokens is not None and top_k is not None:
+            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            self._prefill_buffers(max_tokens * top_k, dtype)
+
+    def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
+        """Device bytes of the workspaces one call of this size uses (for the memory budget)."""
+        H, I, pairs = self.layout.hidden, self.layout.intermediate, tokens * top_k
+        decode = self.config.decode_max_pairs * I * 4
+        if pairs <= self.config.decode_max_pairs:
+            return decode
+        return decode + pairs * (I + H) * dtype.itemsize
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        blobs: Sequence[torch.Tensor | None],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Like `moe_ffn_reference` (same arguments but layout and act, fixed at construction).
+
+        Args:
+            hidden: [T, H] bf16 or fp32 token states.
+            top_k_index: [T, K] routed expert ids.
+            top_k_weights: [T, K] routing weights.
+            blobs: length E; expert e's uint8 blob (a device slot row, or its pinned host blob),
+                or None when e is not routed. A routed expert given None yields NaN rows.
+            out: optional [T, H] output in hidden's dtype, written in full (else allocated).
+
+        Returns:
+            out, [T, H].
+
+        Raises:
+            ValueError: a blob has the wrong size or type, or lives in pageable host memory.
+        """
+        return self.forward_bases(hidden, top_k_index, top_k_weights, self._address_table(blobs), out=out)
+
+    def forward_bases(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        bases: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The same with an address table the caller keeps on the device: bases [E] int64, the
+        blob address of every expert of the layer (0 for none). Enqueues kernels only: no host
+        sync, and in decode no allocation when `out` is given."""
+        T, H = hidden.shape
+        K = top_k_index.shape[1]
+        if H != self.layout.hidden or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
+            raise ValueError(
+                f"expected hidden [T, {self.layout.hidden}] with top_k_index and top_k_weights [T, K]; got "
+                f"{tuple(hidden.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}"
+            )
+        if out is None:
+            out = torch.empty_like(hidden)
+        elif out.shape != hidden.shape or out.dtype != hidden.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be a [T, H] {hidden.dtype} tensor with unit stride along H")
+        if T == 0:
+            return out
+        if hidden.stride(1) != 1:
+            hidden = hidden.contiguous()
+        index = top_k_index.reshape(-1)
+        weights = top_k_weights.reshape(-1)
+        if T * K <= self.config.decode_max_pairs:
+            self._decode(hidden, index, weights, bases, out, K)
+        else:
+            self._prefill_gemm(hidden, index, weights, bases, out, K)
+        return out
+
+    def _address_table(self, blobs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        nbytes, on_cuda = self.layout.nbytes, self.device.type == "cuda"
+        addresses = []
+        for expert, blob in enumerate(blobs):
+            if blob is None:
+                addresses.append(0)
+                continue
+            if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() != nbytes or blob.stride(0) != 1:
+                raise ValueError(f"expert {expert}'s blob must be {nbytes} contiguous uint8 bytes, got {blob.dtype} {tuple(blob.shape)}")
+            if blob.data_ptr() % 16:
+                raise ValueError(
+                    f"expert {expert}'s blob starts at an address that is not a multiple of 16 bytes; the kernels "
+                    "read 16-byte vectors: place blobs at aligned offsets (slot rows and store rows of ExpertLayout.nbytes are)"
+                )
+            if on_cuda and not blob.is_cuda and not blob.is_pinned():
+                raise ValueError(
+                    f"expert {expert}'s blob is in pageable host memory, which the GPU cannot read; "
+                    "keep the store in pinned memory (pin_memory=True) or copy the blob into a slot"
+                )
+            addresses.append(blob.data_ptr())
+        if self._bases is None or self._bases.numel() != len(addresses):
+            self._bases = torch.zeros(len(addresses), dtype=torch.int64, device=self.device)
+        if not on_cuda:
+            self._bases.copy_(torch.tensor(addresses, dtype=torch.int64))
+        else:  # pinned staging from the caching host allocator: reused only once its copy is done
+            staging = torch.tensor(addresses, dtype=torch.int64, pin_memory=True)
+            self._bases.copy_(staging, non_blocking=True)
+        return self._bases
+
+    def _decode(self, hidden, index, weights, bases, out, K) -> None:
+        T, H = hidden.shape
+        I, cfg = self.layout.intermediate, self.config
+        up, down = cfg.gate_up_gemv, cfg.down_gemv
+        act = self._decode_act  # [>= P, I] fp32
+        dot_dtype, precision = self._dot_types(hidden.dtype)
+        grid = (T * K, triton.cdiv(I, up.block_rows))
+        args = (hidden, hidden.stride(0), index, bases, act, H, I, K, self._s_in_off)
+        launch = dict(num_warps=up.num_warps, num_stages=up.num_stages)
+        if up.mma:
+            _gate_up_gemv_mma[grid](
+                *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols,
+                EVEN_H=H % up.block_cols == 0, DOT_DTYPE=dot_dtype, PRECISION=precision, **launch,
+            )
+        else:
+            _gate_up_gemv[grid](
+                *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
+                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **launch,
+            )
+        grid = (T, triton.cdiv(H, down.block_rows))
+        args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off)
+        launch = dict(num_warps=down.num_warps, num_stages=down.num_stages)
+        if down.mma:
+            _down_gemv_mma[grid](
+                *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols,
+                EVEN_I=I % down.block_cols == 0, DOT_DTYPE=dot_dtype, PRECISION=precision, **launch,
+            )
+        else:
+            _down_gemv[grid](
+                *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll,
+                EVEN_I=I % (down.block_cols * down.unroll) == 0, CVT=self._cvt(down), **launch,
+            )
+
+    def _dot_types(self, dtype: torch.dtype):
+        """Operand dtype and precision of the tensor-core products: the hidden dtype on the GPU
+        (fp32 exactly, not tf32); fp32 in the interpreter, whose bf16 products and int8-to-bf16
+        conversions are wrong (Triton 3.9); bf16 operands are exact in fp32, so only the
+        accumulation order differs."""
+        if self.device.type != "cuda":
+            return tl.float32, "ieee"
+        return _TL_DTYPES[dtype], ("ieee" if dtype == torch.float32 else "tf32")
+
+    def _cvt(self, gemv: GemvConfig) -> str:
+        """"prmt" converts 4 weights per instruction: it needs a multiple of 4 weights per thread
+        and compiled code (the interpreter has no inline PTX); otherwise "bits"."""
+        per_thread = gemv.block_rows * gemv.block_cols // (32 * gemv.num_warps)
+        if gemv.cvt == "prmt" and (self.device.type != "cuda" or per_thread % 4):
+            return "bits"
+        return gemv.cvt
+
+    def _prefill_buffers(self, pairs: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        H, I = self.layout.hidden, self.layout.intermediate
+        act, y = self._prefill.get("act"), self._prefill.get("y")
+        if act is None or act.dtype != dtype or act.numel() < pairs * I:
+            act = self._prefill["act"] = torch.empty(pairs * I, dtype=dtype, device=self.device)
+            y = self._prefill["y"] = torch.empty(pairs * H, dtype=dtype, device=self.device)
+        return act[: pairs * I].view(pairs, I), y[: pairs * H].view(pairs, H)
+
+    def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:
+        T, H = hidden.shape
+        I, g = self.layout.intermediate, self.config.gemm
+        P = T * K
+        sorted_pair, block_expert = group_by_expert(index, bases.numel(), g.block_m)
+        act, y = self._prefill_buffers(P, hidden.dtype)
+        dot_dtype, precision = self._dot_types(hidden.dtype)
+        n_blocks = block_expert.numel()
+        _gate_up_gemm[(n_blocks, triton.cdiv(I, g.block_n))](
+            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act,
+            P, H, I, K, self._s_in_off,
+            SCHEME=self._scheme, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+            EVEN_K=H % g.block_k == 0, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        )
+        _down_gemm[(n_blocks, triton.cdiv(H, g.block_n))](
+            act, sorted_pair, block_expert, bases, weights, y,
+            P, H, I, self._w2_off, self._s_out_off,
+            BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+            EVEN_K=I % g.block_k == 0, DOT_DTYPE=dot_dtype, PRECISION=precision,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        )
+        torch.sum(y.view(T, K, H), dim=1, out=out)  # each token's K weighted expert outputs
+
+
+def group_by_expert(index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group routed pairs by expert, each group padded to whole blocks of `block_m` (no host sync).
+
+    Args:
+        index: [P] expert id of every routed pair (pair p = token p // K, slot p % K).
+        num_experts: E.
+        block_m: pairs per block.
+
+    Returns:
+        sorted_pair [n_blocks * block_m] int32: pair ids, expert by expert in ascending order,
+            ascending within an expert; padding holds P.
+        block_expert [n_blocks] int32: the expert of each block; -1 past the last used block.
+        n_blocks = P // block_m + min(E, P) bounds the blocks any routing can need.
+    """
+    P, device = index.numel(), index.device
+    n_blocks = P // block_m + min(num_experts, P)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.int64))  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)  # [E]
+    sorted_expert, order = torch.sort(index, stable=True)  # [P]
+    rank = torch.arange(P, device=device) - (counts.cumsum(0) - counts)[sorted_expert]
+    destination = (padded_end - padded)[sorted_expert] + rank
+    sorted_pair = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=device)
+    sorted_pair[destination] = order.to(torch.int32)
+    block_start = torch.arange(n_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)  # [n_blocks]
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pair, block_expert
