@@ -85,3 +85,12 @@ def test_trace_then_simulate_replays_the_recorded_routing(checkpoints, tmp_path)
     assert results["belady"]["misses"] <= min(results[p]["misses"] for p in ("mira", "lru", "lfu", "on-demand"))
     table = _mira("simulate", "--trace", str(trace_file), "--sweep", "8,16", "--policy", "lru", "--policy", "belady")
     assert table.returncode == 0 and table.stdout.count("lru") == 2
+
+
+def test_the_bundled_model_answers_on_topic_by_default(tmp_path):
+    result = _mira("generate", "--prompt", "How do I sort a list in Python?", "--max-new-tokens", "16",
+                   "--temperature", "0", "--device", "cpu", "--quiet", env={"MIRA_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "mira-tiny-moe" in result.stderr  # converted on first use from the package's own copy
+    words = result.stdout.lower()
+    assert "sort" in words and "python" in words and "list" in words
