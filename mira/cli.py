@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # this process only: the CLI was asked to be quiet
     try:
         args.run(args)
     except MiraError as error:
