@@ -24,15 +24,19 @@ class CacheConfig:
         rebalancer free of LFU's pollution; in (0, 1].
     victim_weights / candidate_weights: score weights of the mira rebalancer (volume, recency,
         frequency) and (volume, CPU-served count).
+
+    The mira policy's interval, swap bound, heat decay and STAGE fraction were chosen by the sweep
+    of `benchmarks/policies.py` on a training-split routing trace of the bundled model
+    (results: benchmarks/results/policies-tiny.json).
     """
 
     policy: str = "mira"
     small_vram_fraction: float = 0.25
     stage_fraction_small: float = 0.125
     stage_fraction_large: float = 0.5
-    rebalance_interval: int = 4
+    rebalance_interval: int = 1
     max_swaps: int = 16
-    heat_decay: float = 0.9
+    heat_decay: float = 0.97
     victim_weights: tuple[float, float, float] = (1.0, 0.5, 0.25)
     candidate_weights: tuple[float, float] = (1.0, 1.0)
 
