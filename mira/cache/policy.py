@@ -103,9 +103,16 @@ class Policy(ABC):
 
         Returns:
             Access(tier_of(uid)) when declined or already resident; an admission otherwise, carried
-            out like one answered by `access` (the uid is copied into a free slot, `evict` is None).
+            out like one answered by `access` (the uid is copied into a free slot or the slot of
+            `evict`).
         """
         return Access(self.tier_of(uid))
+
+    def release(self, uid: int) -> None:
+        """Give up `uid`'s STAGE slot (a prefetch done with, or never used); the mechanism frees it.
+
+        Policies without STAGE hold nothing to release.
+        """
 
     def end_step(self, tokens: int) -> None:
         """A token step of `tokens` tokens has finished (interval-driven policies act here)."""
@@ -426,12 +433,24 @@ class MiraPolicy(Policy):
         return min(evictable, key=self._value) if evictable else None
 
     def stage(self, uid: int) -> Access:
-        """Admit `uid` into a free STAGE slot ahead of use, or decline (paper IV-C: a full STAGE declines)."""
+        """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
+        least valuable STAGE entry outside the current group (a prediction outranks probation);
+        declined when STAGE has no slot or every entry belongs to the current group."""
         tier = self.tier_of(uid)
-        if tier is not Tier.MISS or len(self._stage) >= self.stage_slots:
+        if tier is not Tier.MISS or self.stage_slots == 0:
             return Access(tier)
+        if len(self._stage) < self.stage_slots:
+            self._stage.add(uid)
+            return Access(Tier.MISS, admit=True)
+        victim = self._stage_victim()
+        if victim is None:
+            return Access(Tier.MISS)
+        self._stage.remove(victim)
         self._stage.add(uid)
-        return Access(Tier.MISS, admit=True)
+        return Access(Tier.MISS, admit=True, evict=victim)
+
+    def release(self, uid: int) -> None:
+        self._stage.discard(uid)
 
     def resident(self) -> set[int]:
         return self._hot | self._stage

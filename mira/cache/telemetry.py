@@ -17,8 +17,10 @@ class Telemetry:
     def __init__(self, num_layers: int, num_experts: int):
         self.counts = np.zeros((num_layers, num_experts, 1 + len(Tier)), dtype=np.int64)
         self.accesses = np.zeros(len(Tier), dtype=np.int64)  # (layer, expert) lookups by tier
-        self.bytes_to_device = 0
+        self.bytes_to_device = 0  # on-demand copies (misses admitted into a slot)
         self.copies = 0
+        self.prefetch_bytes = 0  # copies ahead of use into STAGE
+        self.prefetch_copies = 0
 
     def record(self, layer_position: int, expert: int, tokens: int, tier: Tier) -> None:
         row = self.counts[layer_position, expert]
@@ -26,9 +28,13 @@ class Telemetry:
         row[1 + tier] += tokens
         self.accesses[tier] += 1
 
-    def record_copy(self, nbytes: int) -> None:
-        self.bytes_to_device += nbytes
-        self.copies += 1
+    def record_copy(self, nbytes: int, prefetch: bool = False) -> None:
+        if prefetch:
+            self.prefetch_bytes += nbytes
+            self.prefetch_copies += 1
+        else:
+            self.bytes_to_device += nbytes
+            self.copies += 1
 
     def summary(self) -> dict:
         totals = self.counts.sum(axis=(0, 1))
@@ -40,4 +46,6 @@ class Telemetry:
             "hit_rate": float(self.accesses[Tier.HOT] + self.accesses[Tier.STAGE]) / lookups if lookups else 0.0,
             "copies": self.copies,
             "bytes_to_device": self.bytes_to_device,
+            "prefetch_copies": self.prefetch_copies,
+            "prefetch_bytes": self.prefetch_bytes,
         }

@@ -100,6 +100,7 @@ class MiraModel:
             "expert_blob_bytes": self.store.blob_bytes,
             "budget": asdict(self.plan) if self.plan else None,
             "cache": self.cache.telemetry.summary(),
+            "prefetch": self.cache.book.counts.as_dict(),
         }
 
 
@@ -144,9 +145,9 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     model_config = hf_model.config
     max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(model_config, "max_position_embeddings", 1 << 30))
 
-    transfer = Transfer(torch_device, store.blob_bytes, store.num_experts)
-    plan = _plan(config, hf_model, store, transfer, max_ctx)
+    plan = _plan(config, hf_model, store, max_ctx)
     capacity = plan.slots if plan else 0
+    transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
     total_experts = store.num_layers * store.num_experts
     counts = _profile_counts(profile, total_experts) if profile is not None else None
     try:
@@ -186,7 +187,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
 
 
-def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, transfer: Transfer, max_context: int) -> SlotPlan | None:
+def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int) -> SlotPlan | None:
     device = torch.device(config.device)
     budget = config.vram_budget
     if budget is None:
@@ -197,7 +198,8 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, transfer: Transfe
         budget = free + allocated - FREE_MEMORY_MARGIN
     non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
     kv_bytes = adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
-    workspace = transfer.workspace_bytes + (ACTIVATION_WORKSPACE if device.type == "cuda" else 0)
+    workspace = Transfer.workspace_bytes(device, store.blob_bytes, store.num_experts)
+    workspace += ACTIVATION_WORKSPACE if device.type == "cuda" else 0
     return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
                       store.num_layers * store.num_experts, max_context)
 

@@ -1,10 +1,11 @@
 """How expert bytes move from the host store to where the kernel reads them (paper IV-F).
 
-On CUDA, copies run on a high-priority copy stream. Before a layer's copies the copy stream waits
-for the compute stream (a slot may be overwritten only after earlier kernels have read it); after
-them the compute stream waits for the copy stream, so the kernel reads complete blobs. Both waits
-happen on the GPU: no host sync. On the CPU, copies are memcpy and the store's blobs are read in
-place.
+On CUDA there are two copy streams: on-demand misses go on the highest-priority one, so they never
+queue behind prefetches, and prefetches on the other. Every row a copy lands in (a slot, or a
+transient row for an expert served without admission) has an event: a copy first waits for the
+compute already queued (a row is overwritten only after earlier kernels have read it), and the
+compute stream waits on the row's event before a kernel reads it. Both waits happen on the GPU: no
+host sync. On the CPU, copies are memcpy and the store's blobs are read in place.
 """
 
 from __future__ import annotations
@@ -13,41 +14,49 @@ import torch
 
 
 class Transfer:
-    def __init__(self, device: torch.device, blob_bytes: int, experts_per_layer: int):
+    def __init__(self, device: torch.device, num_slots: int, blob_bytes: int, experts_per_layer: int):
         self.device = device
         self._cuda = device.type == "cuda"
+        self._next_transient = 0
         if self._cuda:
-            self.copy_stream = torch.cuda.Stream(device=device, priority=-1)
-            # rows for experts served without admission (until the kernel reads pinned memory directly)
+            low, high = torch.cuda.Stream.priority_range()
+            self.demand_stream = torch.cuda.Stream(device=device, priority=high)
+            self.prefetch_stream = torch.cuda.Stream(device=device, priority=min(high + 1, low))
+            # rows for experts served without admission into a slot
             self._transient = torch.empty(experts_per_layer, blob_bytes, dtype=torch.uint8, device=device)
-            self._next_transient = 0
+            self._events = [torch.cuda.Event() for _ in range(num_slots + experts_per_layer)]  # slots, then transient
+            self._num_slots = num_slots
+
+    def load(self, src: torch.Tensor, dst: torch.Tensor, slot: int, prefetch: bool = False) -> torch.Tensor:
+        """Copy host blob `src` into slot row `dst` (asynchronously on CUDA); returns `dst`."""
+        if not self._cuda:
+            return dst.copy_(src)
+        stream = self.prefetch_stream if prefetch else self.demand_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            self._events[slot].record(stream)
+        return dst
+
+    def ready(self, slot: int) -> None:
+        """The compute stream waits until slot `slot`'s last copy has landed (no host sync)."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._events[slot])
 
     def begin_layer(self) -> None:
-        if self._cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._next_transient = 0
-
-    def end_layer(self) -> None:
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-
-    def load(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """Copy host blob `src` into device row `dst` (asynchronously on CUDA); returns `dst`."""
-        if self._cuda:
-            with torch.cuda.stream(self.copy_stream):
-                dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
-        return dst
+        self._next_transient = 0
 
     def serve_from_host(self, src: torch.Tensor) -> torch.Tensor:
         """A blob the kernel can read for an expert that is not admitted into a slot."""
         if not self._cuda:
             return src
-        row = self._transient[self._next_transient]
+        row = self._next_transient
         self._next_transient += 1
-        return self.load(src, row)
+        blob = self.load(src, self._transient[row], self._num_slots + row)
+        self.ready(self._num_slots + row)
+        return blob
 
-    @property
-    def workspace_bytes(self) -> int:
-        return self._transient.nbytes if self._cuda else 0
+    @staticmethod
+    def workspace_bytes(device: torch.device, blob_bytes: int, experts_per_layer: int) -> int:
+        """Device bytes of the transient rows a Transfer on `device` allocates."""
+        return experts_per_layer * blob_bytes if device.type == "cuda" else 0

@@ -156,14 +156,20 @@ def test_mira_rebalance_respects_the_swap_bound_and_keeps_better_hot_experts():
     assert steady.tier_of(3) is Tier.STAGE
 
 
-def test_mira_stage_hook_takes_only_a_free_stage_slot():
+def test_mira_stage_hook_takes_a_free_stage_slot_then_displaces_probation_but_not_the_current_group():
     policy = mira(capacity=3, stage_slots=1)
     run(policy, [[1, 2]])
     assert policy.stage(1) == Access(Tier.HOT)  # already resident: skipped
     assert policy.stage(9) == MISS_ADMIT
     assert policy.tier_of(9) is Tier.STAGE
-    assert policy.stage(8) == Access(Tier.MISS)  # STAGE full: declined
-    assert policy.resident() == {1, 2, 9}
+    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=9)  # a prediction outranks probation
+    assert policy.resident() == {1, 2, 8}
+    policy.begin_group()
+    policy.access(8, 1)  # 8 is now in the current group: it cannot make room
+    assert policy.stage(7) == Access(Tier.MISS)
+    policy.release(8)
+    assert policy.resident() == {1, 2} and policy.tier_of(8) is Tier.MISS
+    assert policy.stage(7) == MISS_ADMIT  # the released slot is free again
 
 
 def test_single_tier_policies_decline_staging():

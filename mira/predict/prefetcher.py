@@ -1,0 +1,76 @@
+"""Predictive staging: the bookkeeping of prefetches into STAGE (paper IV-C, IV-E).
+
+After layer i's routing, the predictor's top experts for layer i+2 are offered to the policy's
+STAGE region (`Policy.stage`): an expert already resident is skipped, one the policy admits is
+copied ahead of use, one it declines is left to the miss path. The book remembers which staged
+experts wait for which layer; once that layer has computed, a staged expert it did not use is
+released (wasted), and in small-VRAM mode a used one is released too (its memory reclaimed right
+after use). Plain Python on integers: the runtime (copies on the copy stream) and the simulator
+(a model of the slots) carry out the same decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from mira.cache.policy import Access, Policy, Tier
+
+
+@dataclass
+class PrefetchCounts:
+    issued: int = 0  # admitted into STAGE: a copy ahead of use
+    skipped: int = 0  # already resident (HOT or STAGE)
+    declined: int = 0  # STAGE had no room
+    used: int = 0  # staged and then routed at its target layer
+    wasted: int = 0  # staged and not routed there: released
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PrefetchBook:
+    """Staged experts waiting for their target layer.
+
+    reclaim_used: release a staged expert right after its target layer used it (small-VRAM mode);
+        otherwise it stays in STAGE, where the rebalancer may promote it.
+    """
+
+    reclaim_used: bool = False
+    counts: PrefetchCounts = field(default_factory=PrefetchCounts)
+    _waiting: dict[int, set[int]] = field(default_factory=dict)  # target layer position -> uids
+
+    def stage(self, policy: Policy, target_layer: int, uids: Iterable[int],
+              admit: Callable[[int, Access], None]) -> None:
+        """Offer predicted experts of `target_layer` to the policy; `admit(uid, access)` copies one in."""
+        waiting = self._waiting.setdefault(target_layer, set())
+        for uid in uids:
+            if uid in waiting:
+                continue  # already staged for this layer: no duplicate copy
+            access = policy.stage(uid)
+            if access.tier is not Tier.MISS:
+                self.counts.skipped += 1
+            elif access.admit:
+                admit(uid, access)
+                waiting.add(uid)
+                self.counts.issued += 1
+            else:
+                self.counts.declined += 1
+
+    def after_layer(self, policy: Policy, layer: int, routed: Iterable[int]) -> list[int]:
+        """`layer` has computed with `routed` uids: release what was staged for it and is done.
+
+        Returns:
+            The uids released (the mechanism frees their slots).
+        """
+        waiting = self._waiting.pop(layer, set())
+        routed = set(routed)
+        used = waiting & routed
+        self.counts.used += len(used)
+        self.counts.wasted += len(waiting) - len(used)
+        release = (waiting - routed) | (used if self.reclaim_used else set())
+        released = [uid for uid in sorted(release) if policy.tier_of(uid) is Tier.STAGE]
+        for uid in released:
+            policy.release(uid)
+        return released
