@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from mira.cache.belady import belady_misses
 from mira.cache.policy import Access, Policy, Tier, make_policy
 from mira.config import CacheConfig
+from mira.predict.prefetcher import PrefetchBook
 from mira.predict.trace import RoutingTrace
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
@@ -39,6 +42,7 @@ def simulate(
     config: CacheConfig = CacheConfig(),
     profile: RoutingTrace | None = None,
     check: bool = False,
+    predictions: np.ndarray | None = None,
 ) -> dict:
     """Replay `trace` through one policy with `slots` expert slots shared by all layers.
 
@@ -54,13 +58,17 @@ def simulate(
             replayed trace itself (an oracle profile, labelled so in the result).
         check: after every group, also check the policy's whole resident set and tier sizes
             against the mechanism (slower; the tests use it).
+        predictions: int [T, L, P], the experts predicted for each (token, layer), -1 for none;
+            made at layer - 2 and staged right after that layer's group, as the runtime does
+            (mira.predict.prefetcher). None: no prefetching. Belady ignores it.
 
     Returns:
         A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
         placement is loaded before the first access, so it has no warm-up misses; every other
         policy and Belady start empty), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
         hits_stage, pcie_bytes, pcie_seconds_per_token, expert_bytes, bandwidth_gbps; for the
-        online policies also admissions and tokens_routed/_hot/_stage/_miss; for mira the
+        online policies also admissions, tokens_routed/_hot/_stage/_miss and, with predictions,
+        prefetch counts (issued, skipped, declined, used, wasted) and prefetch_bytes; for mira the
         config it ran with, for static the profile it used. Belady has no tiers: hot_slots and
         stage_slots are absent and all its hits count as hits_hot.
 
@@ -83,13 +91,15 @@ def simulate(
             )
         counts_profile = (profile if profile is not None else trace).expert_counts().tolist()
         instance = make_policy(policy, slots, trace.num_uids, config, counts_profile, stage_slots)
-        counts = replay(trace, instance, check=check)
+        counts = replay(trace, instance, check=check, predictions=predictions)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":
             extra["config"] = {**dataclasses.asdict(config), "heat_decay": instance.heat_decay}
         if policy == "static":
             extra["profile"] = profile.source if profile is not None else "oracle: the replayed trace itself"
     pcie_bytes = counts["misses"] * expert_bytes
+    if "prefetch_issued" in counts:
+        counts["prefetch_bytes"] = counts["prefetch_issued"] * expert_bytes
     return {
         "policy": policy,
         "slots": slots,
@@ -114,7 +124,8 @@ def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
     }
 
 
-def replay(trace: RoutingTrace, policy: Policy, check: bool = False) -> dict[str, int]:
+def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
+           predictions: np.ndarray | None = None) -> dict[str, int]:
     """Drive `policy` through the trace's accesses behind a model of the slot mechanism.
 
     The mechanism loads `policy.resident()` first (static placement), then for each access checks
@@ -125,6 +136,7 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False) -> dict[str
         trace: the routing trace.
         policy: a fresh policy.
         check: also compare the whole resident set and the HOT/STAGE sizes after every group.
+        predictions: int [T, L, P] experts predicted per (token, layer), -1 for none (see simulate).
 
     Returns:
         Counts: preloaded (residents loaded before the first access, not counted as misses),
@@ -134,11 +146,16 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False) -> dict[str
     Raises:
         PolicyContractError: the first broken rule, named.
     """
+    if predictions is not None and predictions.shape[:2] != trace.topk_ids.shape[:2]:
+        raise ValueError(f"predictions of shape {predictions.shape} do not match the trace's "
+                         f"{trace.num_tokens} tokens x {trace.num_layers} layers")
     mechanism = _Slots(policy)
+    book = PrefetchBook()
     counts = dict.fromkeys(("accesses", "hits", "misses", "hits_hot", "hits_stage", "admissions"), 0)
     counts["preloaded"] = len(mechanism.slot_of)
     tokens = [0, 0, 0]  # served from HOT, STAGE, MISS
     last_layer = trace.num_layers - 1
+    E = trace.num_experts
     for group in trace.accesses():
         policy.begin_group()
         mechanism.begin_group()
@@ -151,11 +168,19 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False) -> dict[str
             counts["misses" if answer.tier is Tier.MISS else "hits"] += 1
             counts["hits_hot"] += answer.tier is Tier.HOT
             counts["hits_stage"] += answer.tier is Tier.STAGE
+        if predictions is not None and group.layer + 2 <= last_layer:  # the runtime's order: fetch, stage, compute
+            target = group.layer + 2
+            book.stage(policy, target, [target * E + int(e) for e in predictions[group.token, target] if e >= 0],
+                       admit=mechanism.admit_staged)
+        for uid in book.after_layer(policy, group.layer, [uid for uid, _ in group.experts]):
+            mechanism.release(uid)
         if group.layer == last_layer:
             policy.end_step(1)
         if check:
             mechanism.check_all()
     counts.update(tokens_routed=sum(tokens), tokens_hot=tokens[0], tokens_stage=tokens[1], tokens_miss=tokens[2])
+    if predictions is not None:
+        counts.update({f"prefetch_{name}": value for name, value in book.counts.as_dict().items()})
     return counts
 
 
@@ -186,6 +211,18 @@ class _Slots:
         if resident:
             raise PolicyContractError(f"{name}: admits uid {uid}, which already holds a slot")
         self.slot_of[uid] = self._take_slot(answer.evict, name)
+
+    def admit_staged(self, uid: int, answer: Access) -> None:
+        """Copy `uid` into STAGE ahead of use, as `Policy.stage` answered."""
+        if uid in self.slot_of or not answer.admit:
+            raise PolicyContractError(f"{self._policy.name}: stages uid {uid} with {answer}")
+        self.slot_of[uid] = self._take_slot(answer.evict, self._policy.name)
+
+    def release(self, uid: int) -> None:
+        """The policy released `uid`'s STAGE slot."""
+        if uid in self._policy.resident():
+            raise PolicyContractError(f"{self._policy.name}: released uid {uid} but still holds it")
+        self._free.append(self.slot_of.pop(uid))
 
     def _take_slot(self, evict: int | None, name: str) -> int:
         if evict is None:
