@@ -9,7 +9,7 @@ from pathlib import Path
 from mira.cache.budget import parse_size
 from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
-from mira.config import POLICIES
+from mira.config import POLICIES, PREFETCH
 from mira.errors import MiraError
 from mira.store.layout import SCHEMES
 
@@ -36,7 +36,7 @@ def _load(args: argparse.Namespace):
     from mira.runtime.engine import load
 
     return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant, policy=args.policy,
-                max_context=args.max_context, profile=args.profile, progress=not args.quiet)
+                max_context=args.max_context, profile=args.profile, prefetch=args.prefetch, progress=not args.quiet)
 
 
 def _trace(args: argparse.Namespace) -> None:
@@ -96,6 +96,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="expert residency policy: mira (adaptive HOT+STAGE rebalancer, the default), lru, lfu, "
                              "static (the experts most routed in --profile stay resident), on-demand (no caching)")
     parser.add_argument("--profile", metavar="TRACE", help="routing trace (.npz from `mira trace`) for --policy static")
+    parser.add_argument("--prefetch", choices=PREFETCH, default="gate",
+                        help="stage the experts predicted for layer i+2 while layer i runs: gate (layer i+2's router "
+                             "applied to layer i's input; the default) or off. Acts where the policy has STAGE slots")
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

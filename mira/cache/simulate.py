@@ -43,6 +43,7 @@ def simulate(
     profile: RoutingTrace | None = None,
     check: bool = False,
     predictions: np.ndarray | None = None,
+    reclaim_used: bool = True,
 ) -> dict:
     """Replay `trace` through one policy with `slots` expert slots shared by all layers.
 
@@ -61,6 +62,8 @@ def simulate(
         predictions: int [T, L, P], the experts predicted for each (token, layer), -1 for none;
             made at layer - 2 and staged right after that layer's group, as the runtime does
             (mira.predict.prefetcher). None: no prefetching. Belady ignores it.
+        reclaim_used: release a staged expert right after its layer used it (the runtime's
+            default), or keep it in STAGE.
 
     Returns:
         A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
@@ -91,7 +94,7 @@ def simulate(
             )
         counts_profile = (profile if profile is not None else trace).expert_counts().tolist()
         instance = make_policy(policy, slots, trace.num_uids, config, counts_profile, stage_slots)
-        counts = replay(trace, instance, check=check, predictions=predictions)
+        counts = replay(trace, instance, check=check, predictions=predictions, reclaim_used=reclaim_used)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":
             extra["config"] = {**dataclasses.asdict(config), "heat_decay": instance.heat_decay}
@@ -125,7 +128,7 @@ def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
 
 
 def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
-           predictions: np.ndarray | None = None) -> dict[str, int]:
+           predictions: np.ndarray | None = None, reclaim_used: bool = True) -> dict[str, int]:
     """Drive `policy` through the trace's accesses behind a model of the slot mechanism.
 
     The mechanism loads `policy.resident()` first (static placement), then for each access checks
@@ -137,6 +140,7 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
         policy: a fresh policy.
         check: also compare the whole resident set and the HOT/STAGE sizes after every group.
         predictions: int [T, L, P] experts predicted per (token, layer), -1 for none (see simulate).
+        reclaim_used: see simulate.
 
     Returns:
         Counts: preloaded (residents loaded before the first access, not counted as misses),
@@ -150,7 +154,7 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
         raise ValueError(f"predictions of shape {predictions.shape} do not match the trace's "
                          f"{trace.num_tokens} tokens x {trace.num_layers} layers")
     mechanism = _Slots(policy)
-    book = PrefetchBook()
+    book = PrefetchBook(reclaim_used=reclaim_used)
     counts = dict.fromkeys(("accesses", "hits", "misses", "hits_hot", "hits_stage", "admissions"), 0)
     counts["preloaded"] = len(mechanism.slot_of)
     tokens = [0, 0, 0]  # served from HOT, STAGE, MISS

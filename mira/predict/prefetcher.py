@@ -43,6 +43,7 @@ class PrefetchBook:
     reclaim_used: bool = True
     counts: PrefetchCounts = field(default_factory=PrefetchCounts)
     _waiting: dict[int, set[int]] = field(default_factory=dict)  # target layer position -> uids
+    _issued_for: dict[int, int] = field(default_factory=dict)  # target layer position -> copies issued
 
     def stage(self, policy: Policy, target_layer: int, uids: Iterable[int],
               admit: Callable[[int, Access], None]) -> None:
@@ -58,6 +59,7 @@ class PrefetchBook:
                 admit(uid, access)
                 waiting.add(uid)
                 self.counts.issued += 1
+                self._issued_for[target_layer] = self._issued_for.get(target_layer, 0) + 1
             else:
                 self.counts.declined += 1
 
@@ -67,13 +69,13 @@ class PrefetchBook:
         Returns:
             The uids released (the mechanism frees their slots).
         """
-        waiting = self._waiting.pop(layer, set())
+        waiting = {uid for uid in self._waiting.pop(layer, set()) if policy.tier_of(uid) is Tier.STAGE}
+        # (a staged expert displaced before its layer came is no longer resident: wasted)
         routed = set(routed)
         used = waiting & routed
         self.counts.used += len(used)
-        self.counts.wasted += len(waiting) - len(used)
-        release = (waiting - routed) | (used if self.reclaim_used else set())
-        released = [uid for uid in sorted(release) if policy.tier_of(uid) is Tier.STAGE]
+        self.counts.wasted += self._issued_for.pop(layer, 0) - len(used)
+        released = sorted((waiting - routed) | (used if self.reclaim_used else set()))
         for uid in released:
             policy.release(uid)
         return released

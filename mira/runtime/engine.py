@@ -20,11 +20,12 @@ from mira.cache.cache import ExpertCache
 from mira.cache.policy import make_policy
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
-from mira.config import CacheConfig, RuntimeConfig
+from mira.config import PREFETCH, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.loader import build_model, read_config
 from mira.models.registry import adapter_for
+from mira.predict.baselines import GateSpeculation, Predictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
@@ -110,7 +111,7 @@ def default_device() -> str:
 
 def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
          quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
-         profile: str | os.PathLike | None = None, progress: bool = True) -> MiraModel:
+         profile: str | os.PathLike | None = None, prefetch: str = "gate", progress: bool = True) -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
@@ -127,6 +128,9 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         dtype: compute dtype; default bfloat16 on CUDA, float32 on the CPU.
         profile: a routing trace (.npz, `mira trace`) whose routed-token counts place the static
             policy's experts.
+        prefetch: predictive staging into STAGE (paper IV-E): "gate" (layer i+2's router applied
+            to layer i's input; needs no training), or "off". It acts only where the policy has
+            STAGE slots (the mira policy under a budget).
         progress: show progress bars.
 
     Raises:
@@ -157,8 +161,10 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     cache = ExpertCache(store, residency, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
+    routers = [site.parent.gate for site in sites]
+    predictor = _predictor(prefetch, routers, store) if residency.stage_slots else None
     for position, site in enumerate(sites):
-        setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device))
+        setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position]))
     return MiraModel(hf_model, _tokenizer(store_path), config, store, cache, plan, max_ctx)
 
 
@@ -202,6 +208,14 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
     workspace += ACTIVATION_WORKSPACE if device.type == "cuda" else 0
     return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
                       store.num_layers * store.num_experts, max_context)
+
+
+def _predictor(prefetch: str, routers: list, store: ExpertStore) -> Predictor | None:
+    if prefetch == "off":
+        return None
+    if prefetch == "gate":
+        return GateSpeculation(routers, store.num_experts)
+    raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
 
 
 def _profile_counts(path: str | os.PathLike, total_experts: int) -> list[int]:

@@ -5,7 +5,9 @@ queue behind prefetches, and prefetches on the other. Every row a copy lands in 
 transient row for an expert served without admission) has an event: a copy first waits for the
 compute already queued (a row is overwritten only after earlier kernels have read it), and the
 compute stream waits on the row's event before a kernel reads it. Both waits happen on the GPU: no
-host sync. On the CPU, copies are memcpy and the store's blobs are read in place.
+host sync. Copies into one row are ordered across the two streams by the same event, so a late
+prefetch can never land over a newer copy into its row. On the CPU, copies are memcpy and the
+store's blobs are read in place.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Transfer:
             return dst.copy_(src)
         stream = self.prefetch_stream if prefetch else self.demand_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_event(self._events[slot])  # the row's previous copy, maybe on the other stream, lands first
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             self._events[slot].record(stream)

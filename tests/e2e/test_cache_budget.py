@@ -43,9 +43,10 @@ def test_without_a_budget_the_cpu_reads_experts_in_place(stores):
     assert stats["cache"]["tokens_routed"] == (10 + 19) * 3 * 2
 
 
-@pytest.mark.parametrize("policy", ["mira", "lru", "lfu", "static", "on-demand"])
+@pytest.mark.parametrize(("policy", "prefetch"), [("mira", "gate"), ("mira", "off"), ("lru", "gate"), ("lfu", "off"),
+                                                 ("static", "off"), ("on-demand", "off")])
 @pytest.mark.parametrize("slots", [8, 12])
-def test_greedy_output_is_identical_for_every_policy_and_budget(stores, tmp_path, policy, slots):
+def test_greedy_output_is_identical_for_every_policy_budget_and_prefetch(stores, tmp_path, policy, prefetch, slots):
     store = stores["qwen2_moe", "int8-row"]
     unlimited = mira.load(store, device="cpu", progress=False)
     with RoutingRecorder(unlimited) as recorder:
@@ -56,8 +57,13 @@ def test_greedy_output_is_identical_for_every_policy_and_budget(stores, tmp_path
     reserve = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False).plan.reserve_bytes
     blob = unlimited.store.blob_bytes
     model = mira.load(store, device="cpu", vram_budget=reserve + slots * blob, policy=policy, profile=profile,
-                      progress=False)
+                      prefetch=prefetch, progress=False)
     assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
+    prefetched = model.stats()["prefetch"]
+    if policy == "mira" and prefetch == "gate":
+        assert prefetched["issued"] > 0 and model.stats()["cache"]["prefetch_copies"] == prefetched["issued"]
+    else:
+        assert prefetched["issued"] == 0
     stats = model.stats()["cache"]
     served = stats["tokens_served"]
     assert served["hot"] + served["stage"] + served["miss"] == stats["tokens_routed"] == (10 + 19) * 3 * 2

@@ -87,3 +87,33 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store):
     assert counts["calls"] == len(experts) == 3
     assert all(type(m.ffn).__name__ == "TritonMoEFFN" for m in experts)  # the fused kernels ran
     assert counts["syncs"] <= len(experts)
+
+
+def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(store, monkeypatch):
+    """Every prefetch copy is held back ~1 ms on its stream and every slot starts as garbage
+    (0xFF: int8 -1, bf16 NaN scales): a kernel that read a STAGE slot early would compute NaN or
+    another expert's output, and the greedy text would differ from the all-resident run."""
+    from mira.runtime.transfer import Transfer
+
+    everything = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off",
+                           progress=False)
+    expected = everything.generate(_prompt(), **GREEDY).cpu()
+    budget = everything.plan.reserve_bytes + 12 * everything.store.blob_bytes
+    del everything
+    load = Transfer.load
+
+    def slow_prefetch(self, src, dst, slot, prefetch=False):
+        if prefetch:
+            self.prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.prefetch_stream):
+                torch.cuda._sleep(2_000_000)  # ~1 ms of GPU clock cycles before the copy starts
+        return load(self, src, dst, slot, prefetch)
+
+    monkeypatch.setattr(Transfer, "load", slow_prefetch)
+    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate", progress=False)
+    model.cache.pool.buffer.fill_(0xFF)
+    got = model.generate(_prompt(), **GREEDY).cpu()
+    counts = model.stats()["prefetch"]
+    print(f"\nprefetch under delayed copies: {counts}")
+    assert counts["used"] > 0
+    assert torch.equal(got, expected)

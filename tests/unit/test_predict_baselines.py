@@ -1,0 +1,54 @@
+"""Training-free predictors (paper IV-E): gate speculation against float64 arithmetic with the
+model's own router weights; previous step and popularity against hand-worked cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mira
+from mira.predict.baselines import GateSpeculation, Popularity, PreviousStep, model_routers
+
+
+def test_gate_speculation_is_layer_i_plus_2s_router_on_layer_is_input(checkpoints):
+    model = mira.load(checkpoints["mixtral"], device="cpu", progress=False)  # 3 MoE layers, top-2 of 8
+    speculation = GateSpeculation.from_model(model)
+    assert speculation.routers == [layer.mlp.gate for layer in model.hf_model.model.layers]
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))  # [T, H]
+    got = speculation.scores(0, hidden)
+
+    weight = model.hf_model.model.layers[2].mlp.gate.weight.detach().double()  # [E, H] of layer 0 + 2
+    probability = torch.softmax(hidden.double() @ weight.T, -1)  # [T, E]
+    routed = torch.topk(probability, 2, dim=-1).indices  # [T, K]
+    mass = torch.bincount(routed.reshape(-1), minlength=8).double() / routed.numel()
+    expected = mass + probability.mean(0) / (2 * routed.numel())
+    np.testing.assert_allclose(got.double().numpy(), expected.numpy(), atol=1e-6)
+
+
+def test_gate_speculation_bypasses_hooks_on_the_routers(checkpoints):
+    model = mira.load(checkpoints["mixtral"], device="cpu", progress=False)
+    calls = []
+    router = model_routers(model.hf_model)[2]
+    handle = router.register_forward_hook(lambda *args: calls.append(1))
+    GateSpeculation.from_model(model).scores(0, torch.randn(3, 64))
+    handle.remove()
+    assert calls == []
+
+
+def test_previous_step_is_the_last_routing_of_the_target_layer():
+    previous = PreviousStep(num_layers=3, num_experts=4, device="cpu")
+    assert previous.scores(0).tolist() == [0, 0, 0, 0]
+    previous.observe(2, torch.tensor([[1, 3]]))
+    previous.observe(0, torch.tensor([[0, 2]]))  # another layer: not layer 0 + 2
+    assert previous.scores(0).tolist() == [0, 0.5, 0, 0.5]
+    previous.observe(2, torch.tensor([[0, 1], [1, 2]]))
+    assert previous.scores(0).tolist() == [0.25, 0.5, 0.25, 0]
+
+
+def test_popularity_ranks_by_the_profile_of_the_target_layer():
+    counts = np.array([[9, 0, 0], [0, 9, 0], [1, 5, 4]])
+    popularity = Popularity(counts)
+    assert popularity.scores(0).tolist() == pytest.approx([0.1, 0.5, 0.4])
+    popularity.observe(2, torch.tensor([[0, 0]]))  # fixed: observing changes nothing
+    assert popularity.scores(0).tolist() == pytest.approx([0.1, 0.5, 0.4])
