@@ -11,6 +11,7 @@ from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.config import POLICIES, PREFETCH
 from mira.errors import MiraError
+from mira.predict.commands import add_commands as add_predictor_commands
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
@@ -40,11 +41,16 @@ def _load(args: argparse.Namespace):
 
 
 def _trace(args: argparse.Namespace) -> None:
+    from mira.predict.commands import record_with_features
     from mira.runtime.tracing import read_prompts, record_trace
 
     prompts = read_prompts(Path(args.prompts))
-    trace = record_trace(_load(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
-    trace.save(args.out)
+    if args.features:
+        trace, _ = record_with_features(_load(args), prompts, args.max_new_tokens, Path(args.out), raw=args.raw,
+                                        progress=not args.quiet)
+    else:
+        trace = record_trace(_load(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
+        trace.save(args.out)
     print(f"trace {args.out}: {trace.num_tokens} tokens ({int(trace.is_prefill.sum())} prompt, "
           f"{int((~trace.is_prefill).sum())} generated) from {len(prompts)} prompts, {trace.num_layers} MoE layers, "
           f"top-{trace.top_k} of {trace.num_experts}")
@@ -96,9 +102,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="expert residency policy: mira (adaptive HOT+STAGE rebalancer, the default), lru, lfu, "
                              "static (the experts most routed in --profile stay resident), on-demand (no caching)")
     parser.add_argument("--profile", metavar="TRACE", help="routing trace (.npz from `mira trace`) for --policy static")
-    parser.add_argument("--prefetch", choices=PREFETCH, default="gate",
-                        help="stage the experts predicted for layer i+2 while layer i runs: gate (layer i+2's router "
-                             "applied to layer i's input; the default) or off. Acts where the policy has STAGE slots")
+    parser.add_argument("--prefetch", choices=PREFETCH, default="auto",
+                        help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
+                             "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
+                             "(the default: trained when the store has heads, else gate) or off. Acts where the "
+                             "policy has STAGE slots")
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -166,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one prompt per line, or JSON lines with a \"prompt\" field")
     trace.add_argument("--out", required=True, metavar="T.npz", help="the trace to write")
     trace.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    trace.add_argument("--features", action="store_true",
+                       help="also record the predictor features of every step beside the trace (T.features.npz), "
+                            "for `mira train-predictor` and `mira eval-predictor`")
     trace.set_defaults(run=_trace)
 
     sim = commands.add_parser("simulate", help="replay a routing trace through cache policies and Belady's bound",
@@ -188,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="one JSON object per policy and slot count")
     sim.add_argument("--plot", metavar="FILE.png", help="with --sweep: write miss rate against slots as a PNG")
     sim.set_defaults(run=_simulate)
+
+    add_predictor_commands(commands)
     return parser
 
 

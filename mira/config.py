@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from mira.store.layout import SCHEMES
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand")
-PREFETCH = ("gate", "off")
+PREFETCH = ("auto", "trained", "gate", "off")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from mira.kernels import make_moe_ffn
 from mira.models.loader import build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
+from mira.predict.heads import load_predictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
@@ -111,7 +112,7 @@ def default_device() -> str:
 
 def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
          quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
-         profile: str | os.PathLike | None = None, prefetch: str = "gate", progress: bool = True) -> MiraModel:
+         profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True) -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
@@ -128,9 +129,10 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         dtype: compute dtype; default bfloat16 on CUDA, float32 on the CPU.
         profile: a routing trace (.npz, `mira trace`) whose routed-token counts place the static
             policy's experts.
-        prefetch: predictive staging into STAGE (paper IV-E): "gate" (layer i+2's router applied
-            to layer i's input; needs no training), or "off". It acts only where the policy has
-            STAGE slots (the mira policy under a budget).
+        prefetch: predictive staging into STAGE (paper IV-E): "trained" (the heads `mira
+            train-predictor` saved beside the store), "gate" (layer i+2's router applied to layer
+            i's input; needs no training), "auto" (trained when the store has heads, else gate) or
+            "off". It acts only where the policy has STAGE slots (the mira policy under a budget).
         progress: show progress bars.
 
     Raises:
@@ -162,7 +164,7 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
                         Telemetry(store.num_layers, store.num_experts))
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store) if residency.stage_slots else None
+    predictor = _predictor(prefetch, routers, store, torch_device) if residency.stage_slots else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position]))
     return MiraModel(hf_model, _tokenizer(store_path), config, store, cache, plan, max_ctx)
@@ -210,12 +212,16 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
                       store.num_layers * store.num_experts, max_context)
 
 
-def _predictor(prefetch: str, routers: list, store: ExpertStore) -> Predictor | None:
+def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device) -> Predictor | None:
+    if prefetch not in PREFETCH:
+        raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
     if prefetch == "off":
         return None
-    if prefetch == "gate":
-        return GateSpeculation(routers, store.num_experts)
-    raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
+    trained = load_predictor(store.path, routers, device) if prefetch in ("auto", "trained") else None
+    if prefetch == "trained" and trained is None:
+        raise MiraError(f"store {store.path} has no trained predictor heads; run `mira train-predictor`, or pass "
+                        "--prefetch gate")
+    return trained or GateSpeculation(routers, store.num_experts)
 
 
 def _profile_counts(path: str | os.PathLike, total_experts: int) -> list[int]:
