@@ -30,7 +30,6 @@ time uses too, so a head sees the same features in training and in service.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from mira.errors import MiraError
+from mira.store.files import write_npz_atomic
 from mira.predict.trace import RoutingTrace, _read_npz
 
 HISTORY_WINDOW = 4  # steps of target-layer routing the history feature averages (benchmarks/predictor.py)
@@ -231,14 +231,7 @@ class FeatureSet:
         path = Path(path)
         arrays = dict(step_start=self.step_start, hidden=self.hidden, logits=self.logits, routed=self.routed,
                       speculation=self.speculation, top_k=np.int64(self.top_k), fingerprint=np.str_(self.fingerprint))
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".features-", suffix=".npz.tmp")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                np.savez_compressed(file, **arrays)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> FeatureSet:

@@ -18,7 +18,7 @@ An expert is the pair (layer, id); its uid is `layer * num_experts + id`.
 from __future__ import annotations
 
 import os
-import tempfile
+from pathlib import Path
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mira.errors import MiraError
+from mira.store.files import write_npz_atomic
 
 _OPTIONAL = {"topk_weights": np.float16, "seq_id": np.int32, "is_prefill": np.bool_}
 _MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1  # ids must fit int16
@@ -96,15 +97,7 @@ class RoutingTrace:
             value = getattr(self, name)
             if value is not None:
                 arrays[name] = value
-        folder = os.path.dirname(os.path.abspath(path))
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=".trace-", suffix=".npz.tmp")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                np.savez_compressed(file, **arrays)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_npz_atomic(Path(os.path.abspath(path)), arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RoutingTrace:

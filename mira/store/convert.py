@@ -25,7 +25,7 @@ from mira.models.loader import moe_skeleton_layers, read_config
 from mira.models.registry import adapter_for
 from mira.store.files import sha256_file, write_json_atomic
 from mira.store.layout import ExpertLayout
-from mira.store.manifest import FORMAT_VERSION, MANIFEST, Manifest, is_store
+from mira.store.manifest import FORMAT_VERSION, Manifest, is_store
 from mira.store.quant import quantize_expert
 
 PROGRESS = "progress.json"
