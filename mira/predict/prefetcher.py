@@ -6,10 +6,9 @@ copied ahead of use, one it declines is left to the miss path. The book remember
 experts wait for which layer; once that layer has computed, a staged expert it did not use is
 released (wasted), and by default a used one is released too: its slot is reclaimed right after
 use, as the paper's small-VRAM mode does. Keeping used prefetches in STAGE instead (where the
-rebalancer could promote them) left STAGE full of them: replaying the bundled model's held-out
-trace with perfect predictions, misses at 24 slots fell only from 120,786 to 110,201 when kept,
-and to 16 when reclaimed (benchmarks/prefetch.py). Plain Python on integers: the runtime (copies on the copy stream) and the simulator
-(a model of the slots) carry out the same decisions.
+rebalancer could promote them) left STAGE full of them: replaying held-out routing of the bundled
+model at 24 of 96 slots with perfect predictions, misses per token were 13.73 when kept and 0.006
+when reclaimed, against 15.01 with no prefetch (benchmarks/results/prefetch-tiny.json).
 """
 
 from __future__ import annotations
