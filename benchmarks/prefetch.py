@@ -1,22 +1,28 @@
-"""Predictive staging on the bundled model's real routing (issue #6; paper IV-E, Table III).
+"""Predictive staging on the bundled model's real routing (issue #6; paper IV-C, IV-E, Table III).
 
-1. Generates (greedy, CPU) from held-out ShareGPT prompts with every expert in a slot and gate
-   speculation on, recording the routing trace and, per step and MoE layer, the experts the
-   predictor offered to STAGE (for layer i+2, at layer i).
-2. Replays that trace in the simulator at about 10%, 25% and 50% of all experts as slots: the mira
-   policy with prefetch off, with the recorded gate predictions, and with perfect predictions (the
-   actual routing at i+2; staged experts reclaimed right after use, or kept in STAGE), next to
-   LRU, LFU and Belady's optimum (no prefetch).
-3. Runs the runtime itself at the same budgets with prefetch off and gate: misses per token.
+1. Simulator: replays the held-out trace that benchmarks/predictor.py records with predictor
+   features (100 held-out ShareGPT prompts, 64 new tokens each; recorded here when missing) at
+   10%, 25% and 50% of the 96 experts as slots: LFU and Belady's optimum (no prefetch), the mira
+   policy with prefetch off, and with the predictions `mira simulate --predictions` replays: gate
+   speculation, the trained MixtureHeads (benchmarks/results/predictor-tiny-heads.safetensors),
+   the previous step, popularity (ranked by the committed training-split trace) and perfect
+   predictions (the ceiling); one expert staged per target layer (the default) and two. Misses,
+   prefetch copies and all PCIe copies (misses + prefetches) per token, and the issue's goal,
+   (LFU - misses) / (LFU - Belady) >= 0.5. The simulator counts one access per token, layer and
+   expert, prompt tokens one by one (DESIGN.md 5).
+2. Runtime (CPU, greedy, every expert from the store through the slot pool): the first 16 of the
+   same prompts at the same budgets with prefetch off, gate and trained. Its counts are per layer
+   call: a prompt's tokens share one lookup per expert.
 
-    python benchmarks/prefetch.py [--prompts 16 --max-new-tokens 64]
+    python benchmarks/prefetch.py [--runtime-prompts 16 --max-new-tokens 64]
 
-Writes benchmarks/results/prefetch-tiny.json.
+Writes benchmarks/results/prefetch-tiny.json and prints both tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -24,125 +30,138 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import mira
-from mira.cache.simulate import simulate
+from mira.cache.simulate import load_predictions, simulate
+from mira.config import CacheConfig
+from mira.predict.baselines import GateSpeculation
+from mira.predict.commands import record_with_features
+from mira.predict.heads import TrainedPredictor, load_heads
 from mira.predict.prefetcher import PrefetchBook
+from mira.predict.trace import RoutingTrace
+from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
-from mira.runtime.tracing import RoutingRecorder
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+HEADS = RESULTS / "predictor-tiny-heads.safetensors"
+PROFILE = RESULTS / "traces" / "profile-train.npz"  # training-split routing (benchmarks/policies.py)
+SHARES = (0.10, 0.25, 0.50)
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from policies import _prompts  # noqa: E402  (held-out ShareGPT prompts, as in policies.py)
+from policies import _prompts  # noqa: E402  (held-out ShareGPT prompts, as in policies.py and predictor.py)
 
 
-def _record(prompts: list[str], max_new_tokens: int):
-    """Trace and gate predictions [T, L, P] (-1 padded) of greedy generation, all experts resident."""
-    probe = mira.load(device="cpu", vram_budget=1 << 30, progress=False)
-    model = mira.load(device="cpu", vram_budget=probe.plan.reserve_bytes + 96 * probe.store.blob_bytes,
-                      prefetch="gate", progress=False)
-    offered: list[tuple[int, list[int]]] = []  # (target layer, experts) in call order
-    stage = model.cache.stage
-    model.cache.stage = lambda layer, experts: (offered.append((layer, list(experts))), stage(layer, experts))
-    with RoutingRecorder(model) as recorder:
-        for prompt in prompts:
-            recorder.next_sequence()
-            model.generate(encode_prompt(model, prompt, raw=False), max_new_tokens=max_new_tokens,
-                           do_sample=False, pad_token_id=model.tokenizer.eos_token_id)
-    trace = recorder.trace()
-    L, E = trace.num_layers, trace.num_experts
-    steps = [ids.shape[0] for ids in recorder._ids]  # tokens per forward step
-    predictions = np.full((trace.num_tokens, L, E), -1, dtype=np.int64)
-    calls = iter(offered)
-    start = 0
-    for tokens in steps:
-        for _ in range(L - 2):
-            layer, experts = next(calls)
-            predictions[start:start + tokens, layer, :len(experts)] = experts
-        start += tokens
-    return trace, predictions, model.store.blob_bytes
+def _heldout_trace(prompts: int, max_new_tokens: int) -> Path:
+    """The held-out trace with features of benchmarks/predictor.py, recorded if it is not there."""
+    path = ROOT / ".carry" / "predictor" / f"heldout-0-{prompts}x{max_new_tokens}.npz"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record_with_features(mira.load(device="cpu", progress=False), _prompts(True, prompts), max_new_tokens, path)
+    return path
 
 
-def _runtime(prompts, max_new_tokens, slots, prefetch):
+def _simulated(trace: RoutingTrace, blob_bytes: int) -> list[dict]:
+    profile = RoutingTrace.load(PROFILE)
+    predictions = {name: load_predictions(name, trace, heads=HEADS, profile=profile)
+                   for name in ("gate", "trained", "previous", "popularity", "oracle")}
+    settings = [(name, 1) for name in predictions] + [("gate", 2), ("trained", 2)]
+    rows = []
+    for slots in (round(share * trace.num_uids) for share in SHARES):
+        lfu = simulate(trace, "lfu", slots, expert_bytes=blob_bytes)
+        belady = simulate(trace, "belady", slots, expert_bytes=blob_bytes)
+        runs = [("lfu", None, 0, lfu), ("belady", None, 0, belady),
+                ("mira, prefetch off", None, 0, simulate(trace, "mira", slots, expert_bytes=blob_bytes))]
+        for name, per_layer in settings:
+            result = simulate(trace, "mira", slots, expert_bytes=blob_bytes, predictions=predictions[name],
+                              staged_per_layer=per_layer)
+            runs.append((f"mira, prefetch {name}", name, per_layer, result))
+        for setting, predictor, per_layer, result in runs:
+            rows.append({
+                "slots": slots, "setting": setting, "predictor": predictor, "staged_per_layer": per_layer,
+                **{key: result[key] for key in ("tokens", "accesses", "misses", "copies", "hits_hot", "hits_stage")},
+                **{key: value for key, value in result.items() if key.startswith("prefetch_")},
+                "misses_per_token": result["misses"] / trace.num_tokens,
+                "prefetches_per_token": result.get("prefetch_issued", 0) / trace.num_tokens,
+                "copies_per_token": result["copies"] / trace.num_tokens,
+                "goal_lfu_minus_misses_over_lfu_minus_belady":
+                    (lfu["misses"] - result["misses"]) / (lfu["misses"] - belady["misses"]),
+            })
+    return rows
+
+
+def _runtime(prompts: list[str], max_new_tokens: int, slots: int, prefetch: str) -> dict:
     probe = mira.load(device="cpu", vram_budget=1 << 30, progress=False)
     model = mira.load(device="cpu", vram_budget=probe.plan.reserve_bytes + slots * probe.store.blob_bytes,
-                      prefetch=prefetch, progress=False)
+                      prefetch="off" if prefetch == "off" else "gate", progress=False)
+    if prefetch == "trained":  # the benchmark's heads, not the store's (the store may have none)
+        heads, _ = load_heads(HEADS, model.store.manifest.source_fingerprint)
+        predictor = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
+        for module in model.hf_model.modules():
+            if isinstance(module, MiraExperts):
+                module.predictor = predictor
     tokens = 0
     for prompt in prompts:
-        ids = encode_prompt(model, prompt, raw=False)
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+        out = model.generate(encode_prompt(model, prompt, raw=False), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=model.tokenizer.eos_token_id)
         tokens += out.shape[1]
     stats = model.stats()
-    return {"slots": slots, "prefetch": prefetch, "tokens": tokens,
-            "misses": stats["cache"]["lookups"]["miss"], "misses_per_token": stats["cache"]["lookups"]["miss"] / tokens,
-            "prefetch_counts": stats["prefetch"], "prefetch_copies": stats["cache"]["prefetch_copies"],
-            "demand_copies": stats["cache"]["copies"]}
+    misses, prefetches = stats["cache"]["lookups"]["miss"], stats["cache"]["prefetch_copies"]
+    return {"slots": slots, "prefetch": prefetch, "tokens": tokens, "misses": misses, "prefetch_copies": prefetches,
+            "copies": misses + prefetches, "demand_copies_into_slots": stats["cache"]["copies"],
+            "misses_per_token": misses / tokens, "prefetches_per_token": prefetches / tokens,
+            "copies_per_token": (misses + prefetches) / tokens, "prefetch_counts": stats["prefetch"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--heldout-prompts", type=int, default=100, help="prompts of the simulated trace")
+    parser.add_argument("--runtime-prompts", type=int, default=16, help="prompts the runtime generates from")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    prompts = _prompts(True, args.prompts)
-    trace, gate, blob = _record(prompts, args.max_new_tokens)
-    oracle = trace.topk_ids.astype(np.int64)
-    total = trace.num_uids
-    print(f"trace: {trace.num_tokens} tokens ({int((~trace.is_prefill).sum())} generated), {total} experts")
+    blob_bytes = mira.load(device="cpu", progress=False).store.blob_bytes
+    trace_path = _heldout_trace(args.heldout_prompts, args.max_new_tokens)
+    trace = RoutingTrace.load(trace_path)
+    print(f"trace {trace_path.relative_to(ROOT)}: {trace.num_tokens} tokens "
+          f"({int((~trace.is_prefill).sum())} generated), {trace.num_uids} experts")
 
-    rows = []
-    for slots in (round(total * 0.1), total // 4, total // 2):
-        def run(policy, predictions=None, name=None, **options):
-            r = simulate(trace, policy, slots, expert_bytes=blob, predictions=predictions, **options)
-            r["setting"] = name or policy
-            rows.append(r)
-            return r
+    simulated = _simulated(trace, blob_bytes)
+    print(f"\nsimulated, per token of the trace:\n{'slots':>5}  {'setting':28s} {'per layer':>9} {'misses':>7} "
+          f"{'prefetches':>10} {'copies':>7} {'goal':>6}")
+    for r in simulated:
+        print(f"{r['slots']:5d}  {r['setting']:28s} {r['staged_per_layer'] or '-':>9} {r['misses_per_token']:7.3f} "
+              f"{r['prefetches_per_token']:10.3f} {r['copies_per_token']:7.3f} "
+              f"{r['goal_lfu_minus_misses_over_lfu_minus_belady']:6.2f}")
 
-        for policy in ("lru", "lfu", "belady"):
-            run(policy)
-        off = run("mira", name="mira, prefetch off")
-        on = run("mira", gate, name="mira, prefetch gate")
-        run("mira", oracle, name="mira, perfect predictions")
-        run("mira", oracle, name="mira, perfect predictions, used kept in STAGE", reclaim_used=False)
-        lfu = next(r for r in rows if r["slots"] == slots and r["setting"] == "lfu")
-        belady = next(r for r in rows if r["slots"] == slots and r["setting"] == "belady")
-        avoidable = lfu["misses"] - belady["misses"]
-        on["removed_over_lfu_minus_belady"] = (off["misses"] - on["misses"]) / avoidable if avoidable else None
-
-    print(f"{'slots':>5}  {'setting':48s} {'misses/token':>12} {'prefetch used':>13} {'wasted':>7}")
-    for r in rows:
-        print(f"{r['slots']:5d}  {r['setting']:48s} {r['misses'] / r['tokens']:12.3f} "
-              f"{r.get('prefetch_used', 0):13d} {r.get('prefetch_wasted', 0):7d}")
-    for r in rows:
-        if "removed_over_lfu_minus_belady" in r:
-            print(f"{r['slots']} slots: gate prefetch removes {r['removed_over_lfu_minus_belady']:.2f} of "
-                  f"(LFU - Belady) misses")
-
-    runtime = [_runtime(prompts, args.max_new_tokens, slots, prefetch)
-               for slots in (round(total * 0.1), total // 4, total // 2) for prefetch in ("off", "gate")]
-    print("\nruntime (CPU):")
+    prompts = _prompts(True, args.runtime_prompts)
+    runtime = [_runtime(prompts, args.max_new_tokens, round(share * trace.num_uids), prefetch)
+               for share in SHARES for prefetch in ("off", "gate", "trained")]
+    print(f"\nruntime (CPU), per token, lookups per layer call:\n{'slots':>5}  {'prefetch':8s} {'misses':>7} "
+          f"{'prefetches':>10} {'copies':>7} {'used':>6} {'wasted':>6}")
     for r in runtime:
-        print(f"  {r['slots']:3d} slots, prefetch {r['prefetch']:4s}: {r['misses_per_token']:.3f} misses/token, "
-              f"{r['prefetch_copies']} prefetch copies, {r['demand_copies']} demand copies")
+        print(f"{r['slots']:5d}  {r['prefetch']:8s} {r['misses_per_token']:7.3f} {r['prefetches_per_token']:10.3f} "
+              f"{r['copies_per_token']:7.3f} {r['prefetch_counts']['used']:6d} {r['prefetch_counts']['wasted']:6d}")
 
     result = {
         "command": " ".join(["python", "benchmarks/prefetch.py", *sys.argv[1:]]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, torch {torch.__version__}",
+        "machine": f"{platform.node()}, {platform.machine()}, CPU, {torch.get_num_threads()} threads, "
+                   f"torch {torch.__version__}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "prompts": "held-out ShareGPT",
-                  "tokens": trace.num_tokens, "experts": total, **vars(args),
-                  "default_book": PrefetchBook().reclaim_used and "staged experts reclaimed right after use"},
-        "simulated": rows,
+        "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
+                  "trace": str(trace_path.relative_to(ROOT)), "trace_tokens": trace.num_tokens,
+                  "experts": trace.num_uids, "heads": str(HEADS.relative_to(ROOT)),
+                  "popularity_profile": str(PROFILE.relative_to(ROOT)), "expert_bytes": blob_bytes,
+                  "cache_config": dataclasses.asdict(CacheConfig()),
+                  "staged_per_layer_default": PrefetchBook.per_layer, **vars(args)},
+        "copies": "misses + prefetch copies: every expert blob moved over PCIe (a miss is one copy, admitted or not)",
+        "simulated": simulated,
         "runtime": runtime,
     }
-    out = ROOT / "benchmarks" / "results" / "prefetch-tiny.json"
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
+    out = RESULTS / "prefetch-tiny.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -59,15 +59,16 @@ def _trace(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     import json
 
-    from mira.cache.simulate import format_table, plot_sweep, simulate
+    from mira.cache.simulate import format_table, load_predictions, plot_sweep, simulate
     from mira.predict.trace import RoutingTrace
 
     trace = RoutingTrace.load(args.trace)
     profile = RoutingTrace.load(args.profile) if args.profile else None
     slot_counts = args.sweep or [args.slots]
     policies = args.policy or SIMULATED_POLICIES
+    predictions = load_predictions(args.predictions, trace, args.heads, profile) if args.predictions else None
     options = dict(stage_slots=args.stage_slots, expert_bytes=args.expert_bytes, bandwidth_gbps=args.bandwidth,
-                   profile=profile)
+                   profile=profile, predictions=predictions)
     try:
         results = [simulate(trace, policy, slots, **options) for slots in slot_counts for policy in policies]
     except ValueError as error:
@@ -195,7 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--bandwidth", type=float, default=BANDWIDTH_GBPS, metavar="GBPS",
                      help="host-to-device bandwidth in GB/s (default 55, PCIe 5 x16 as measured)")
     sim.add_argument("--profile", metavar="TRACE", help="trace placing the static policy's experts (default: the "
-                                                       "replayed trace itself, an oracle profile)")
+                                                       "replayed trace itself, an oracle profile) and ranking "
+                                                       "--predictions popularity")
+    sim.add_argument("--predictions", metavar="PREDICTOR|FILE.npz",
+                     help="replay prefetching into STAGE (mira policy; the best prediction per target layer is "
+                          "staged, as at run time): gate, trained (needs --heads), previous, popularity (needs "
+                          "--profile) or oracle (layer i+2's actual routing: the ceiling), computed per step from "
+                          "the features beside the trace (`mira trace --features`); or an .npz with 'predictions', "
+                          "int [tokens, layers, P], experts best first, -1 for none. PCIe bytes then count the "
+                          "prefetch copies too")
+    sim.add_argument("--heads", metavar="FILE", help="predictor heads for --predictions trained "
+                                                     "(<store>/predictor/heads.safetensors)")
     sim.add_argument("--json", action="store_true", help="one JSON object per policy and slot count")
     sim.add_argument("--plot", metavar="FILE.png", help="with --sweep: write miss rate against slots as a PNG")
     sim.set_defaults(run=_simulate)

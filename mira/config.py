@@ -8,6 +8,10 @@ from mira.store.layout import SCHEMES
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand")
 PREFETCH = ("auto", "trained", "gate", "off")
+# A MoE layer call of at most this many tokens is a decode step: the experts module and the
+# predictors serve it from buffers allocated once, so it allocates no device memory (DESIGN.md
+# 2.5). Larger calls (prefill) allocate their own. 16 covers batch-1 and small-batch decode.
+DECODE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,9 @@ class CacheConfig:
     The mira policy's interval, swap bound, heat decay and large-VRAM STAGE fraction were chosen by
     the sweep of `benchmarks/policies.py` on a training-split routing trace of the bundled model
     (results: benchmarks/results/policies-tiny.json). The small-VRAM STAGE fraction is 0.5 because
-    predicted experts need room: in a one-off comparison at 10 and 12 of 96 slots, gate
-    prefetching removed no misses with 0.125 and the most with 0.5 of 0.125, 0.34 and 0.5;
+    predicted experts need room: in a one-off comparison at 10 and 12 of 96 slots (under earlier
+    staging rules, which let misses displace staged experts), gate prefetching removed no misses
+    with 0.125 and the most with 0.5 of 0.125, 0.34 and 0.5;
     benchmarks/prefetch.py measures the chosen setting (results/prefetch-tiny.json).
     """
 

@@ -355,6 +355,11 @@ class MiraPolicy(Policy):
     served from the host without admission (zero-copy). Value is the expert's heat: its routed
     tokens, decayed by `config.heat_decay` per token step; ties go to recency.
 
+    The prefetcher stages predicted experts into STAGE too (`stage`). A staged expert belongs to
+    the prefetcher until it is released after its target layer: no miss and no other prediction
+    may take its slot, and the rebalancer leaves it alone (a staged expert displaced before its
+    layer comes is a copy for nothing; mira.predict.prefetcher has the figures).
+
     Every `config.rebalance_interval` tokens (counted by `end_step`) a rebalancing pass runs:
     victim scores for HOT residents (low routed volume in the window, long since last use, low
     heat; `config.victim_weights`), candidate scores for STAGE residents with traffic in the
@@ -385,6 +390,7 @@ class MiraPolicy(Policy):
         self.telemetry = WindowTelemetry()
         self._hot: set[int] = set()
         self._stage: set[int] = set()
+        self._staged: set[int] = set()  # STAGE entries staged ahead of use, not yet released
         self.heat_decay = config.heat_decay
         self._heat = Heat(self.heat_decay)
         self._last: dict[int, int] = {}  # uid -> clock of its last access
@@ -428,29 +434,31 @@ class MiraPolicy(Policy):
         return self._heat[uid], self._last.get(uid, 0)
 
     def _stage_victim(self) -> int | None:
-        """The least valuable STAGE entry outside the current group."""
-        evictable = [uid for uid in self._stage if self._evictable(uid)]
+        """The least valuable STAGE entry outside the current group that is not waiting for its layer."""
+        evictable = [uid for uid in self._stage if self._evictable(uid) and uid not in self._staged]
         return min(evictable, key=self._value) if evictable else None
 
     def stage(self, uid: int) -> Access:
         """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
-        least valuable STAGE entry outside the current group (a prediction outranks probation);
-        declined when STAGE has no slot or every entry belongs to the current group."""
+        least valuable probation entry outside the current group (a prediction outranks probation);
+        declined when STAGE holds nothing else than staged experts and the current group. The
+        expert stays until `release`."""
         tier = self.tier_of(uid)
         if tier is not Tier.MISS or self.stage_slots == 0:
             return Access(tier)
-        if len(self._stage) < self.stage_slots:
-            self._stage.add(uid)
-            return Access(Tier.MISS, admit=True)
-        victim = self._stage_victim()
-        if victim is None:
-            return Access(Tier.MISS)
-        self._stage.remove(victim)
+        victim = None
+        if len(self._stage) >= self.stage_slots:
+            victim = self._stage_victim()
+            if victim is None:
+                return Access(Tier.MISS)
+            self._stage.remove(victim)
         self._stage.add(uid)
+        self._staged.add(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
     def release(self, uid: int) -> None:
         self._stage.discard(uid)
+        self._staged.discard(uid)
 
     def resident(self) -> set[int]:
         return self._hot | self._stage
@@ -476,7 +484,8 @@ class MiraPolicy(Policy):
         scores = _Scores(self)
         victims = sorted(self._hot, key=scores.victim, reverse=True)
         candidates = sorted(
-            (uid for uid in self._stage if self.telemetry.routed(uid) > 0), key=scores.candidate, reverse=True
+            (uid for uid in self._stage - self._staged if self.telemetry.routed(uid) > 0),
+            key=scores.candidate, reverse=True,
         )
         swaps = []
         for promoted, demoted in zip(candidates, victims[: self.config.max_swaps]):

@@ -4,13 +4,15 @@ Paper IV-C and IV-D compare the HOT+STAGE rebalancer with LRU, LFU and static pl
 module makes that comparison on any trace of DESIGN.md 5 without a GPU: every policy of
 `mira.cache.policy` runs behind a small model of the slot mechanism (an expert-to-slot map that
 checks the policy keeps its contract), and `belady` gives the bound of DESIGN.md 4. A miss costs
-one expert blob over PCIe (the zero-copy miss path reads it once, admitted or not), so
-PCIe bytes = misses x expert bytes.
+one expert blob over PCIe (the zero-copy miss path reads it once, admitted or not), and so does
+a prefetch (paper IV-E: recorded predictions replayed with `predictions=`), so
+PCIe bytes = (misses + prefetches) x expert bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,7 +45,7 @@ def simulate(
     profile: RoutingTrace | None = None,
     check: bool = False,
     predictions: np.ndarray | None = None,
-    reclaim_used: bool = True,
+    staged_per_layer: int = PrefetchBook.per_layer,
 ) -> dict:
     """Replay `trace` through one policy with `slots` expert slots shared by all layers.
 
@@ -59,19 +61,21 @@ def simulate(
             replayed trace itself (an oracle profile, labelled so in the result).
         check: after every group, also check the policy's whole resident set and tier sizes
             against the mechanism (slower; the tests use it).
-        predictions: int [T, L, P], the experts predicted for each (token, layer), -1 for none;
-            made at layer - 2 and staged right after that layer's group, as the runtime does
-            (mira.predict.prefetcher). None: no prefetching. Belady ignores it.
-        reclaim_used: release a staged expert right after its layer used it (the runtime's
-            default), or keep it in STAGE.
+        predictions: int [T, L, P], the experts predicted for each (token, layer), best first, -1
+            for none (`load_predictions`); made at layer - 2 and staged right after that layer's
+            group, as the runtime does (mira.predict.prefetcher), and released once the layer has
+            run for the whole step (a prompt's tokens are one step). None: no prefetching.
+            Belady ignores it.
+        staged_per_layer: how many of the predictions of a (token, layer) are staged.
 
     Returns:
         A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
         placement is loaded before the first access, so it has no warm-up misses; every other
         policy and Belady start empty), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
-        hits_stage, pcie_bytes, pcie_seconds_per_token, expert_bytes, bandwidth_gbps; for the
-        online policies also admissions, tokens_routed/_hot/_stage/_miss and, with predictions,
-        prefetch counts (issued, skipped, declined, used, wasted) and prefetch_bytes; for mira the
+        hits_stage, copies (misses + prefetches issued: every blob moved over PCIe), pcie_bytes,
+        pcie_seconds_per_token, expert_bytes, bandwidth_gbps; for the online policies also
+        admissions, tokens_routed/_hot/_stage/_miss and, with predictions, prefetch counts
+        (prefetch_issued, _skipped, _declined, _used, _wasted) and prefetch_bytes; for mira the
         config it ran with, for static the profile it used. Belady has no tiers: hot_slots and
         stage_slots are absent and all its hits count as hits_hot.
 
@@ -94,13 +98,14 @@ def simulate(
             )
         counts_profile = (profile if profile is not None else trace).expert_counts().tolist()
         instance = make_policy(policy, slots, trace.num_uids, config, counts_profile, stage_slots)
-        counts = replay(trace, instance, check=check, predictions=predictions, reclaim_used=reclaim_used)
+        counts = replay(trace, instance, check=check, predictions=predictions, staged_per_layer=staged_per_layer)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":
             extra["config"] = {**dataclasses.asdict(config), "heat_decay": instance.heat_decay}
         if policy == "static":
             extra["profile"] = profile.source if profile is not None else "oracle: the replayed trace itself"
-    pcie_bytes = counts["misses"] * expert_bytes
+    copies = counts["misses"] + counts.get("prefetch_issued", 0)
+    pcie_bytes = copies * expert_bytes
     if "prefetch_issued" in counts:
         counts["prefetch_bytes"] = counts["prefetch_issued"] * expert_bytes
     return {
@@ -111,11 +116,80 @@ def simulate(
         **counts,
         "hit_rate": counts["hits"] / counts["accesses"],
         "miss_rate": counts["misses"] / counts["accesses"],
+        "copies": copies,
         "pcie_bytes": pcie_bytes,
         "pcie_seconds_per_token": pcie_bytes / (bandwidth_gbps * 1e9) / trace.num_tokens,
         "expert_bytes": expert_bytes,
         "bandwidth_gbps": bandwidth_gbps,
     }
+
+
+PREDICTORS = ("gate", "trained", "previous", "popularity", "oracle")
+
+
+def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike | None = None,
+                     profile: RoutingTrace | None = None) -> np.ndarray:
+    """What a predictor offers to STAGE at every token of a recorded trace, for `simulate(predictions=)`.
+
+    A named predictor is computed from the features recorded beside the trace (`mira trace
+    --features` writes T.features.npz next to T.npz), per forward step as the runtime does
+    (mira.runtime.experts: the step's best min(E, tokens x K) experts for layer i+2, each token
+    of a prompt step carrying its step's offer):
+    gate (layer i+2's router on layer i's input, recorded while tracing), trained (the MixtureHeads
+    in `heads`), previous (layer i+2's routing at the previous step), popularity (routed tokens
+    per expert in `profile`), oracle (the routing that layer i+2 then had: the ceiling).
+
+    Args:
+        source: one of `PREDICTORS`, or an .npz file holding `predictions`, int [T, L, P]: experts
+            per (token, layer), best first, -1 for none.
+        trace: the trace the predictions are for (loaded from T.npz; its `source` locates the features).
+        heads: the heads file (`<store>/predictor/heads.safetensors`) for trained.
+        profile: the trace whose routed-token counts rank popularity.
+
+    Returns:
+        int64 [T, L, P].
+
+    Raises:
+        MiraError: a missing or mismatched features, heads or predictions file, or a missing
+            `heads` / `profile`, with the fix.
+    """
+    from mira.errors import MiraError
+
+    if source not in PREDICTORS:
+        try:
+            predictions = np.load(source)["predictions"]
+        except (OSError, KeyError, ValueError) as error:
+            raise MiraError(f"cannot read predictions from {source} ({error}); pass one of {', '.join(PREDICTORS)} "
+                            "or an .npz with an int array 'predictions' [tokens, layers, P] (-1 for none)") from None
+        if predictions.dtype.kind not in "iu" or predictions.shape[:2] != trace.topk_ids.shape[:2]:
+            raise MiraError(f"predictions in {source} are {predictions.dtype} {predictions.shape}; the trace "
+                            f"{trace.source} needs integers [{trace.num_tokens}, {trace.num_layers}, P]")
+        return predictions.astype(np.int64)
+
+    from mira.predict.coverage import predictor_scores
+    from mira.predict.features import FeatureSet, features_path
+
+    features = FeatureSet.load(features_path(trace.source))
+    features.check(trace)
+    trained = popularity = None
+    if source == "trained":
+        if heads is None:
+            raise MiraError("--predictions trained needs the heads: pass --heads <store>/predictor/heads.safetensors")
+        from mira.predict.heads import load_heads
+
+        trained, _ = load_heads(heads, features.fingerprint)
+    if source == "popularity":
+        if profile is None:
+            raise MiraError("--predictions popularity ranks experts by a profile: pass --profile TRACE")
+        popularity = profile.expert_counts().reshape(trace.num_layers, trace.num_experts)
+    scores = predictor_scores(features, trained, popularity)["mixture" if source == "trained" else source]
+    ranked = np.argsort(-scores, axis=-1, kind="stable")  # [S, L-2, E], ties to the lower id
+    E = trace.num_experts
+    predictions = np.full((trace.num_tokens, trace.num_layers, E), -1, dtype=np.int64)  # [T, L, E]
+    for step, (start, tokens) in enumerate(zip(features.step_start[:-1], features.tokens)):
+        offered = min(E, int(tokens) * trace.top_k)
+        predictions[start:start + tokens, 2:, :offered] = ranked[step, :, :offered]
+    return predictions
 
 
 def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
@@ -128,19 +202,23 @@ def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
 
 
 def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
-           predictions: np.ndarray | None = None, reclaim_used: bool = True) -> dict[str, int]:
+           predictions: np.ndarray | None = None, staged_per_layer: int = PrefetchBook.per_layer) -> dict[str, int]:
     """Drive `policy` through the trace's accesses behind a model of the slot mechanism.
 
+    Steps are as the runtime runs them: a prompt's tokens (`is_prefill`, one `seq_id`) are one
+    forward step, every other token one; `policy.end_step` comes once per step with its token
+    count, and staged experts are released when their layer has run for the step's last token.
     The mechanism loads `policy.resident()` first (static placement), then for each access checks
     that the answer can be carried out: a hit is resident, a miss is not, an admission takes a free
-    slot or the slot of a resident outside the current group, and an admission is a miss.
+    slot or the slot of a resident outside the current group and not staged for a layer still to
+    come, and an admission is a miss.
 
     Args:
         trace: the routing trace.
         policy: a fresh policy.
         check: also compare the whole resident set and the HOT/STAGE sizes after every group.
         predictions: int [T, L, P] experts predicted per (token, layer), -1 for none (see simulate).
-        reclaim_used: see simulate.
+        staged_per_layer: see simulate.
 
     Returns:
         Counts: preloaded (residents loaded before the first access, not counted as misses),
@@ -154,12 +232,15 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
         raise ValueError(f"predictions of shape {predictions.shape} do not match the trace's "
                          f"{trace.num_tokens} tokens x {trace.num_layers} layers")
     mechanism = _Slots(policy)
-    book = PrefetchBook(reclaim_used=reclaim_used)
+    book = PrefetchBook(per_layer=staged_per_layer)
     counts = dict.fromkeys(("accesses", "hits", "misses", "hits_hot", "hits_stage", "admissions"), 0)
     counts["preloaded"] = len(mechanism.slot_of)
     tokens = [0, 0, 0]  # served from HOT, STAGE, MISS
     last_layer = trace.num_layers - 1
     E = trace.num_experts
+    step_ends = _last_token_of_step(trace)
+    routed_in_step: dict[int, set[int]] = {}  # layer -> uids routed there by the step's tokens so far
+    step_start = 0  # first token of the current step
     for group in trace.accesses():
         policy.begin_group()
         mechanism.begin_group()
@@ -176,16 +257,33 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
             target = group.layer + 2
             book.stage(policy, target, [target * E + int(e) for e in predictions[group.token, target] if e >= 0],
                        admit=mechanism.admit_staged)
-        for uid in book.after_layer(policy, group.layer, [uid for uid, _ in group.experts]):
-            mechanism.release(uid)
-        if group.layer == last_layer:
-            policy.end_step(1)
+        routed_in_step.setdefault(group.layer, set()).update(uid for uid, _ in group.experts)
+        if step_ends[group.token]:  # the runtime computes a step's tokens in one call per layer
+            for uid in book.after_layer(policy, group.layer, routed_in_step.pop(group.layer)):
+                mechanism.release(uid)
+            if group.layer == last_layer:
+                policy.end_step(group.token + 1 - step_start)
+                step_start = group.token + 1
         if check:
             mechanism.check_all()
     counts.update(tokens_routed=sum(tokens), tokens_hot=tokens[0], tokens_stage=tokens[1], tokens_miss=tokens[2])
     if predictions is not None:
         counts.update({f"prefetch_{name}": value for name, value in book.counts.as_dict().items()})
     return counts
+
+
+def _last_token_of_step(trace: RoutingTrace) -> np.ndarray:
+    """bool [T]: whether each token closes a forward step of the runtime.
+
+    A sequence's prompt tokens (`is_prefill`, same `seq_id`) went through the model in one step;
+    every other token is a step of its own. A trace without `is_prefill` is all one-token steps.
+    """
+    ends = np.ones(trace.num_tokens, dtype=bool)
+    if trace.is_prefill is not None:
+        seq = trace.seq_id if trace.seq_id is not None else np.zeros(trace.num_tokens, dtype=np.int32)
+        same_prompt = trace.is_prefill[:-1] & trace.is_prefill[1:] & (seq[:-1] == seq[1:])
+        ends[:-1] = ~same_prompt
+    return ends
 
 
 class _Slots:
@@ -199,6 +297,7 @@ class _Slots:
         self.slot_of = {uid: slot for slot, uid in enumerate(placed)}
         self._free = list(range(policy.capacity - 1, len(placed) - 1, -1))
         self._group: set[int] = set()
+        self._staged: set[int] = set()  # copied ahead of use, not yet released
 
     def begin_group(self) -> None:
         self._group = set()
@@ -221,12 +320,14 @@ class _Slots:
         if uid in self.slot_of or not answer.admit:
             raise PolicyContractError(f"{self._policy.name}: stages uid {uid} with {answer}")
         self.slot_of[uid] = self._take_slot(answer.evict, self._policy.name)
+        self._staged.add(uid)
 
     def release(self, uid: int) -> None:
         """The policy released `uid`'s STAGE slot."""
         if uid in self._policy.resident():
             raise PolicyContractError(f"{self._policy.name}: released uid {uid} but still holds it")
         self._free.append(self.slot_of.pop(uid))
+        self._staged.discard(uid)
 
     def _take_slot(self, evict: int | None, name: str) -> int:
         if evict is None:
@@ -237,6 +338,8 @@ class _Slots:
             raise PolicyContractError(f"{name}: evicts uid {evict}, which holds no slot")
         if evict in self._group:
             raise PolicyContractError(f"{name}: evicts uid {evict}, accessed in the current group")
+        if evict in self._staged:
+            raise PolicyContractError(f"{name}: evicts uid {evict}, staged for a layer that has not run yet")
         return self.slot_of.pop(evict)
 
     def check_all(self) -> None:
@@ -275,8 +378,8 @@ def sweep(
 def format_table(results: Sequence[dict]) -> str:
     """A plain-text table of simulation results, one row each.
 
-    The last column divides each policy's misses by Belady's at the same slot count, where the
-    results include Belady's.
+    PCIe bytes count misses and prefetches. The last column divides each policy's misses by
+    Belady's at the same slot count, where the results include Belady's.
 
     Args:
         results: dicts returned by `simulate` or `sweep`.
@@ -286,7 +389,7 @@ def format_table(results: Sequence[dict]) -> str:
     """
     bound = {row["slots"]: row["misses"] for row in results if row["policy"] == "belady"}
     header = ("policy", "slots", "hot", "stage", "accesses", "hit rate", "misses", "HOT hits", "STAGE hits",
-              "PCIe GB", "PCIe ms/token", "x Belady")
+              "prefetches", "PCIe GB", "PCIe ms/token", "x Belady")
     rows = [header]
     for row in results:
         best = bound.get(row["slots"])
@@ -300,6 +403,7 @@ def format_table(results: Sequence[dict]) -> str:
             str(row["misses"]),
             str(row["hits_hot"]),
             str(row["hits_stage"]),
+            str(row.get("prefetch_issued", "-")),
             f"{row['pcie_bytes'] / 1e9:.2f}",
             f"{row['pcie_seconds_per_token'] * 1e3:.3f}",
             f"{row['misses'] / best:.2f}" if best else "-",

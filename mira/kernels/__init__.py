@@ -11,6 +11,8 @@ Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K],
 `blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the device slot
 buffer, or its blob in the pinned host store, which the Triton kernels read directly over PCIe) or
 None when it is not routed. The result is [T, H] in hidden's dtype, written into `out` when given.
+The fused kernels also take the blobs' addresses as a device table (`TritonMoEFFN.forward_bases`),
+which the runtime fills with `mira.kernels.addresses.AddressTable` instead of passing the list.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ made at construction, the address table on the first call (or at construction gi
 `max_tokens` and `top_k` were given at construction (they grow when a larger call comes). No path
 synchronises with the host: the blob-list form stages the address table in pinned host memory and
 copies it without waiting (`forward_bases` takes a device table the caller keeps instead, which
-also makes a decode step capturable in a CUDA graph).
+also makes a decode step capturable in a CUDA graph; the runtime fills one per layer with
+`mira.kernels.addresses.AddressTable`, without the blob list's per-call checks and staging).
 
 T tokens, E experts in the layer, K routed per token, P = T*K routed pairs, H hidden,
 I expert intermediate.

@@ -63,10 +63,11 @@ def read_config(model_dir: Path) -> PretrainedConfig:
 
 
 @contextlib.contextmanager
-def _experts_swapped(adapter: Adapter) -> Iterator[None]:
+def experts_swapped(adapter: Adapter, placeholder: type[ExpertsPlaceholder] = ExpertsPlaceholder) -> Iterator[None]:
+    """While inside, the family's Experts class is `placeholder` (restored on exit, even on error)."""
     module = importlib.import_module(adapter.experts_module)
     original = getattr(module, adapter.experts_class)
-    setattr(module, adapter.experts_class, ExpertsPlaceholder)
+    setattr(module, adapter.experts_class, placeholder)
     try:
         yield
     finally:
@@ -95,7 +96,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tu
     """
     config = read_config(model_dir)
     adapter = adapter_for(config, str(model_dir))
-    with _experts_swapped(adapter):
+    with experts_swapped(adapter):
         model = _model_class(config).from_pretrained(model_dir, dtype=dtype)
     model.to(device).eval()
     return model, moe_sites(model)
@@ -104,7 +105,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tu
 def moe_skeleton_layers(config: PretrainedConfig) -> list[int]:
     """Decoder layer indices that hold routed experts, found by building the model on the meta device."""
     adapter = adapter_for(config)
-    with _experts_swapped(adapter), torch.device("meta"):
+    with experts_swapped(adapter), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return [site.layer for site in moe_sites(model)]
 

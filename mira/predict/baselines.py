@@ -7,6 +7,9 @@ both computed on the device with no host sync:
     observe(layer, top_k_index)                              every MoE layer, once its routing is known
     scores(layer, hidden, router_logits, top_k_index) -> [E]  source layers 0..L-3, for layer + 2
 
+A decode step allocates nothing (DESIGN.md 2.5), so `scores` may return a view of a buffer of the
+predictor's own that the next call for the same source layer overwrites: copy it to keep it.
+
 - GateSpeculation: layer i+2's own router applied to layer i's MoE input; the experts its top-k
   would route the step's tokens to. The default predictor of a model without trained heads.
 - PreviousStep: the routing of layer i+2 at the previous step.
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mira.config import DECODE_TOKENS
 from mira.predict.features import RoutingHistory, routed_mass
 
 
@@ -56,23 +60,123 @@ def model_routers(hf_model: nn.Module) -> list[nn.Module]:
     return [routers[position] for position in sorted(routers)]
 
 
+class RouterRule:
+    """How one transformers router picks its experts, recomputed into buffers given by the caller.
+
+    transformers' routers allocate a dozen temporaries per call; gate speculation runs one per
+    source layer and decode step, so it redoes their arithmetic (transformers 5.x) with out=
+    operations instead:
+
+        logits  x W^T in the weight's dtype (DeepSeek keeps its router weight in fp32)
+        choice  softmax(logits) in fp32: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2;
+                sigmoid(logits) + e_score_correction_bias: DeepSeek-V3
+        groups  only the best `topk_group` of `n_group` expert groups compete (DeepSeek-V2's
+                group_limited_greedy ranks a group by its best choice, V3 by its best two)
+        top-k   of the choice
+
+    Raises:
+        ValueError: a router whose selection this does not know (a family added without a rule).
+    """
+
+    def __init__(self, router: nn.Module):
+        weight, top_k = getattr(router, "weight", None), getattr(router, "top_k", None)
+        method = getattr(router, "topk_method", "greedy")
+        known = method in ("greedy", "group_limited_greedy")
+        if weight is None or weight.dim() != 2 or top_k is None or not known:
+            raise ValueError(f"gate speculation knows the routers of Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V2/V3, "
+                             f"not {type(router).__name__}; add its rule to RouterRule or pass --prefetch off")
+        self.weight = weight  # [E, H]
+        self.top_k = top_k
+        self.bias = getattr(router, "e_score_correction_bias", None)  # [E]: DeepSeek-V3's sigmoid routing
+        grouped = self.bias is not None or method == "group_limited_greedy"
+        self.groups = (router.num_group, router.topk_group) if grouped else None  # (n_group, topk_group)
+
+    def route(self, hidden: torch.Tensor, ws: SpeculationWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's softmax probabilities [T, E] (fp32) and choice [T, K] for hidden [T, H], in `ws`."""
+        # T tokens, H hidden, E experts, K routed per token
+        T = hidden.shape[0]
+        x = hidden if hidden.dtype == self.weight.dtype else ws.x[:T].copy_(hidden)
+        logits = ws.logits32[:T].copy_(torch.mm(x, self.weight.t(), out=ws.logits[:T]))  # [T, E] fp32
+        probability = torch.softmax(logits, -1, out=ws.probability[:T])
+        if self.bias is not None:
+            choice = torch.sigmoid(logits, out=ws.choice[:T]).add_(self.bias)
+        else:
+            choice = ws.choice[:T].copy_(probability)
+        if self.groups is not None:
+            self._keep_best_groups(choice, ws)
+        torch.topk(choice, self.top_k, out=(ws.top_values[:T], ws.top_index[:T]))
+        return probability, ws.top_index[:T]
+
+    def _keep_best_groups(self, choice: torch.Tensor, ws: SpeculationWorkspace) -> None:
+        """Mask in `choice` [T, E] the experts outside the best groups as the router does: -inf, or 0 for
+        probabilities."""
+        # T tokens, G groups of E/G experts, B best groups kept
+        T = choice.shape[0]
+        groups, best = self.groups
+        grouped = choice.view(T, groups, -1)  # [T, G, E/G]
+        score = ws.group_score[:T]  # [T, G]
+        if self.bias is not None:  # V3: the sum of a group's two best
+            torch.sum(torch.topk(grouped, 2, -1, out=(ws.group_top2[:T], ws.group_top2_index[:T]))[0], -1, out=score)
+        else:  # V2: a group's best
+            torch.amax(grouped, -1, out=score)
+        torch.topk(score, best, -1, out=(ws.group_best[:T], ws.group_index[:T]))  # [T, B]
+        drop = ws.group_drop[:T].fill_(True).scatter_(1, ws.group_index[:T], False)  # [T, G]
+        grouped.masked_fill_(drop[:, :, None], float("-inf") if self.bias is not None else 0.0)
+
+
+class SpeculationWorkspace:
+    """The temporaries of gate speculation for up to `tokens` tokens: made once for decode steps,
+    per call for larger ones.
+
+    T tokens, H hidden, E experts, K routed per token, G expert groups, B best groups kept.
+    """
+
+    def __init__(self, rule: RouterRule, tokens: int, device: torch.device):
+        E, H = rule.weight.shape
+        K, f32, i64 = rule.top_k, torch.float32, torch.int64
+        groups, best = rule.groups or (1, 1)
+        self.tokens = tokens
+        self.x = torch.empty(tokens, H, dtype=rule.weight.dtype, device=device)  # hidden in the router's dtype
+        self.logits = torch.empty(tokens, E, dtype=rule.weight.dtype, device=device)
+        self.logits32, self.probability, self.choice = (torch.empty(tokens, E, dtype=f32, device=device)
+                                                        for _ in range(3))
+        self.top_values = torch.empty(tokens, K, dtype=f32, device=device)
+        self.top_index = torch.empty(tokens, K, dtype=i64, device=device)
+        self.group_top2 = torch.empty(tokens, groups, 2, dtype=f32, device=device)
+        self.group_top2_index = torch.empty(tokens, groups, 2, dtype=i64, device=device)
+        self.group_score = torch.empty(tokens, groups, dtype=f32, device=device)
+        self.group_best = torch.empty(tokens, best, dtype=f32, device=device)
+        self.group_index = torch.empty(tokens, best, dtype=i64, device=device)
+        self.group_drop = torch.empty(tokens, groups, dtype=torch.bool, device=device)
+        self.counts = torch.empty(E, dtype=f32, device=device)
+        self.mean = torch.empty(E, dtype=f32, device=device)
+        self.one = torch.ones(1, dtype=f32, device=device)
+
+
 class GateSpeculation:
     """Layer i+2's router applied to layer i's MoE input, token by token (paper IV-E's baseline).
 
     The score of an expert is the share of the step's routed slots that layer i+2's router would
     give it if its input were layer i's, plus the mean router probability (softmax of the logits)
     scaled below one slot's share, so that ties in the routed share go to the likelier expert.
-    The routers are called through `forward`, not `__call__`, so hooks on them never see these calls.
+    The routers' arithmetic is redone by `RouterRule` into buffers made once, so a decode step of
+    up to `max_tokens` tokens allocates nothing; the router modules are never called, so hooks on
+    them never see these calls.
 
     Args:
-        routers: the router of each MoE layer, in order (`model_routers`).
+        routers: the router of each MoE layer, in order (`model_routers`); they share their shapes.
         num_experts: E.
+        max_tokens: the most tokens a call serves from the buffers made once.
     """
 
-    def __init__(self, routers: Sequence[nn.Module], num_experts: int):
+    def __init__(self, routers: Sequence[nn.Module], num_experts: int, max_tokens: int = DECODE_TOKENS):
         self.routers = list(routers)
         self.num_layers = len(self.routers)
         self.num_experts = num_experts
+        self._rules = [RouterRule(router) for router in self.routers]
+        device = self._rules[0].weight.device
+        self._workspace = SpeculationWorkspace(self._rules[0], max_tokens, device)
+        self._scores = torch.zeros(self.num_layers, num_experts, device=device)  # [L, E]: one row per source layer
 
     @classmethod
     def from_model(cls, model) -> GateSpeculation:
@@ -84,7 +188,7 @@ class GateSpeculation:
 
     def scores(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
                top_k_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores of layer+2's experts; no host sync.
+        """Scores of layer+2's experts; no host sync, and no allocation for up to `max_tokens` tokens.
 
         T tokens, H hidden, E experts, K routed per token.
 
@@ -94,13 +198,17 @@ class GateSpeculation:
             router_logits, top_k_index: unused (the interface's other features).
 
         Returns:
-            float32 [E].
+            float32 [E], a view of this layer's row of a buffer that the next call for `layer` overwrites.
         """
+        rule = self._rules[layer + 2]
+        tokens = hidden.shape[0]
+        ws = self._workspace if tokens <= self._workspace.tokens else SpeculationWorkspace(rule, tokens, hidden.device)
         with torch.no_grad():
-            logits, _, indices = self.routers[layer + 2].forward(hidden)  # [T, E], [T, K]
-            slots = indices.numel()
-            probability = logits.float().softmax(-1).mean(0)  # [E]
-            return routed_mass(indices, self.num_experts) + probability / (2 * slots)  # [E]
+            probability, chosen = rule.route(hidden, ws)  # [T, E], [T, K]
+            slots = chosen.numel()
+            mass = ws.counts.zero_().scatter_add_(0, chosen.reshape(-1), ws.one.expand(slots)).div_(slots)  # [E]
+            mean = torch.mean(probability, 0, out=ws.mean)  # [E]
+            return torch.add(mass, mean, alpha=1 / (2 * slots), out=self._scores[layer])
 
 
 class PreviousStep:

@@ -64,10 +64,11 @@ def _train(args: argparse.Namespace) -> None:
                                  progress=not args.quiet)
     figures["traces"] = [str(path) for path in args.traces]
     path = save_heads(heads, Path(args.out) / HEADS_FILE if args.out else predictor_file(store), fingerprint, figures)
-    validation = " ".join(f"{layer['validation_coverage@2']:.2f}" for layer in figures["layers"])
+    validation = " ".join("-" if layer["validation_decode_coverage@2"] is None
+                          else f"{layer['validation_decode_coverage@2']:.2f}" for layer in figures["layers"])
     print(f"predictor heads {path}: {sources} MixtureHeads, {heads.parameter_count()} parameters, trained on "
-          f"{figures['train_steps']} steps of {figures['sequences']} sequences; validation Coverage@2 per source "
-          f"layer: {validation}")
+          f"{figures['train_steps']} steps of {figures['sequences']} sequences; Coverage@2 on validation decode "
+          f"steps per source layer: {validation}")
 
 
 def _eval(args: argparse.Namespace) -> None:

@@ -171,14 +171,16 @@ def plot_coverage(result: dict, path: str, title: str = "") -> None:
         for name, per_subset in coverage_of.items():
             layers = per_subset[subset][k]["layers"]
             axis.plot(range(len(layers)), layers, marker="o", markersize=3, label=LABELS[name],
-                      linestyle=":" if name == "oracle" else "-", linewidth=2.2 if name == "mixture" else 1.2)
+                      linestyle=":" if name == "oracle" else "-", linewidth=2.2 if name == "mixture" else 1.2,
+                      zorder=3 if name == "mixture" else 2)
         axis.set_title(f"Coverage{k}")
         axis.set_xlabel("source layer i (target i+2)")
         axis.set_ylim(0, 1.02)
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"routed mass covered ({subset} steps)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     figure.suptitle(title)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=120)
     pyplot.close(figure)

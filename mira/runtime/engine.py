@@ -23,10 +23,10 @@ from mira.cache.telemetry import Telemetry
 from mira.config import PREFETCH, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
-from mira.models.loader import build_model, read_config
+from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
-from mira.predict.heads import load_predictor
+from mira.predict.heads import TrainedPredictor, load_heads, load_predictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
@@ -90,13 +90,18 @@ class MiraModel:
         kwargs.setdefault("disable_compile", True)
         return self.hf_model.generate(input_ids.to(self.device), **kwargs)
 
+    @property
+    def all_resident(self) -> bool:
+        """Every expert has a slot: they were all copied in when loading and the policy has nothing to do."""
+        return self.cache.pool.num_slots >= self.store.num_layers * self.store.num_experts
+
     def stats(self) -> dict:
         """Cache statistics and the setup, as plain JSON-ready values."""
         return {
             "device": self.config.device,
             "dtype": self.config.dtype,
             "quant": self.store.manifest.scheme,
-            "policy": self.config.cache.policy,
+            "policy": "all-resident" if self.all_resident else self.config.cache.policy,
             "slots": self.cache.pool.num_slots,
             "total_experts": self.store.num_layers * self.store.num_experts,
             "expert_blob_bytes": self.store.blob_bytes,
@@ -139,35 +144,57 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         MiraError: with a message naming the fix, for every problem a user can fix.
     """
     store_path = resolve_store(Path(path) if path is not None else BUNDLED_MODEL, quant, progress)
-    manifest = Manifest.read(store_path)
-    config = RuntimeConfig(device=device or default_device(), dtype=dtype or "", vram_budget=vram_budget,
-                           max_context=max_context or DEFAULT_MAX_CONTEXT, quant=manifest.scheme,
-                           cache=CacheConfig(policy=policy))
-    torch_device = torch.device(config.device)
+    torch_device = torch.device(device or default_device())
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise MiraError("--device cuda was asked for but no CUDA device is available; pass --device cpu")
     store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=progress)
-    hf_model, sites = build_model(store_path, getattr(torch, config.dtype), torch_device)
+    compute_dtype = RuntimeConfig(device=torch_device.type, dtype=dtype or "").dtype
+    hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
+    counts = _profile_counts(profile, store.num_layers * store.num_experts) if profile is not None else None
+    return assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context, counts,
+                    prefetch)
+
+
+def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreTrainedTokenizerBase | None,
+             vram_budget: int | None = None, policy: str = "mira", max_context: int | None = None,
+             profile_counts: list[int] | None = None, prefetch: str = "auto",
+             heads: str | os.PathLike | None = None) -> MiraModel:
+    """Bind Mira's experts to a built model: the slot plan, cache, transfer layer, kernel and predictor.
+
+    `load` calls this for a model read from a store; `mira bench` calls it for synthetic models
+    whose store lives only in memory. Arguments as for `load`; `hf_model` is on its device and in
+    its compute dtype, `sites` are its MoE sites (mira.models.loader), `profile_counts` the routed
+    tokens per expert (uid order) that place the static policy's experts, `heads` a file of trained
+    predictor heads to use instead of the store's own.
+    """
+    torch_device = next(hf_model.parameters()).device
+    total_experts = store.num_layers * store.num_experts
+    if profile_counts is not None and len(profile_counts) != total_experts:
+        raise MiraError(f"the profile routes over {len(profile_counts)} experts but this model has {total_experts}; "
+                        "record the profile with `mira trace` on the same model")
+    config = RuntimeConfig(device=str(torch_device), dtype=str(hf_model.dtype).removeprefix("torch."),
+                           vram_budget=vram_budget, max_context=max_context or DEFAULT_MAX_CONTEXT,
+                           quant=store.manifest.scheme, cache=CacheConfig(policy=policy))
     model_config = hf_model.config
     max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(model_config, "max_position_embeddings", 1 << 30))
 
     plan = _plan(config, hf_model, store, max_ctx)
     capacity = plan.slots if plan else 0
+    if capacity >= total_experts:  # every expert fits: all resident from the start, nothing left to decide
+        policy, profile_counts = "static", [1] * total_experts
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
-    total_experts = store.num_layers * store.num_experts
-    counts = _profile_counts(profile, total_experts) if profile is not None else None
     try:
-        residency = make_policy(config.cache.policy, capacity, total_experts, config.cache, profile=counts)
+        residency = make_policy(policy, capacity, total_experts, config.cache, profile=profile_counts)
     except ValueError as error:
         raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
     cache = ExpertCache(store, residency, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store, torch_device) if residency.stage_slots else None
+    predictor = _predictor(prefetch, routers, store, torch_device, heads) if residency.stage_slots else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position]))
-    return MiraModel(hf_model, _tokenizer(store_path), config, store, cache, plan, max_ctx)
+    return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
 
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
@@ -212,11 +239,15 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
                       store.num_layers * store.num_experts, max_context)
 
 
-def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device) -> Predictor | None:
+def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device,
+               heads: str | os.PathLike | None = None) -> Predictor | None:
     if prefetch not in PREFETCH:
         raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
     if prefetch == "off":
         return None
+    if heads is not None and prefetch in ("auto", "trained"):
+        trained_heads, _ = load_heads(heads, store.manifest.source_fingerprint)
+        return TrainedPredictor(trained_heads, GateSpeculation(routers, store.num_experts), device)
     trained = load_predictor(store.path, routers, device) if prefetch in ("auto", "trained") else None
     if prefetch == "trained" and trained is None:
         raise MiraError(f"store {store.path} has no trained predictor heads; run `mira train-predictor`, or pass "
@@ -234,7 +265,7 @@ def _profile_counts(path: str | os.PathLike, total_experts: int) -> list[int]:
     return list(counts)
 
 
-def _tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:
+def store_tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:
     if not any((store_path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(store_path)

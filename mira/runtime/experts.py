@@ -7,12 +7,14 @@ predictor it also stages the experts predicted for two MoE layers on (paper IV-E
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from mira.cache.cache import ExpertCache
+from mira.config import DECODE_TOKENS
+from mira.kernels.addresses import AddressTable
 from mira.predict.baselines import Predictor
 
 MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_k_index, top_k_weights, blobs) -> [T, H]
@@ -20,6 +22,15 @@ MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_
 
 class MiraExperts(nn.Module):
     """One MoE layer's experts, served by `cache` and computed by `ffn`.
+
+    A decode call (at most `DECODE_TOKENS` tokens; with the fused kernels also at most their
+    `decode_max_pairs` routed pairs) allocates no device memory and syncs with the host once: the
+    routed-token counts, the predicted experts, the kernels' address table and the output live in
+    buffers this layer owns. The output is a view of this layer's own buffer, valid until this
+    layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in
+    5.x) add it to the residual or the shared experts' output, into a new tensor, at once, and one
+    buffer per layer means no layer's call overwrites another layer's output. Larger calls
+    (prefill) return a tensor of their own.
 
     Args:
         layer_position: this layer's index among MoE layers.
@@ -41,9 +52,16 @@ class MiraExperts(nn.Module):
         self._router_logits: torch.Tensor | None = None
         if self._predicts and router is not None:
             router.register_forward_hook(self._keep_router_logits)
-        # preallocated: counting routed tokens per expert allocates nothing and needs no sync
-        self._tokens = torch.zeros(cache.store.num_experts, dtype=torch.int64, device=device)  # [E]
+        E = cache.store.num_experts
+        # routed tokens per expert [E], then the experts to stage for layer_position + 2: one read-back
+        self._readback = torch.zeros(2 * E, dtype=torch.int64, device=device)
+        self._tokens = self._readback[:E]  # [E]
+        self._staged_scores = torch.empty(E, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
+        self._out: torch.Tensor | None = None  # [DECODE_TOKENS, H], made by the first call in its dtype
+        # the fused kernels read a device address table: kept here rather than built from the blobs per call
+        self._table = AddressTable(E, device) if hasattr(ffn, "forward_bases") else None
+        self._compute = self._compute_from_table if self._table is not None else self._compute_from_blobs
 
     def _keep_router_logits(self, module, args, output) -> None:
         self._router_logits = output[0]  # [T, E]
@@ -52,24 +70,41 @@ class MiraExperts(nn.Module):
         # T tokens, K routed per token, H hidden, E experts
         E, p = self._tokens.shape[0], self.layer_position
         routed = top_k_index.reshape(-1)  # [T*K]
-        per_expert = self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
+        self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
         if self.predictor is not None:
             self.predictor.observe(p, top_k_index)
-        predicted: list[int] = []
+        staged = 0
         if self._predicts:
             scores = self.predictor.scores(p, hidden_states, self._router_logits, top_k_index)  # [E] of layer p+2
-            staged = scores.topk(min(E, routed.numel())).indices  # as many as this step routes per layer
-            host = torch.cat([per_expert, staged]).tolist()  # the one host sync of this layer
-            per_expert, predicted = host[:E], host[E:]
-        else:
-            per_expert = per_expert.tolist()  # the one host sync of this layer
+            staged = min(E, routed.numel())  # as many as this step routes per layer
+            torch.topk(scores, staged, out=(self._staged_scores[:staged], self._readback[E : E + staged]))
+        host = self._readback[: E + staged].tolist()  # the one host sync of this layer
+        per_expert, predicted = host[:E], host[E:]
         experts = [e for e, count in enumerate(per_expert) if count]  # ascending ids
         blobs = self.cache.fetch(p, experts, [per_expert[e] for e in experts])
         if predicted:
             self.cache.stage(p + 2, predicted)  # copies overlap this layer's and the next one's compute
-        out = self.ffn(hidden_states, top_k_index, top_k_weights, blobs)  # [T, H]
+        out = self._compute(hidden_states, top_k_index, top_k_weights, blobs, experts)  # [T, H]
         self.cache.after_layer(p, experts)
         return out
+
+    def _compute_from_table(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                            blobs: Sequence[torch.Tensor | None], experts: list[int]) -> torch.Tensor:
+        bases = self._table.fill(blobs, experts)  # [E] int64 on the device
+        return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, bases, out=self._output(hidden))
+
+    def _compute_from_blobs(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                            blobs: Sequence[torch.Tensor | None], experts: list[int]) -> torch.Tensor:
+        return self.ffn(hidden, top_k_index, top_k_weights, blobs, out=self._output(hidden))
+
+    def _output(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This layer's output buffer [T, H] for a decode call; None (the kernel allocates) for a larger one."""
+        tokens = hidden.shape[0]
+        if tokens > DECODE_TOKENS:
+            return None
+        if self._out is None or self._out.dtype != hidden.dtype:
+            self._out = torch.empty(DECODE_TOKENS, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        return self._out[:tokens]
 
     def extra_repr(self) -> str:
         return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}"

@@ -3,13 +3,27 @@
 Opening a store checks it whole before anything uses it: the manifest's format version, the
 sha256 of every file (expert files are hashed while they are read into memory, so this costs no
 second pass) and the shape of every expert tensor. A store that fails any check is refused.
+
+Opening is parallel: files are read and hashed by a pool of threads (file reads and sha256 of
+large buffers release the GIL), and the pages of the blob buffer are first touched by the reader
+that fills them. On CUDA the filled buffer is then page-locked in place (`cudaHostRegister`)
+rather than allocated pinned up front: torch's pinned allocator rounds every allocation up to a
+power of two (a 45 GB store would pin 64 GB) and pins serially (DESIGN.md 3: 0.7 s/GB). The
+buffer is an anonymous mapping of its own, so its locked pages never overlap another registered
+range. `benchmarks/store_open.py` measures both ways.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
+import os
 import struct
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,6 +35,7 @@ from mira.store.layout import ExpertLayout
 from mira.store.manifest import Manifest
 
 _CORRUPT = "store {store} is corrupt: {what}; convert the model again with `mira convert`"
+MAX_WORKERS = 8  # threads reading and hashing; sha256 runs at ~1.5 GB/s per core
 
 
 class ExpertStore:
@@ -34,37 +49,58 @@ class ExpertStore:
         self.num_layers, self.num_experts, _ = data.shape
 
     @classmethod
-    def open(cls, path: Path, pin: bool = False, progress: bool = True) -> ExpertStore:
+    def open(cls, path: Path, pin: bool = False, progress: bool = True, workers: int | None = None) -> ExpertStore:
         """Read and verify a store.
 
         Args:
             path: the store directory.
-            pin: allocate the blobs in page-locked memory (for asynchronous copies to a GPU).
+            pin: page-lock the blobs (for asynchronous copies to a GPU, and kernels reading them in place).
             progress: show a progress bar while reading.
+            workers: threads reading and hashing files; default min(8, CPU count); 1 reads serially.
 
         Raises:
-            MiraError: a missing, altered or truncated file, or a manifest this version cannot read.
+            MiraError: a missing, altered or truncated file, a manifest this version cannot read, or
+                blobs that CUDA could not page-lock.
         """
         manifest = Manifest.read(path)
         layout = manifest.expert_layout
         expert_files = [manifest.expert_file(layer) for layer in manifest.moe_layers]
-        for rel, expected in manifest.files.items():
-            if rel in expert_files:
-                continue
+        other_files = [rel for rel in manifest.files if rel not in expert_files]
+        for rel in other_files:
             if not (path / rel).is_file():
                 raise MiraError(_CORRUPT.format(store=path, what=f"{rel} is missing"))
-            if sha256_file(path / rel) != expected:
-                raise MiraError(_CORRUPT.format(store=path, what=f"{rel} does not match its checksum"))
-        shape = (len(manifest.moe_layers), manifest.num_experts, layout.nbytes)
-        data = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        for rel in expert_files:
+            if rel not in manifest.files:
+                raise MiraError(_CORRUPT.format(store=path, what=f"the manifest lists no checksum for {rel}"))
+        data = host_buffer((len(expert_files), manifest.num_experts, layout.nbytes))  # [L, E, B]
         bytes_total = data.numel()
         with tqdm(total=bytes_total, unit="B", unit_scale=True, desc="loading experts",
                   disable=not progress or bytes_total < (256 << 20)) as bar:
-            for position, rel in enumerate(expert_files):
-                if rel not in manifest.files:
-                    raise MiraError(_CORRUPT.format(store=path, what=f"the manifest lists no checksum for {rel}"))
-                _read_verified(path, rel, manifest.files[rel], data[position], bar)
-        return cls(path, manifest, data)
+            progress_bar = _SharedBar(bar)
+            with ThreadPoolExecutor(workers or min(MAX_WORKERS, os.cpu_count() or 1)) as pool:
+                jobs = [pool.submit(_check_file, path, rel, manifest.files[rel]) for rel in other_files]
+                jobs += [pool.submit(_read_verified, path, rel, manifest.files[rel], data[position], progress_bar)
+                         for position, rel in enumerate(expert_files)]
+                _wait_all(pool, jobs)
+        store = cls(path, manifest, data)
+        if pin:
+            store.page_lock()
+        return store
+
+    def page_lock(self) -> None:
+        """Page-lock the blobs in place (`cudaHostRegister`), exactly their size, for asynchronous
+        copies and for kernels reading them over PCIe. They are unlocked when the store is collected,
+        after the device has finished every copy that may still read them.
+
+        Raises:
+            MiraError: CUDA could not lock them.
+        """
+        data = self.data
+        error = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.nbytes, 0))  # 0: cudaHostRegisterDefault
+        if error:
+            raise MiraError(f"CUDA could not page-lock the {data.nbytes / 2**30:.1f} GiB expert store {self.path} "
+                            f"(cudaError {error}); free host memory or run with --device cpu")
+        weakref.finalize(self, _unlock, data)
 
     def blob(self, layer_position: int, expert: int) -> torch.Tensor:
         """Expert `expert` of the MoE layer at `layer_position` (0-based among MoE layers): uint8 [B]."""
@@ -75,7 +111,47 @@ class ExpertStore:
         return self.layout.nbytes
 
 
-def _read_verified(store: Path, rel: str, expected_sha: str, out: torch.Tensor, bar: tqdm) -> None:
+def host_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """uint8 host memory of `shape` in pages of its own: an anonymous mapping, unmapped when the last
+    tensor on it goes, whose pages are faulted in (zeroed) by whichever thread first writes them."""
+    nbytes = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(shape)
+
+
+class _SharedBar:
+    """A progress bar that several reader threads advance (tqdm's counter is not atomic)."""
+
+    def __init__(self, bar: tqdm):
+        self._bar = bar
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self._bar.update(n)
+
+
+def _wait_all(pool: ThreadPoolExecutor, jobs: list[Future]) -> None:
+    """Wait for every job; on the first failure (in submission order) drop the jobs not started and re-raise."""
+    try:
+        for job in jobs:
+            job.result()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+
+
+def _unlock(data: torch.Tensor) -> None:
+    if torch.cuda.is_initialized():  # (at interpreter exit CUDA may be gone, and the locks with it)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
+
+
+def _check_file(store: Path, rel: str, expected_sha: str) -> None:
+    if sha256_file(store / rel) != expected_sha:
+        raise MiraError(_CORRUPT.format(store=store, what=f"{rel} does not match its checksum"))
+
+
+def _read_verified(store: Path, rel: str, expected_sha: str, out: torch.Tensor, bar: _SharedBar) -> None:
     """Read the single uint8 tensor of a safetensors file into `out` [E, B], hashing as it goes."""
     path = store / rel
     if not path.is_file():

@@ -39,7 +39,7 @@ def test_convert_then_generate_from_the_store(checkpoints, tmp_path):
     generated = _mira("generate", "--model", str(store), "--prompt", "hello", "--max-new-tokens", "4",
                       "--vram-budget", "64MiB", "--raw", "--quiet")
     assert generated.returncode == 0, generated.stderr
-    assert "cpu, int8-row, mira policy, 24/24 expert slots" in generated.stderr
+    assert "cpu, int8-row, all-resident policy, 24/24 expert slots" in generated.stderr
 
 
 def test_errors_are_one_line_with_exit_code_1(tmp_path):
@@ -94,3 +94,74 @@ def test_the_bundled_model_answers_on_topic_by_default(tmp_path):
     assert "mira-tiny-moe" in result.stderr  # converted on first use from the package's own copy
     words = result.stdout.lower()
     assert "sort" in words and "python" in words and "list" in words
+
+
+def _four_token_trace_with_features(tmp_path):
+    """4 decode tokens, 3 MoE layers, top-1 of 4: layers 0 and 1 route expert 0 (uids 0, 4) every
+    token, layer 2 alternates experts 2 and 3 (uids 10, 11). The recorded gate speculation for
+    layer 2 names the expert layer 2 then routes (a perfect predictor)."""
+    import numpy as np
+
+    from mira.predict.features import FeatureSet, features_path, step_counts
+    from mira.predict.trace import RoutingTrace
+
+    ids = np.array([[[0], [0], [2 + t % 2]] for t in range(4)], dtype=np.int16)
+    trace = RoutingTrace(ids, 4)
+    path = tmp_path / "t.npz"
+    trace.save(path)
+    step_start = np.arange(5)
+    speculation = np.zeros((4, 1, 4), np.float32)
+    speculation[np.arange(4), 0, ids[:, 2, 0]] = 1.0
+    FeatureSet(step_start, np.zeros((4, 3, 2), np.float16), np.zeros((4, 3, 4), np.float32),
+               step_counts(trace, step_start), speculation, 1, "hand-made").save(features_path(path))
+    return path
+
+
+def test_simulate_replays_recorded_predictions_hand_worked(tmp_path):
+    trace = _four_token_trace_with_features(tmp_path)
+    base = ("simulate", "--trace", str(trace), "--slots", "3", "--stage-slots", "3", "--expert-bytes", "1000", "--json")
+
+    def run(*extra):
+        result = _mira(*base, *extra)
+        assert result.returncode == 0, result.stderr
+        return {r["policy"]: r for r in map(json.loads, result.stdout.splitlines())}
+
+    # Without prefetch, 3 STAGE slots (no HOT): uids 0 and 4 stay; 10 and 11 take turns in the
+    # third slot: 3 misses at token 0, then one (the layer-2 expert) per token.
+    off = run("--policy", "mira", "--policy", "belady")
+    assert (off["mira"]["misses"], off["mira"]["copies"], off["mira"]["pcie_bytes"]) == (6, 6, 6000)
+    # Belady keeps 0, 4 and 10, and serves 11 from the host twice: the bound on every policy's copies.
+    assert off["belady"]["misses"] == 5
+    # A perfect predictor stages 10 or 11 into the free slot at layer 0; it serves layer 2, then is
+    # released: only token 0's uids 0 and 4 miss, and the four prefetch copies replace four misses.
+    for predictor in ("gate", "oracle"):
+        on = run("--policy", "mira", "--predictions", predictor)["mira"]
+        assert (on["misses"], on["prefetch_issued"], on["prefetch_used"], on["prefetch_wasted"]) == (2, 4, 4, 0)
+        assert (on["hits_stage"], on["copies"], on["pcie_bytes"]) == (10, 6, 6000)
+    # The previous step's routing of layer 2 is always the other expert: token 0 (no history yet,
+    # ties to expert 0) stages uid 8, never routed; later tokens name the expert already on
+    # probation in STAGE (skipped). One wasted copy and 7 misses: 8 copies.
+    previous = run("--policy", "mira", "--predictions", "previous")["mira"]
+    assert (previous["misses"], previous["prefetch_issued"], previous["prefetch_wasted"]) == (7, 1, 1)
+    assert (previous["prefetch_skipped"], previous["copies"]) == (3, 8)
+    assert previous["copies"] >= off["belady"]["misses"]
+
+
+def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(tmp_path):
+    import numpy as np
+
+    trace = _four_token_trace_with_features(tmp_path)
+    oracle = np.full((4, 3, 1), -1)
+    oracle[:, 2, 0] = [2, 3, 2, 3]
+    np.savez(tmp_path / "p.npz", predictions=oracle)
+    base = ("simulate", "--trace", str(trace), "--slots", "3", "--stage-slots", "3", "--policy", "mira")
+    table = _mira(*base, "--predictions", str(tmp_path / "p.npz"))
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert "  misses  HOT hits  STAGE hits  prefetches  PCIe GB" in header
+    assert (row.split()[6], row.split()[9]) == ("2", "4")  # misses and prefetches, as the perfect gate gave them
+    no_heads = _mira(*base, "--predictions", "trained")
+    assert no_heads.returncode == 1 and "pass --heads" in no_heads.stderr
+    np.savez(tmp_path / "short.npz", predictions=oracle[:2])
+    short = _mira(*base, "--predictions", str(tmp_path / "short.npz"))
+    assert short.returncode == 1 and "needs integers [4, 3, P]" in short.stderr

@@ -47,19 +47,36 @@ def test_cuda_under_an_evicting_budget_generates_the_reference_text(store, dtype
     assert torch.equal(got, expected)
 
 
-def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store):
+@pytest.mark.parametrize("prefetch", ["off", "gate"])
+def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store, prefetch):
     """Counts host syncs (CUDA sync-debug warnings) and caching-allocator allocations made inside
-    Mira's experts modules during one decode step, all experts resident."""
+    Mira's experts modules during one decode step: none allocated, at most one sync per MoE layer.
+    prefetch off: every expert resident; gate: 12 of 24 experts fit, and gate speculation stages
+    experts into STAGE during the step."""
     import warnings
 
     from mira.runtime.experts import MiraExperts
 
-    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, progress=False)
+    everything = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch=prefetch,
+                           progress=False)
+    if prefetch == "off":
+        model = everything
+    else:
+        budget = everything.plan.reserve_bytes + 12 * everything.store.blob_bytes
+        del everything
+        model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch,
+                          progress=False)
+        assert model.cache.policy.stage_slots > 0
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+
+    def offered():
+        return sum(model.stats()["prefetch"][k] for k in ("issued", "skipped", "declined"))
+
     with torch.no_grad():
         prefill = model(_prompt().cuda(), use_cache=True)
         step_ids = prefill.logits[:, -1:].argmax(-1)
-        model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)  # warm: every expert resident
+        model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)  # warm: lazy buffers, cuBLAS
+        torch.cuda.synchronize()
         counts = {"syncs": 0, "allocations": 0, "calls": 0}
         marks = {}
 
@@ -73,6 +90,7 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store):
             counts["calls"] += 1
 
         hooks = [h for m in experts for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+        staged_before = offered()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -82,11 +100,14 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store):
                 torch.cuda.set_sync_debug_mode("default")
         for hook in hooks:
             hook.remove()
-    print(f"\ndecode step inside the experts modules: {counts}; whole step: "
-          f"{sum('synchroniz' in str(w.message) for w in caught)} sync warnings")
+    print(f"\nprefetch {prefetch}, decode step inside the experts modules: {counts}; whole step: "
+          f"{sum('synchroniz' in str(w.message) for w in caught)} sync warnings; prefetch {model.stats()['prefetch']}")
     assert counts["calls"] == len(experts) == 3
     assert all(type(m.ffn).__name__ == "TritonMoEFFN" for m in experts)  # the fused kernels ran
     assert counts["syncs"] <= len(experts)
+    assert counts["allocations"] == 0
+    if prefetch == "gate":
+        assert offered() > staged_before  # the predictor ran and offered experts to STAGE in this step
 
 
 def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(store, monkeypatch):

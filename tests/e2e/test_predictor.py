@@ -86,7 +86,8 @@ def test_the_runtime_predictor_scores_as_the_heads_do_offline(store, tmp_path):
     def at_layer(module, args):  # what the runtime does at every MoE layer
         predictor.observe(module.layer_position, args[1])
         if module.layer_position < LAYERS - 2:
-            online.append(predictor.scores(module.layer_position, args[0], logits[module.layer_position], args[1]))
+            scores = predictor.scores(module.layer_position, args[0], logits[module.layer_position], args[1])
+            online.append(scores.clone())  # a view of the predictor's buffer, rewritten by its next call
 
     handles = [router.register_forward_hook(lambda m, a, out, p=p: logits.__setitem__(p, out[0]))
                for p, router in enumerate(routers)]

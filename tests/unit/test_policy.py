@@ -156,20 +156,30 @@ def test_mira_rebalance_respects_the_swap_bound_and_keeps_better_hot_experts():
     assert steady.tier_of(3) is Tier.STAGE
 
 
-def test_mira_stage_hook_takes_a_free_stage_slot_then_displaces_probation_but_not_the_current_group():
-    policy = mira(capacity=3, stage_slots=1)
-    run(policy, [[1, 2]])
+def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_expert():
+    policy = mira(capacity=4, stage_slots=2)
+    run(policy, [[1, 2], [3], []])  # HOT {1, 2}; 3 on probation in STAGE; a new group has begun
     assert policy.stage(1) == Access(Tier.HOT)  # already resident: skipped
-    assert policy.stage(9) == MISS_ADMIT
-    assert policy.tier_of(9) is Tier.STAGE
-    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=9)  # a prediction outranks probation
-    assert policy.resident() == {1, 2, 8}
+    assert policy.stage(9) == MISS_ADMIT  # the free STAGE slot
+    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=3)  # a prediction outranks probation
+    assert policy.stage(7) == Access(Tier.MISS)  # STAGE holds staged experts only: declined
     policy.begin_group()
-    policy.access(8, 1)  # 8 is now in the current group: it cannot make room
-    assert policy.stage(7) == Access(Tier.MISS)
-    policy.release(8)
-    assert policy.resident() == {1, 2} and policy.tier_of(8) is Tier.MISS
-    assert policy.stage(7) == MISS_ADMIT  # the released slot is free again
+    assert policy.access(6, 1) == Access(Tier.MISS)  # nor may a miss take a staged expert's slot
+    policy.release(9)
+    assert policy.resident() == {1, 2, 8} and policy.tier_of(9) is Tier.MISS
+    assert policy.access(5, 1) == MISS_ADMIT  # the released slot is free again
+    assert policy.stage(7) == Access(Tier.MISS)  # 5 is in the current group, 8 is staged
+
+
+def test_mira_rebalance_leaves_staged_experts_to_the_prefetcher():
+    policy = mira(capacity=3, stage_slots=1, rebalance_interval=1000, max_swaps=1)
+    run(policy, [[1, 2]])  # HOT {1, 2}, idle from now on
+    policy.stage(9)
+    run(policy, [[9], [9], [9]])  # busy in STAGE, but staged for a layer that has not finished
+    assert policy.rebalance() == [] and policy.tier_of(9) is Tier.STAGE
+    policy.release(9)
+    run(policy, [[9], [9]])  # now a miss on probation, and as busy
+    assert policy.rebalance() == [(9, 1)]  # the idle HOT expert 1 (older than 2) makes room
 
 
 def test_single_tier_policies_decline_staging():

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import mira
 from mira.predict.baselines import GateSpeculation, Popularity, PreviousStep, model_routers
+from tiny_models import CONFIGS, FAMILIES
 
 
 def test_gate_speculation_is_layer_i_plus_2s_router_on_layer_is_input(checkpoints):
@@ -24,6 +26,28 @@ def test_gate_speculation_is_layer_i_plus_2s_router_on_layer_is_input(checkpoint
     mass = torch.bincount(routed.reshape(-1), minlength=8).double() / routed.numel()
     expected = mass + probability.mean(0) / (2 * routed.numel())
     np.testing.assert_allclose(got.double().numpy(), expected.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gate_speculation_chooses_what_every_familys_router_chooses(family):
+    """RouterRule redoes each router's arithmetic out of place (softmax, or sigmoid plus the
+    score-correction bias; DeepSeek's group limits): the scores follow from the router's own
+    choice and logits, for a call within the buffers made once and for a larger one."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32).eval()
+    router = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")][-1]
+    experts = router.weight.shape[0]
+    with torch.no_grad():
+        router.weight.normal_()  # decisive, as in the tiny checkpoints
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.normal_(0.0, 0.1)
+        speculation = GateSpeculation([router] * 3, experts, max_tokens=4)
+        for tokens in (3, 9):
+            hidden = torch.randn(tokens, 64)
+            logits, _, chosen = router(hidden)  # [T, E], [T, K]
+            mass = torch.bincount(chosen.reshape(-1), minlength=experts).double() / chosen.numel()
+            expected = mass + torch.softmax(logits.double(), -1).mean(0) / (2 * chosen.numel())
+            np.testing.assert_allclose(speculation.scores(0, hidden).double().numpy(), expected.numpy(), atol=1e-6)
 
 
 def test_gate_speculation_bypasses_hooks_on_the_routers(checkpoints):

@@ -66,13 +66,19 @@ def test_training_learns_an_i_plus_2_dependency_on_the_hidden_state():
     router = torch.randn(L - 2, H, E, generator=torch.Generator().manual_seed(9))  # layer i+2's, seen from i
     inputs = _inputs(1200)
     torch.manual_seed(0)
-    heads, figures = train_heads(_data(inputs, _routed_by(inputs.hidden, router), sequences=40), CONFIG, FAST,
-                                 progress=False)
+    data = _data(inputs, _routed_by(inputs.hidden, router), sequences=40)
+    heads, figures = train_heads(data, CONFIG, FAST, progress=False)
     test = _inputs(400, seed=1)
     with torch.no_grad():
         scores = torch.stack([heads(i, _layer(test, i)).logits for i in range(L - 2)], 1)
     covered = coverage(scores.numpy(), _routed_by(test.hidden, router).numpy(), 2)
     assert covered.min() > 0.65, covered  # chance: 2 of 8 experts = 0.25; measured 0.75-0.8
+    _, validation = split_by_sequence(data.sequence, FAST.validation_fraction, FAST.seed)
+    for i, layer in enumerate(figures["layers"]):  # each head keeps its best epoch, not its last
+        with torch.no_grad():
+            logits = heads(i, _layer(HeadInputs(*(t[validation] for t in inputs)), i)).logits
+        loss = -(data.targets[validation, i] * logits.log_softmax(-1)).sum(-1).mean().item()
+        assert loss == pytest.approx(layer["validation_loss"], abs=1e-4)
     assert [layer["layer"] for layer in figures["layers"]] == [0, 1]
     assert all(layer["best_epoch"] <= layer["epochs"] <= FAST.epochs for layer in figures["layers"])
     assert figures["validation_steps"] + figures["train_steps"] == 1200

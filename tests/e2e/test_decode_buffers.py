@@ -1,0 +1,115 @@
+"""A decode step reuses buffers instead of allocating (DESIGN.md 2.5), and reusing them never
+changes a result: every layer's output equals the float64 reference FFN, and one layer's call
+never overwrites another layer's output. Allocations are counted on the CPU by `NewTensors`
+(tests/e2e/test_gpu.py counts them on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mira
+from allocations import NewTensors
+from mira.config import DECODE_TOKENS
+from mira.kernels import make_moe_ffn
+from mira.kernels.reference import moe_ffn_reference
+from mira.predict.baselines import GateSpeculation
+from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
+from mira.runtime.experts import MiraExperts
+
+E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64, 3 MoE layers
+
+
+@pytest.fixture(scope="module")
+def mixtral(checkpoints):
+    return mira.load(checkpoints["mixtral"], device="cpu", progress=False)  # int8-shared, experts read in place
+
+
+def _call(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, H, generator=generator)
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])  # [T, K]
+    weights = torch.rand(tokens, K, generator=generator)
+    return hidden, index, weights
+
+
+def _reference(model, layer: int, hidden, index, weights) -> torch.Tensor:
+    blobs = [model.store.blob(layer, e) for e in range(E)]
+    return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, model.store.layout, F.silu)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_layer_outputs_are_right_and_never_overwritten_by_another_layer(mixtral, backend):
+    ffn = make_moe_ffn("cpu", mixtral.store.layout, "silu", backend=backend, num_experts=E)
+    layers = [MiraExperts(p, mixtral.cache, ffn, torch.device("cpu")) for p in range(2)]
+    first = [_call(seed, tokens=2) for seed in (0, 1)]
+    outputs = [layer(*args) for layer, args in zip(layers, first)]
+    kept = [out.clone() for out in outputs]
+    second = _call(2, tokens=3)
+    again = layers[0](*second)  # layer 0's next call reuses its buffer...
+    assert again.data_ptr() == outputs[0].data_ptr()
+    assert torch.equal(outputs[1], kept[1])  # ...and leaves layer 1's output alone
+    for layer, args, out in [(0, first[0], kept[0]), (1, first[1], kept[1]), (0, second, again)]:
+        torch.testing.assert_close(out.double(), _reference(mixtral, layer, *args), rtol=1e-5, atol=1e-5)
+    prefill = _call(3, tokens=DECODE_TOKENS + 1)
+    big = layers[1](*prefill)  # larger than a decode step: a tensor of its own
+    assert big.data_ptr() != outputs[1].data_ptr() and torch.equal(outputs[1], kept[1])
+    torch.testing.assert_close(big.double(), _reference(mixtral, 1, *prefill), rtol=1e-5, atol=1e-5)
+
+
+def test_gate_speculation_and_trained_heads_allocate_nothing_in_decode(mixtral):
+    speculation = GateSpeculation.from_model(mixtral)
+    heads = PredictorHeads(HeadConfig(num_layers=3, num_experts=E, top_k=K, hidden_size=H, history_window=2)).eval()
+    trained = TrainedPredictor(heads, speculation, "cpu")
+    hidden, index, _ = _call(0, tokens=4)
+    logits = torch.randn(4, E)
+    trained.observe(2, index)
+    with NewTensors() as new:
+        for predictor in (speculation, trained):
+            predictor.observe(0, index)
+            distribution = predictor.scores(0, hidden, logits, index)  # the last: the trained heads
+    assert new.ops == []
+    with NewTensors() as new:  # a prompt longer than a decode step allocates its own workspace
+        speculation.scores(0, torch.randn(DECODE_TOKENS + 1, H))
+    assert new.ops
+    assert distribution.shape == (E,) and torch.allclose(distribution.sum(), torch.ones(()))
+
+
+@pytest.mark.parametrize("predictor", ["gate", "trained"])
+def test_a_decode_step_allocates_nothing_inside_the_experts_but_the_kernel(checkpoints, predictor):
+    """The whole model runs one decode step under a budget with STAGE slots and prefetching; only
+    what the experts modules do outside their kernel is counted (the reference FFN allocates)."""
+    probe = mira.load(checkpoints["mixtral"], device="cpu", vram_budget=1 << 30, progress=False)
+    budget = probe.plan.reserve_bytes + 12 * probe.store.blob_bytes
+    model = mira.load(checkpoints["mixtral"], device="cpu", vram_budget=budget, prefetch="gate", progress=False)
+    experts = sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)),
+                     key=lambda m: m.layer_position)
+    if predictor == "trained":
+        heads = PredictorHeads(HeadConfig(num_layers=3, num_experts=E, top_k=K, hidden_size=H)).eval()
+        trained = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
+        for module in experts:
+            module.predictor = trained
+    new = NewTensors()
+    new.counting = False
+    for module in experts:
+        module.ffn = _paused(new, module.ffn)
+        module.register_forward_pre_hook(lambda *args: setattr(new, "counting", True))
+        module.register_forward_hook(lambda *args: setattr(new, "counting", False))
+    prompt = torch.randint(2, 320, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        prefill = model(prompt, use_cache=True)
+        step = prefill.logits[:, -1:].argmax(-1)
+        offered = sum(model.stats()["prefetch"][k] for k in ("issued", "skipped", "declined"))
+        with new:
+            model(step, past_key_values=prefill.past_key_values, use_cache=True)
+    assert sum(model.stats()["prefetch"][k] for k in ("issued", "skipped", "declined")) > offered  # it staged
+    assert new.ops == []
+
+
+def _paused(new: NewTensors, ffn):
+    def call(*args, **kwargs):
+        with new.paused():
+            return ffn(*args, **kwargs)
+
+    return call
