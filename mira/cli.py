@@ -12,6 +12,7 @@ from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.config import POLICIES, PREFETCH
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
+from mira.bench.command import add_command as add_bench_command
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(run=_simulate)
 
     add_predictor_commands(commands)
+    add_bench_command(commands)
     return parser
 
 

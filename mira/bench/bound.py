@@ -1,0 +1,83 @@
+"""The physical bound on decode time (DESIGN.md 4), from the routing a run actually had.
+
+A decode step at batch 1 cannot take less than max(HBM bytes / HBM bandwidth, PCIe bytes / PCIe
+bandwidth). Here, summed over a run's decode steps:
+
+- HBM bytes: the non-expert weights a step reads (all of them but the input embedding table, of
+  which one row is read), the distinct experts it routes, and the KV cache of its context;
+- PCIe bytes: Belady's optimum misses on the run's decode accesses with the same slot count,
+  times the blob size. The cache may start the decode phase holding any experts (a free warm
+  start: the first `slots` distinct experts in order of first use, which is an optimal start), so
+  this is a lower bound on what any policy must move during decode.
+
+Summing before taking the max gives a bound no larger than the sum of per-step bounds: still a
+bound, slightly looser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mira.cache.belady import belady_misses
+from mira.predict.trace import RoutingTrace
+
+HBM_BYTES_PER_S = 4.29e12  # H200, measured (DESIGN.md 3)
+PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured (DESIGN.md 3)
+
+
+@dataclass(frozen=True)
+class Machine:
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+
+
+def warm_belady_misses(sequence: np.ndarray, slots: int) -> int:
+    """Belady's misses on `sequence` when the cache may start full with any experts."""
+    if slots == 0:
+        return len(sequence)
+    _, first = np.unique(sequence, return_index=True)
+    preload = sequence[np.sort(first)][:slots]  # distinct uids in order of first use
+    return belady_misses(np.concatenate([preload, sequence]), slots) - len(preload)
+
+
+def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
+                 machine: Machine = Machine()) -> dict:
+    """The bound for the decode steps of `trace` (one token per step, batch 1).
+
+    Args:
+        trace: the run's routing, with seq_id and is_prefill.
+        slots: expert slots of the run.
+        blob_bytes: bytes of one expert.
+        weight_bytes: non-expert bytes one step reads.
+        kv_bytes_per_token: KV-cache bytes of one token of context.
+
+    Returns:
+        decode steps, HBM and PCIe bytes, the bound in seconds (total and per step) and which
+        side binds.
+    """
+    if trace.seq_id is None or trace.is_prefill is None:
+        raise ValueError("the trace needs seq_id and is_prefill")
+    decode = ~trace.is_prefill
+    steps = int(decode.sum())
+    if steps == 0:
+        raise ValueError("the trace has no decode steps")
+    context = _positions(trace.seq_id) + 1  # [T] tokens of context each token attends to
+    ids = np.sort(trace.topk_ids[decode], axis=-1)  # [S, L, K]
+    experts = int((1 + (np.diff(ids, axis=-1) != 0).sum(-1)).sum())  # distinct experts per step and layer
+    hbm = steps * weight_bytes + experts * blob_bytes + int(context[decode].sum()) * kv_bytes_per_token
+    decode_trace = RoutingTrace(trace.topk_ids[decode], trace.num_experts)
+    misses = warm_belady_misses(decode_trace.uid_sequence(), slots)
+    pcie = misses * blob_bytes
+    hbm_s, pcie_s = hbm / machine.hbm_bytes_per_s, pcie / machine.pcie_bytes_per_s
+    return {"decode_steps": steps, "hbm_bytes": hbm, "pcie_bytes": pcie, "belady_misses": misses,
+            "bound_s": max(hbm_s, pcie_s), "bound_s_per_step": max(hbm_s, pcie_s) / steps,
+            "bound_tokens_per_s": steps / max(hbm_s, pcie_s), "bound_by": "HBM" if hbm_s >= pcie_s else "PCIe"}
+
+
+def _positions(seq_id: np.ndarray) -> np.ndarray:
+    """Position of each token within its sequence (tokens of a sequence are consecutive)."""
+    starts = np.r_[0, np.flatnonzero(np.diff(seq_id)) + 1]
+    lengths = np.diff(np.r_[starts, len(seq_id)])
+    return np.arange(len(seq_id)) - np.repeat(starts, lengths)

@@ -1,0 +1,117 @@
+"""`mira bench`: arguments in, mira.bench.run called, table / JSON / PNG out."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from mira.bench.synthetic import PRESETS
+
+DEFAULT_BUDGETS = "8GiB,12GiB,24GiB,48GiB,all"
+DEFAULT_CONFIGS = "mira+p,mira,lru,static,hf-gpu,hf-offload"
+
+
+def add_command(subparsers) -> None:
+    from mira.bench.run import BASELINES, MIRA_CONFIGS
+
+    bench = subparsers.add_parser(
+        "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
+        description="Run a prompt set through every configuration at every VRAM budget and report, per run: "
+                    "TTFT, decode and end-to-end tokens/s, tokens served by tier (HOT/STAGE/miss), GB moved over "
+                    "PCIe, prefetch precision and recall, and the decode bound max(HBM bytes / 4.29 TB/s, "
+                    "Belady's PCIe bytes / 55 GB/s) with achieved/bound. Configurations: mira+p (prefetch: "
+                    "trained heads when given or in the store, else gate speculation), mira+gate (prefetch by "
+                    "gate speculation), mira (no prefetch), lru "
+                    "(on demand, LRU), static (popularity placement), hf-gpu (transformers, whole model on the "
+                    "GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
+                    "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--model", help="Hugging Face model directory or Mira store (default: the bundled model)")
+    source.add_argument("--synthetic", choices=sorted(PRESETS),
+                        help="a random model at a published model's shapes, built in memory (no disk, no download); "
+                             "its routing is random, and every output says 'synthetic routing'")
+    bench.add_argument("--prompts", metavar="FILE.jsonl",
+                       help="prompt set: JSON lines with prompt, input_tokens and max_new_tokens (write one from "
+                            "held-out ShareGPT with `python tools/bench_prompts.py`); default: the fixed setting")
+    bench.add_argument("--num-prompts", type=int, help="use the first N prompts of --prompts (default all)")
+    bench.add_argument("--fixed", default="64x256", metavar="INxOUT",
+                       help="the fixed setting without --prompts: INxOUT tokens, random ids (default 64x256)")
+    bench.add_argument("--fixed-count", type=int, default=1, help="prompts in the fixed setting (default 1)")
+    bench.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                       help=f"comma-separated VRAM budgets: sizes (24GiB), shares of the experts beyond the "
+                            f"reserve (25%%), or 'all' (every expert resident); default {DEFAULT_BUDGETS}")
+    bench.add_argument("--configs", default=DEFAULT_CONFIGS,
+                       help=f"comma-separated configurations out of {', '.join([*MIRA_CONFIGS, *BASELINES])} "
+                            f"(default: all)")
+    bench.add_argument("--heads", metavar="FILE",
+                       help="trained predictor heads (`mira train-predictor`) for mira+p (default: the store's own, "
+                            "else gate speculation)")
+    bench.add_argument("--profile", metavar="TRACE",
+                       help="routing trace placing the static policy's experts (default: routing counts of "
+                            "calibration prompts run first)")
+    bench.add_argument("--beams", default="", metavar="W,W,...",
+                       help="also run beam search at these widths with mira+p (e.g. 1,2,4,8)")
+    bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs (default 24GiB)")
+    bench.add_argument("--beam-new-tokens", type=int, default=64, help="new tokens per beam-search run (default 64)")
+    bench.add_argument("--offload-prompts", type=int, default=1,
+                       help="prompts hf-offload runs (it is slow: about 0.1 tokens/s for Mixtral); default 1")
+    bench.add_argument("--offload-new-tokens", type=int, default=4,
+                       help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
+    bench.add_argument("--offload-budgets", metavar="B,B,...",
+                       help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
+    bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    bench.add_argument("--out", metavar="FILE.json", default="benchmarks/results/bench.json",
+                       help="the JSON result (written after every run); the PNG goes beside it")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+    bench.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from mira.bench.prompts import fixed_prompts, read_prompt_file
+    from mira.bench.report import format_table, plot
+    from mira.bench.run import BASELINES, MIRA_CONFIGS, BenchSetup, run_bench
+    from mira.bench.sources import open_source
+    from mira.errors import MiraError
+    from mira.runtime.engine import default_device
+
+    configs = _names(args.configs)
+    unknown = [c for c in configs if c not in MIRA_CONFIGS and c not in BASELINES]
+    if unknown:
+        raise MiraError(f"unknown configuration {', '.join(unknown)}; choose from "
+                        f"{', '.join([*MIRA_CONFIGS, *BASELINES])}")
+    if args.prompts:
+        prompts = read_prompt_file(Path(args.prompts))[: args.num_prompts]
+        prompt_set = f"{Path(args.prompts).name} ({len(prompts)} prompts)"
+    else:
+        try:
+            inputs, outputs = (int(n) for n in args.fixed.lower().split("x"))
+        except ValueError:
+            raise MiraError(f"cannot read --fixed {args.fixed!r}; write INxOUT, e.g. 64x256") from None
+        prompts = fixed_prompts(args.fixed_count, inputs, outputs)
+        prompt_set = f"fixed {inputs} in / {outputs} out, random ids ({args.fixed_count} prompts)"
+    beams = [int(w) for w in args.beams.split(",") if w.strip()]
+    setup = BenchSetup(prompts, prompt_set, _names(args.budgets), configs, beams=beams, beam_budget=args.beam_budget,
+                       beam_new_tokens=args.beam_new_tokens, offload_prompts=args.offload_prompts,
+                       offload_new_tokens=args.offload_new_tokens,
+                       offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
+                       profile=args.profile)
+    device = torch.device(args.device or default_device())
+    source = open_source(args.model, args.synthetic, device, progress=not args.quiet)
+    source.heads = args.heads
+    out = Path(args.out)
+    result = run_bench(source, setup, device, out, "mira " + shlex.join(sys.argv[1:]))
+    print(format_table(result))
+    try:
+        plot(result, str(out.with_suffix(".png")))
+    except ImportError:
+        print("mira: matplotlib is not installed; no PNG written (pip install matplotlib)", file=sys.stderr)
+    print(f"results: {out} and {out.with_suffix('.png')}", file=sys.stderr)
+
+
+def _names(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c']."""
+    return [name.strip() for name in text.split(",") if name.strip()]

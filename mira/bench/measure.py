@@ -1,0 +1,135 @@
+"""Timing one configuration over a prompt set: TTFT, decode and end-to-end tokens/s, and for Mira
+the cache's figures (tokens served by tier, PCIe bytes, prefetch precision and recall) and the
+bound of DESIGN.md 4 for the routing the run had."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mira.bench.bound import decode_bound
+from mira.bench.prompts import BenchPrompt, prompt_ids
+from mira.models.registry import adapter_for
+from mira.runtime.engine import MiraModel
+from mira.runtime.tracing import RoutingRecorder
+
+
+class _Clock:
+    """A generate() streamer that only notes when the prompt and each new token arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Timing:
+    """Sums over the prompts of one run."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    decode_tokens: int = 0  # new tokens after the first
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+    def add(self, prompt_tokens: int, new_tokens: int, start: float, times: list[float], end: float) -> None:
+        self.prompts += 1
+        self.prompt_tokens += prompt_tokens
+        self.new_tokens += new_tokens
+        self.total_s += end - start
+        if len(times) >= 2:  # times[0]: the prompt was handed to the streamer; times[1]: first new token
+            self.ttft_s.append(times[1] - start)
+            self.decode_tokens += len(times) - 2
+            self.decode_s += times[-1] - times[1]
+
+    def summary(self) -> dict:
+        return {
+            "prompts": self.prompts, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "ttft_s": round(sum(self.ttft_s) / len(self.ttft_s), 4) if self.ttft_s else None,
+            "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else None,
+            "e2e_tokens_per_s": round(self.new_tokens / self.total_s, 3) if self.total_s else None,
+            "total_s": round(self.total_s, 3),
+        }
+
+
+def time_generation(generate: Callable, prompts: list[BenchPrompt], tokenizer, vocab_size: int, device,
+                    num_beams: int = 1, on_prompt: Callable[[], None] | None = None) -> Timing:
+    """Greedy (or beam) generation of every prompt at batch 1, exactly `max_new_tokens` each."""
+    timing = Timing()
+    for number, prompt in enumerate(prompts):
+        ids = prompt_ids(prompt, tokenizer, vocab_size, seed=number).to(device)
+        if on_prompt is not None:
+            on_prompt()
+        clock = _Clock() if num_beams == 1 else None
+        _synchronize(device)
+        start = time.perf_counter()
+        output = generate(ids, max_new_tokens=prompt.max_new_tokens, min_new_tokens=prompt.max_new_tokens,
+                          do_sample=False, num_beams=num_beams, streamer=clock, pad_token_id=0)
+        _synchronize(device)
+        timing.add(ids.shape[1], output.shape[1] - ids.shape[1], start, clock.times if clock else [],
+                   time.perf_counter())
+    return timing
+
+
+def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1) -> dict:
+    """Time `model` over `prompts` and report its cache figures and the bound (batch 1 runs only)."""
+    if num_beams > 1:
+        timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams)
+        return {**timing.summary(), "num_beams": num_beams, **_cache_figures(model)}
+    with RoutingRecorder(model) as recorder:
+        timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device,
+                                 on_prompt=recorder.next_sequence)
+    result = {**timing.summary(), **_cache_figures(model)}
+    bound = decode_bound(recorder.trace(), model.cache.pool.num_slots, model.store.blob_bytes,
+                         _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model))
+    result["bound"] = bound
+    if timing.decode_s:
+        result["achieved_over_bound"] = round(timing.decode_s / timing.decode_tokens / bound["bound_s_per_step"], 3)
+    return result
+
+
+def _cache_figures(model: MiraModel) -> dict:
+    stats = model.stats()
+    cache, prefetch = stats["cache"], stats["prefetch"]
+    misses = cache["lookups"]["miss"]  # each one copy: into a slot, or into a transient row
+    on_gpu = model.device.type == "cuda"  # on the CPU, slots are RAM and nothing crosses PCIe
+    pcie = misses * model.store.blob_bytes + cache["prefetch_bytes"] if on_gpu else 0
+    issued = prefetch["issued"]
+    return {
+        "slots": stats["slots"],
+        "tokens_served": cache["tokens_served"],
+        "lookups": cache["lookups"],
+        "pcie_gb": round(pcie / 1e9, 3),
+        "prefetch": prefetch,
+        # precision: staged copies that their layer used; recall: of the experts that crossed PCIe
+        # to be used, the share that a prefetch brought ahead of time
+        "prefetch_precision": round(prefetch["used"] / issued, 4) if issued else None,
+        "prefetch_recall": round(prefetch["used"] / (prefetch["used"] + misses), 4) if issued else None,
+    }
+
+
+def _weight_bytes_per_step(hf_model) -> int:
+    """Non-expert bytes a decode step reads: every parameter but the input embedding table."""
+    embedding = hf_model.get_input_embeddings().weight
+    tied = embedding is hf_model.get_output_embeddings().weight
+    total = sum(p.nbytes for p in hf_model.parameters())
+    return total if tied else total - embedding.nbytes + embedding[0].nbytes
+
+
+def _kv_bytes_per_token(hf_model) -> int:
+    return adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * hf_model.dtype.itemsize
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,68 @@
+"""The table and charts of a `mira bench` result (the JSON that mira.bench.run writes)."""
+
+from __future__ import annotations
+
+
+def format_table(result: dict) -> str:
+    """One line per run: budget, configuration, speed, where tokens were served, PCIe, the bound."""
+    header = ["budget", "config", "beams", "slots", "TTFT s", "decode tok/s", "e2e tok/s", "hot/stage/miss %",
+              "PCIe GB", "prefetch P/R", "bound tok/s", "achieved/bound"]
+    lines = [header]
+    for row in result["runs"]:
+        if row.get("skipped"):
+            lines.append([row["budget"], row["config"], "", "", f"skipped: {row['skipped'][:70]}"] + [""] * 7)
+            continue
+        served = row.get("tokens_served")
+        share = "/".join(f"{100 * served[t] / max(sum(served.values()), 1):.0f}" for t in ("hot", "stage", "miss")) \
+            if served else ""
+        precision, recall = row.get("prefetch_precision"), row.get("prefetch_recall")
+        bound = row.get("bound", {})
+        lines.append([
+            row["budget"], row["config"], str(row.get("num_beams", 1)), str(row.get("slots", "")),
+            _num(row.get("ttft_s")), _num(row.get("decode_tokens_per_s")), _num(row.get("e2e_tokens_per_s")), share,
+            _num(row.get("pcie_gb")), f"{precision:.2f}/{recall:.2f}" if precision is not None else "",
+            _num(bound.get("bound_tokens_per_s")), _num(row.get("achieved_over_bound")),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    title = f"{result['model']}, {result['routing']} routing, prompts: {result['prompt_set']}, {result['machine']}"
+    body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
+    goals = [f"{name}: {goal}" for name, goal in result.get("goals", {}).items()]
+    return "\n".join([title, *body, "", "goals:", *goals])
+
+
+def plot(result: dict, path: str) -> None:
+    """Decode tokens/s and TTFT per budget, one line per configuration (bf16 all-on-GPU as a level)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    runs = [r for r in result["runs"] if not r.get("skipped") and not r.get("beam_search")]
+    budgets = [b for b in result["budgets"] if any(r["budget"] == b for r in runs)]
+    figure, axes = pyplot.subplots(1, 2, figsize=(12, 4.5))
+    for axis, key, label in ((axes[0], "decode_tokens_per_s", "decode tokens/s"), (axes[1], "ttft_s", "TTFT (s)")):
+        for config in dict.fromkeys(r["config"] for r in runs):
+            points = [(budgets.index(r["budget"]), r[key]) for r in runs
+                      if r["config"] == config and r["budget"] in budgets and r.get(key)]
+            if config == "hf-gpu" and points:
+                axis.axhline(points[0][1], linestyle="--", color="gray", label="hf-gpu (bf16, all on GPU)")
+                continue
+            if points:
+                axis.plot(*zip(*points), marker="o", label=config)
+        axis.set_xticks(range(len(budgets)), budgets)
+        axis.set_xlabel("VRAM budget")
+        axis.set_ylabel(label)
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(f"{result['model']} ({result['routing']} routing), {result['prompt_set']}; {result['machine']}",
+                    fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+
+
+def _num(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,299 @@
+"""`mira bench`: every configuration of one model over one prompt set, at every budget (paper V, VI).
+
+Order of a run (the expert store is opened once):
+
+1. warm-up at the all-experts budget on calibration prompts (random ids, not the measured
+   prompts): compiles the kernels, gives the slot plan's reserve, and, for the static policy
+   without a --profile, the routing counts that place its experts (Fiddler-style offline
+   popularity, from other prompts than the measured ones);
+2. per budget, the Mira configurations: Mira+P (prefetch: trained heads if the store has them,
+   else gate speculation), Mira without prefetch, LRU on demand, static popularity;
+3. beam search at widths --beams with Mira+P at --beam-budget;
+4. the baselines, after the store is released: transformers all on the GPU (where it fits), then
+   transformers + accelerate offload at each budget.
+
+Results are written after every configuration, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import importlib.util
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mira.bench import hf
+from mira.bench.measure import run_mira, time_generation
+from mira.bench.prompts import BenchPrompt, fixed_prompts
+from mira.bench.sources import Source
+from mira.cache.budget import format_size, parse_size
+from mira.errors import MiraError
+from mira.predict.trace import RoutingTrace
+
+MIRA_CONFIGS = {  # name -> (policy, prefetch)
+    "mira+p": ("mira", "auto"),
+    "mira+gate": ("mira", "gate"),
+    "mira": ("mira", "off"),
+    "lru": ("lru", "off"),
+    "static": ("static", "off"),
+}
+BASELINES = ("hf-gpu", "hf-offload")
+ALL = "all"
+UNLIMITED = 1 << 50  # a budget no model reaches: every expert gets a slot
+CALIBRATION = fixed_prompts(2, input_tokens=64, new_tokens=8)
+
+
+@dataclass
+class BenchSetup:
+    prompts: list[BenchPrompt]
+    prompt_set: str
+    budgets: list[str]  # "24GiB", "25%" (of the experts), "all"
+    configs: list[str]  # MIRA_CONFIGS and BASELINES names
+    beams: list[int] = field(default_factory=list)
+    beam_budget: str = "24GiB"
+    beam_new_tokens: int = 64
+    offload_prompts: int = 1
+    offload_new_tokens: int = 4
+    offload_budgets: list[str] | None = None  # None: every budget but "all"
+    profile: str | None = None  # a routing trace for the static policy
+
+
+def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path, command: str) -> dict:
+    every = setup.prompts + CALIBRATION
+    max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
+        [p.max_new_tokens for p in every] + [setup.beam_new_tokens])
+    vocab = source.config.vocab_size
+    result = _header(source, setup, device, command)
+    rows = result["runs"]
+
+    def save() -> None:
+        _write_json(out, result)
+
+    warm = source.mira(UNLIMITED, "mira", "auto", None, max_context)
+    time_generation(warm.generate, CALIBRATION, None, vocab, device)
+    reserve = warm.plan.reserve_bytes if warm.plan else 0
+    total_experts = warm.store.num_layers * warm.store.num_experts
+    all_bytes = reserve + total_experts * warm.store.blob_bytes
+    profile_counts = _profile(setup.profile) if setup.profile else warm.cache.telemetry.counts[:, :, 0].reshape(-1)
+    result["reserve_bytes"], result["all_experts_bytes"] = reserve, all_bytes
+    result["static_profile"] = setup.profile or "calibration prompts (random ids)"
+    result["store"] = getattr(source.store, "timings", None)  # synthetic: fill and page-lock seconds
+    del warm
+    _free(device)
+
+    budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
+               for label in setup.budgets}
+    for label, budget in budgets.items():
+        for name in [c for c in setup.configs if c in MIRA_CONFIGS]:
+            rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile_counts, vocab))
+            print(_brief(rows[-1]), file=sys.stderr, flush=True)
+            save()
+    if setup.beams and setup.beam_budget in budgets:
+        beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
+        for width in setup.beams:
+            rows.append(_mira_row(source, "mira+p", setup.beam_budget, budgets[setup.beam_budget], beam_prompts,
+                                  max_context, profile_counts, vocab, num_beams=width) | {"beam_search": True})
+            print(_brief(rows[-1]), file=sys.stderr, flush=True)
+            save()
+
+    source.release_store()
+    _free(device)
+    if any(c in BASELINES for c in setup.configs):
+        try:
+            _baselines(source, setup, budgets, device, vocab, rows, save)
+        except Exception as error:  # a baseline that breaks must not lose the runs measured so far
+            rows.append({"config": "baselines", "budget": ALL, "skipped": f"failed: {error!r}"})
+            print(_brief(rows[-1]), file=sys.stderr, flush=True)
+    result["goals"] = goals(rows)
+    save()
+    return result
+
+
+def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[BenchPrompt], max_context: int,
+              profile_counts, vocab: int, num_beams: int = 1) -> dict:
+    policy, prefetch = MIRA_CONFIGS[name]
+    row = {"config": name, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
+    try:
+        model = source.mira(budget, policy, prefetch, list(map(int, profile_counts)), max_context)
+    except MiraError as error:  # e.g. a budget too small for one layer's experts
+        return {**row, "skipped": str(error)}
+    row["prefetcher"] = _prefetcher(model)
+    start = time.perf_counter()
+    row.update(run_mira(model, prompts, vocab, num_beams))
+    row["wall_s"] = round(time.perf_counter() - start, 2)
+    del model
+    _free(source.device)
+    return row
+
+
+def _prefetcher(model) -> str | None:
+    from mira.runtime.experts import MiraExperts
+
+    for module in model.hf_model.modules():
+        if isinstance(module, MiraExperts):
+            return type(module.predictor).__name__ if module.predictor is not None else None
+    return None
+
+
+def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], device: torch.device, vocab: int,
+               rows: list[dict], save) -> None:
+    """Append the baselines' runs to `rows` (saving after each)."""
+    nbytes = hf.parameter_bytes(source.config, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    on_device = hf.fits_on_device(nbytes, device)
+    if not on_device and not hf.fits_in_host(nbytes):
+        rows.extend({"config": name, "budget": ALL, "skipped": f"the {format_size(nbytes)} model fits neither the "
+                     "device nor host memory"} for name in BASELINES if name in setup.configs)
+        return
+    model = source.full_model(device if on_device else torch.device("cpu"))
+    if "hf-gpu" in setup.configs:
+        row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes}
+        if on_device:
+            row.update(time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device).summary())
+        else:
+            row["skipped"] = f"the {format_size(nbytes)} bf16 model does not fit in device memory"
+        rows.append(row)
+        print(_brief(row), file=sys.stderr, flush=True)
+        save()
+    if "hf-offload" in setup.configs and device.type != "cuda":
+        rows.append({"config": "hf-offload", "budget": ALL, "skipped": "offloading needs a CUDA device"})
+    if "hf-offload" in setup.configs and device.type == "cuda" and importlib.util.find_spec("accelerate") is None:
+        rows.append({"config": "hf-offload", "budget": ALL, "skipped": "accelerate is not installed (pip install "
+                     "accelerate)"})
+    elif "hf-offload" in setup.configs and device.type == "cuda":
+        if not hf.fits_in_host(nbytes if on_device else 0):
+            rows.append({"config": "hf-offload", "budget": ALL, "skipped": "host memory too small for the model"})
+            return
+        model = model.to("cpu")
+        _free(device)
+        prompts = [BenchPrompt(p.text, p.input_tokens, min(p.max_new_tokens, setup.offload_new_tokens))
+                   for p in setup.prompts[: setup.offload_prompts]]
+        for label, budget in budgets.items():
+            if label == ALL or (setup.offload_budgets is not None and label not in setup.offload_budgets):
+                continue
+            row = {"config": "hf-offload", "budget": label, "budget_bytes": budget}
+            with hf.offloaded(model, budget, device) as dispatched:
+                row["parameters_by_device"] = hf.device_map_summary(dispatched)
+                row.update(time_generation(dispatched.generate, prompts, source.tokenizer, vocab, device).summary())
+            rows.append(row)
+            print(_brief(row), file=sys.stderr, flush=True)
+            save()
+    del model
+    _free(device)
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's goals, each with its figures and whether it is met (None: not measured)."""
+    rows = [r for r in rows if not r.get("beam_search") and not r.get("skipped")]
+    decode = {(r["config"], r["budget"]): r.get("decode_tokens_per_s") for r in rows}
+    ttft = {(r["config"], r["budget"]): r.get("ttft_s") for r in rows}
+    bound = {(r["config"], r["budget"]): r.get("achieved_over_bound") for r in rows}
+    hf_gpu = decode.get(("hf-gpu", ALL))
+    budgets = [r["budget"] for r in rows if r["config"] == "mira+p"]
+    sized = [b for b in budgets if b != ALL]
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    out: dict = {}
+    at = "24GiB" if "24GiB" in budgets else (sized[len(sized) // 2] if sized else None)
+    if at:
+        mp = decode.get(("mira+p", at))
+        out["budget_for_goals"] = at
+        out["mira+p_achieved_over_bound"] = {"value": bound.get(("mira+p", at)), "goal": "<= 1.25"}
+        out["mira+p_over_hf_gpu"] = {"value": ratio(mp, hf_gpu), "goal": ">= 1"}
+        out["mira+p_over_hf_offload"] = {"value": ratio(mp, decode.get(("hf-offload", at))), "goal": ">= 50"}
+        out["mira+p_over_lru"] = {"value": ratio(mp, decode.get(("lru", at))), "goal": ">= 1.5"}
+    gain = {b: ratio(decode.get(("mira+p", b)), decode.get(("mira", b))) for b in budgets}
+    out["prefetch_gain_by_budget"] = {"value": gain, "goal": "grows as the budget shrinks"}
+    if sized:
+        smallest = min(sized, key=lambda b: next(r["budget_bytes"] for r in rows if r["budget"] == b))
+        out["ttft_without_over_with_prefetch_at_smallest"] = {
+            "budget": smallest, "value": ratio(ttft.get(("mira", smallest)), ttft.get(("mira+p", smallest))),
+            "goal": ">= 1.85"}
+    if ALL in budgets:
+        best = max(decode.get((c, ALL)) or 0 for c in ("mira+p", "mira"))
+        out["all_resident_over_hf_gpu"] = {"value": ratio(best, hf_gpu), "goal": ">= 3",
+                                           "achieved_over_bound": bound.get(("mira", ALL))}
+    for goal in out.values():
+        if isinstance(goal, dict) and isinstance(goal.get("value"), (int, float)):
+            op, target = goal["goal"].split()
+            goal["met"] = goal["value"] <= float(target) if op == "<=" else goal["value"] >= float(target)
+    return out
+
+
+def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int, all_bytes: int) -> int:
+    """"all", "25%" (of the experts, beyond the reserve) or a size such as "24GiB"."""
+    if label == ALL:
+        return all_bytes
+    if label.endswith("%"):
+        slots = max(1, round(float(label[:-1]) / 100 * total_experts))
+        return reserve + slots * blob_bytes
+    return parse_size(label)
+
+
+def _input_tokens(source: Source, prompt: BenchPrompt) -> int:
+    from mira.bench.prompts import prompt_ids
+
+    return prompt_ids(prompt, source.tokenizer, source.config.vocab_size, 0).shape[1]
+
+
+def _profile(path: str) -> np.ndarray:
+    return RoutingTrace.load(path).expert_counts()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _brief(row: dict) -> str:
+    if row.get("skipped"):
+        return f"{row['config']:>10} {row['budget']:>7}: skipped ({row['skipped']})"
+    beams = f" beams={row['num_beams']}" if row.get("num_beams", 1) > 1 else ""
+    return (f"{row['config']:>10} {row['budget']:>7}{beams}: TTFT {row.get('ttft_s')} s, decode "
+            f"{row.get('decode_tokens_per_s')} tok/s, e2e {row.get('e2e_tokens_per_s')} tok/s")
+
+
+def _header(source: Source, setup: BenchSetup, device: torch.device, command: str) -> dict:
+    return {
+        "command": command,
+        "commit": _commit(),
+        "machine": _machine(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": source.label,
+        "routing": source.routing,
+        "prompt_set": setup.prompt_set,
+        "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
+        "budgets": setup.budgets,
+        "configs": setup.configs,
+        "runs": [],
+    }
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine(device: torch.device) -> str:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
+    return f"{platform.node()}, {gpu}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    from mira.store.files import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)

@@ -1,0 +1,148 @@
+"""Synthetic models at real shapes, for timing at scale with nothing on disk (DESIGN.md 2.10c).
+
+A preset is a transformers config with a published model's layer, expert, attention and vocabulary
+sizes (from that model's config.json). `synthetic_skeleton` builds it with random bf16 non-expert
+weights straight on the device (experts left out, as `mira.models.loader` does for real
+checkpoints) and `synthetic_store` an `ExpertStore` whose blobs are random INT8 weights with a
+per-expert scale, written straight into host memory and page-locked there. The router is random too, so routing has none of the
+locality of a trained model: every result is labelled "synthetic routing".
+
+A blob's values are chosen so that activations stay finite through every layer: INT8 weights
+uniform in [-127, 127] with a scale of 0.02 / 73 (73 ~ the standard deviation of that uniform),
+i.e. the dequantized weights have the 0.02 standard deviation of transformers' own initialisation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    Qwen3MoeConfig,
+)
+
+from mira.models.loader import ExpertsPlaceholder, experts_swapped, moe_sites
+from mira.models.registry import adapter_for
+from mira.store.layout import ExpertLayout
+from mira.store.manifest import FORMAT_VERSION, Manifest
+from mira.store.store import ExpertStore, host_buffer
+
+# Sizes from each model's published config.json (Hugging Face model pages of the same names).
+PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "mixtral-8x7b": lambda: MixtralConfig(  # mistralai/Mixtral-8x7B-v0.1
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+        rope_theta=1e6, tie_word_embeddings=False),
+    "deepseek-v2-lite": lambda: DeepseekV2Config(  # deepseek-ai/DeepSeek-V2-Lite
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840, tie_word_embeddings=False),
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False),
+    "olmoe-1b-7b": lambda: OlmoeConfig(  # allenai/OLMoE-1B-7B-0924
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
+        tie_word_embeddings=False),
+}
+WEIGHT_STD = 0.02  # of transformers' initialisation, and of the dequantized synthetic experts
+_UNIFORM_INT8_STD = 73.3  # standard deviation of integers uniform in [-127, 127]
+
+
+def preset_config(name: str) -> PretrainedConfig:
+    """The transformers config of preset `name` (eos and pad at id 0: synthetic ids never stop early)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown synthetic model {name!r}; choose one of {', '.join(PRESETS)}")
+    config = PRESETS[name]()
+    config.eos_token_id = config.pad_token_id = None
+    return config
+
+
+class _InitablePlaceholder(ExpertsPlaceholder):
+    """An experts placeholder with the (empty) tensors transformers' `_init_weights` initialises.
+
+    `from_config` initialises every module, the Experts class included; loading a checkpoint
+    (mira.models.loader) never gets there, building a random model does.
+    """
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def synthetic_skeleton(config: PretrainedConfig, device: torch.device, seed: int = 0):
+    """The model without its routed experts, random weights (transformers' init), on `device`.
+
+    Returns:
+        The model (eval mode; bf16 on CUDA, float32 on the CPU), its MoE sites and the seconds taken.
+    """
+    start = time.perf_counter()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    with experts_swapped(adapter_for(config), _InitablePlaceholder), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model, moe_sites(model), time.perf_counter() - start
+
+
+def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin: bool, seed: int = 0,
+                    progress: bool = True, name: str = "synthetic") -> ExpertStore:
+    """Random INT8 expert blobs for every MoE layer, written straight into host memory [L, E, B]."""
+    adapter = adapter_for(config)
+    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config))
+    num_experts = adapter.num_experts(config)
+    start = time.perf_counter()
+    data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
+    generator = torch.Generator().manual_seed(seed)
+    for layer in tqdm(range(num_layers), desc="synthetic experts", unit="layer", disable=not progress):
+        _fill_layer(data[layer], layout, generator)
+    manifest = Manifest(FORMAT_VERSION, config.model_type, f"synthetic:{name}", f"synthetic:{name}:{seed}",
+                        list(range(num_layers)), num_experts, layout.to_json(), files={})
+    store = ExpertStore(Path(f"<synthetic {name}>"), manifest, data)
+    filled = time.perf_counter()
+    if pin:
+        store.page_lock()
+    store.timings = {"bytes": data.numel(), "fill_s": round(filled - start, 2),
+                     "page_lock_s": round(time.perf_counter() - filled, 2) if pin else None}
+    return store
+
+
+def _fill_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Generator) -> None:
+    """Random weights in every blob of one layer [E, B]: INT8 uniform, scales at WEIGHT_STD.
+
+    One random draw per layer, read from a random offset (cyclically) for each expert: distinct
+    experts at a fraction of the cost of a draw per expert.
+    """
+    if layout.scheme == "none":
+        raise ValueError("synthetic stores are INT8 (int8-shared or int8-row)")
+    first = layout.views(layer[0])
+    sizes = [first["w13"].numel(), first["w2"].numel()]
+    draw = torch.randint(-127, 128, (sum(sizes),), dtype=torch.int8, generator=generator)  # [P]
+    for blob in layer:
+        views = layout.views(blob)
+        start = int(torch.randint(0, draw.numel(), (1,), generator=generator))
+        for name, size in zip(("w13", "w2"), sizes):
+            _copy_cyclic(draw, start, views[name].view(-1))
+            start = (start + size) % draw.numel()
+        for section in ("scale", "scale13", "scale2"):
+            if section in views:
+                views[section].fill_(WEIGHT_STD / _UNIFORM_INT8_STD)
+
+
+def _copy_cyclic(source: torch.Tensor, start: int, out: torch.Tensor) -> None:
+    """out[j] = source[(start + j) % len(source)], for len(out) <= len(source)."""
+    head = min(out.numel(), source.numel() - start)
+    out[:head].copy_(source[start:start + head])
+    out[head:].copy_(source[: out.numel() - head])

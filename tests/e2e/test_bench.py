@@ -1,0 +1,93 @@
+"""`mira bench` on the CPU: synthetic models compute what transformers computes with the same
+weights, and a whole bench run writes every configuration's row, the goals and the chart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from mira.bench.synthetic import WEIGHT_STD, PRESETS, preset_config, synthetic_skeleton, synthetic_store
+from mira.models.loader import moe_skeleton_layers
+from mira.runtime.engine import assemble
+from mira.store.quant import dequantize_expert
+
+SMALL = {
+    "mixtral": lambda: MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+                                        tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+@pytest.mark.parametrize("scheme", ["int8-shared", "int8-row"])
+def test_a_synthetic_model_computes_what_transformers_computes_with_its_weights(family, scheme):
+    config = SMALL[family]()
+    skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"), seed=3)
+    store = synthetic_store(config, len(sites), scheme, pin=False, seed=3, progress=False)
+    assert store.data.shape[:2] == (config.num_hidden_layers, 8)
+    full = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    non_expert = {name: tensor for name, tensor in skeleton.state_dict().items() if ".experts." not in name}
+    missing, _ = full.load_state_dict(non_expert, strict=False)
+    assert all(".experts." in name for name in missing)  # everything but the routed experts came from the skeleton
+    names = {id(module): name for name, module in skeleton.named_modules()}
+    weights = []
+    for position, site in enumerate(sites):
+        original = getattr(full.get_submodule(names[id(site.parent)]), site.attr)
+        for expert in range(8):
+            w13, w2 = dequantize_expert(store.layout.views(store.blob(position, expert)), store.layout)
+            weights.append(torch.cat([w13.flatten(), w2.flatten()]))
+            with torch.no_grad():
+                original.gate_up_proj[expert] = w13.float()
+                original.down_proj[expert] = w2.float()
+    every = torch.stack(weights)  # [L*E, P]
+    assert every.std().item() == pytest.approx(WEIGHT_STD, rel=0.05)  # the scale documented in the module
+    assert len({tuple(w[:64].tolist()) for w in every}) == len(every)  # every expert is different
+    model = assemble(skeleton, sites, store, None)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = full(ids).logits
+        got = model(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_every_preset_builds_its_config_with_the_published_expert_counts():
+    layers = {name: len(moe_skeleton_layers(preset_config(name))) for name in PRESETS}
+    assert layers == {"mixtral-8x7b": 32, "deepseek-v2-lite": 26, "qwen3-30b-a3b": 48, "olmoe-1b-7b": 16}
+    with pytest.raises(ValueError, match="choose one of"):
+        preset_config("mixtral-8x22b")
+
+
+def test_a_bench_run_reports_every_configuration_goals_and_a_chart(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "mira.cli", "bench", "--budgets", "25%,all", "--configs",
+         "mira+p,mira,static,hf-gpu,hf-offload", "--fixed", "8x4", "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    rows = {(row["config"], row["budget"]): row for row in result["runs"]}
+    assert set(rows) == {(c, b) for c in ("mira+p", "mira", "static") for b in ("25%", "all")} | {
+        ("hf-gpu", "all"), ("hf-offload", "all")}
+    assert "needs a CUDA device" in rows["hf-offload", "all"]["skipped"]
+    for (config, budget), row in rows.items():
+        if config.startswith("mira") or config == "static":
+            assert row["new_tokens"] == 4 and row["prompt_tokens"] == 8
+            served = row["tokens_served"]
+            assert sum(served.values()) == row["prompts"] * (8 + 4 - 1) * 12 * 2  # every routed token, every layer
+            assert row["bound"]["decode_steps"] == 3
+            if budget == "all":
+                assert served["miss"] == 0 and row["slots"] == 96
+    assert rows["mira+p", "25%"]["prefetcher"] == "GateSpeculation" and rows["mira", "25%"]["prefetcher"] is None
+    assert rows["mira+p", "25%"]["prefetch"]["issued"] > 0
+    assert set(result["goals"]) >= {"prefetch_gain_by_budget", "all_resident_over_hf_gpu"}
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "mira-tiny-moe, real routing" in run.stdout

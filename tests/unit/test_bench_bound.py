@@ -1,0 +1,112 @@
+"""The decode bound of DESIGN.md 4 (mira.bench.bound) and the goal figures of `mira bench`."""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mira.bench.bound import Machine, decode_bound, warm_belady_misses
+from mira.bench.run import goals
+from mira.predict.trace import RoutingTrace
+
+
+def brute_force_warm_misses(sequence: list[int], slots: int) -> int:
+    """The fewest misses over every starting cache content and every later choice (bypass allowed)."""
+
+    @lru_cache(maxsize=None)
+    def best(position: int, resident: frozenset[int]) -> int:
+        if position == len(sequence):
+            return 0
+        uid = sequence[position]
+        if uid in resident:
+            return best(position + 1, resident)
+        options = [best(position + 1, resident)]
+        if len(resident) < slots:
+            options.append(best(position + 1, resident | {uid}))
+        options += [best(position + 1, (resident - {victim}) | {uid}) for victim in resident]
+        return 1 + min(options)
+
+    distinct = sorted(set(sequence))
+    starts = itertools.combinations(distinct, min(slots, len(distinct)))
+    return min(best(0, frozenset(start)) for start in starts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.integers(0, 4))
+def test_warm_belady_matches_exhaustive_search_over_starting_contents(sequence, slots):
+    assert warm_belady_misses(np.array(sequence), slots) == brute_force_warm_misses(sequence, slots)
+
+
+def _trace() -> RoutingTrace:
+    """Two sequences over 2 MoE layers of 4 experts, top-2: prompt 2 + 2 decode tokens, prompt 1 + 1."""
+    ids = np.array([
+        [[0, 1], [2, 3]], [[1, 3], [0, 2]],  # sequence 0, prompt
+        [[0, 1], [2, 3]], [[1, 2], [0, 3]],  # sequence 0, decode
+        [[2, 3], [1, 2]],  # sequence 1, prompt
+        [[1, 0], [3, 2]],  # sequence 1, decode
+    ], dtype=np.int16)
+    return RoutingTrace(ids, 4, seq_id=np.array([0, 0, 0, 0, 1, 1], dtype=np.int32),
+                        is_prefill=np.array([True, True, False, False, True, False]))
+
+
+def test_decode_bound_by_hand():
+    # decode accesses (uid = layer * 4 + expert, each (token, layer) ascending):
+    #   0 1 6 7 | 1 2 4 7 | 0 1 6 7; a warm start holds 0 1 6 7 with 4 slots; 2 and 4 are never needed
+    #   again, so the optimum bypasses them: 2 misses. With no slot every one of the 12 accesses misses.
+    trace = _trace()
+    machine = Machine(hbm_bytes_per_s=1000.0, pcie_bytes_per_s=1.0)
+    bound = decode_bound(trace, slots=4, blob_bytes=10, weight_bytes=100, kv_bytes_per_token=2, machine=machine)
+    # 3 decode steps x 100 weight bytes + 12 experts x 10 + KV of contexts 3, 4 and 2 tokens x 2 bytes
+    assert bound["hbm_bytes"] == 300 + 120 + 18
+    assert bound["belady_misses"] == 2 and bound["pcie_bytes"] == 20
+    assert bound["bound_s"] == pytest.approx(20.0) and bound["bound_by"] == "PCIe"  # 20 B at 1 B/s > 438 B at 1 kB/s
+    assert bound["bound_tokens_per_s"] == pytest.approx(3 / 20)
+    no_slots = decode_bound(trace, 0, 10, 100, 2, Machine(hbm_bytes_per_s=1.0, pcie_bytes_per_s=1000.0))
+    assert no_slots["belady_misses"] == 12 and no_slots["bound_by"] == "HBM"
+    assert no_slots["bound_s_per_step"] == pytest.approx(438 / 3)
+
+
+def test_decode_bound_needs_decode_steps_and_sequence_ids():
+    trace = _trace()
+    prompt_only = RoutingTrace(trace.topk_ids[:2], 4, seq_id=trace.seq_id[:2], is_prefill=trace.is_prefill[:2])
+    with pytest.raises(ValueError, match="no decode steps"):
+        decode_bound(prompt_only, 4, 10, 100, 2)
+    with pytest.raises(ValueError, match="seq_id"):
+        decode_bound(RoutingTrace(trace.topk_ids, 4), 4, 10, 100, 2)
+
+
+def _row(config, budget, decode, ttft=1.0, nbytes=0, **extra):
+    return {"config": config, "budget": budget, "budget_bytes": nbytes, "decode_tokens_per_s": decode,
+            "ttft_s": ttft, **extra}
+
+
+def test_goals_compare_the_runs_of_the_same_budget_and_ignore_beams_and_skips():
+    rows = [
+        _row("mira+p", "8GiB", 4.0, ttft=1.0, nbytes=8, achieved_over_bound=1.5),
+        _row("mira", "8GiB", 2.0, ttft=2.0, nbytes=8),
+        _row("mira+p", "24GiB", 30.0, nbytes=24, achieved_over_bound=1.2),
+        _row("mira", "24GiB", 25.0, nbytes=24),
+        _row("lru", "24GiB", 10.0, nbytes=24),
+        _row("hf-offload", "24GiB", 0.5, nbytes=24),
+        _row("mira+p", "24GiB", 1.0, nbytes=24, num_beams=1, beam_search=True),  # must not replace the row above
+        _row("mira+p", "all", 90.0, nbytes=48),
+        _row("mira", "all", 100.0, nbytes=48, achieved_over_bound=2.0),
+        _row("hf-gpu", "all", 25.0),
+        {"config": "lru", "budget": "8GiB", "skipped": "too small"},
+    ]
+    result = goals(rows)
+    assert result["budget_for_goals"] == "24GiB"
+    assert result["mira+p_achieved_over_bound"] == {"value": 1.2, "goal": "<= 1.25", "met": True}
+    assert result["mira+p_over_hf_gpu"]["value"] == 1.2 and result["mira+p_over_hf_gpu"]["met"]
+    assert result["mira+p_over_hf_offload"]["value"] == 60 and result["mira+p_over_hf_offload"]["met"]
+    assert result["mira+p_over_lru"]["value"] == 3 and result["mira+p_over_lru"]["met"]
+    assert result["prefetch_gain_by_budget"]["value"] == {"8GiB": 2.0, "24GiB": 1.2, "all": 0.9}
+    assert result["ttft_without_over_with_prefetch_at_smallest"]["budget"] == "8GiB"
+    assert result["ttft_without_over_with_prefetch_at_smallest"]["value"] == 2.0
+    assert result["all_resident_over_hf_gpu"] == {"value": 4.0, "goal": ">= 3", "achieved_over_bound": 2.0,
+                                                  "met": True}
