@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV2Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from mira.bench.synthetic import WEIGHT_STD, PRESETS, preset_config, synthetic_skeleton, synthetic_store
 from mira.models.loader import moe_skeleton_layers
@@ -24,6 +24,15 @@ SMALL = {
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
                                         tie_word_embeddings=False),
+    "olmoe": lambda: OlmoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                 max_position_embeddings=64, tie_word_embeddings=False),
+    "deepseek_v2": lambda: DeepseekV2Config(  # the first layer dense, as DeepSeek-V2-Lite: one MoE layer of two
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=16, topk_method="greedy", n_group=1, topk_group=1, max_position_embeddings=64,
+        tie_word_embeddings=False),
 }
 
 
@@ -33,7 +42,7 @@ def test_a_synthetic_model_computes_what_transformers_computes_with_its_weights(
     config = SMALL[family]()
     skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"), seed=3)
     store = synthetic_store(config, len(sites), scheme, pin=False, seed=3, progress=False)
-    assert store.data.shape[:2] == (config.num_hidden_layers, 8)
+    assert store.data.shape[:2] == (len(moe_skeleton_layers(config)), 8)
     full = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     non_expert = {name: tensor for name, tensor in skeleton.state_dict().items() if ".experts." not in name}
     missing, _ = full.load_state_dict(non_expert, strict=False)
