@@ -32,11 +32,13 @@ import torch
 
 from mira.bench import hf
 from mira.bench.measure import run_mira, time_generation
-from mira.bench.prompts import BenchPrompt, fixed_prompts
+from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.sources import Source
 from mira.cache.budget import format_size, parse_size
 from mira.errors import MiraError
 from mira.predict.trace import RoutingTrace
+from mira.runtime.experts import MiraExperts
+from mira.store.files import write_json_atomic
 
 MIRA_CONFIGS = {  # name -> (policy, prefetch)
     "mira+p": ("mira", "auto"),
@@ -135,8 +137,7 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
 
 
 def _prefetcher(model) -> str | None:
-    from mira.runtime.experts import MiraExperts
-
+    """The class name of the model's predictor (None without prefetching)."""
     for module in model.hf_model.modules():
         if isinstance(module, MiraExperts):
             return type(module.predictor).__name__ if module.predictor is not None else None
@@ -240,8 +241,6 @@ def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int,
 
 
 def _input_tokens(source: Source, prompt: BenchPrompt) -> int:
-    from mira.bench.prompts import prompt_ids
-
     return prompt_ids(prompt, source.tokenizer, source.config.vocab_size, 0).shape[1]
 
 
@@ -293,7 +292,5 @@ def _machine(device: torch.device) -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    from mira.store.files import write_json_atomic
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, data)

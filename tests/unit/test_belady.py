@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from belady_reference import brute_force_misses
 from mira.cache.belady import belady_misses, next_uses
-
-
-def brute_force_misses(sequence: list[int], slots: int) -> int:
-    """The fewest misses over every choice: on a miss, bypass, take a free slot, or evict any resident."""
-
-    @lru_cache(maxsize=None)
-    def best(position: int, resident: frozenset[int]) -> int:
-        if position == len(sequence):
-            return 0
-        uid = sequence[position]
-        if uid in resident:
-            return best(position + 1, resident)
-        options = [best(position + 1, resident)]  # bypass
-        if len(resident) < slots:
-            options.append(best(position + 1, resident | {uid}))
-        for victim in resident:
-            options.append(best(position + 1, (resident - {victim}) | {uid}))
-        return 1 + min(options)
-
-    return best(0, frozenset())
 
 
 def test_next_uses_points_at_the_next_access_or_past_the_end():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from belady_reference import brute_force_misses
 from mira.bench.bound import Machine, decode_bound, warm_belady_misses
 from mira.bench.run import goals
 from mira.predict.trace import RoutingTrace
@@ -17,23 +17,9 @@ from mira.predict.trace import RoutingTrace
 
 def brute_force_warm_misses(sequence: list[int], slots: int) -> int:
     """The fewest misses over every starting cache content and every later choice (bypass allowed)."""
-
-    @lru_cache(maxsize=None)
-    def best(position: int, resident: frozenset[int]) -> int:
-        if position == len(sequence):
-            return 0
-        uid = sequence[position]
-        if uid in resident:
-            return best(position + 1, resident)
-        options = [best(position + 1, resident)]
-        if len(resident) < slots:
-            options.append(best(position + 1, resident | {uid}))
-        options += [best(position + 1, (resident - {victim}) | {uid}) for victim in resident]
-        return 1 + min(options)
-
     distinct = sorted(set(sequence))
     starts = itertools.combinations(distinct, min(slots, len(distinct)))
-    return min(best(0, frozenset(start)) for start in starts)
+    return min(brute_force_misses(sequence, slots, frozenset(start)) for start in starts)
 
 
 @settings(max_examples=150, deadline=None)
