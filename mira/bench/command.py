@@ -62,8 +62,8 @@ def add_command(subparsers) -> None:
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    bench.add_argument("--out", metavar="FILE.json", default="benchmarks/results/bench.json",
-                       help="the JSON result (written after every run); the PNG goes beside it")
+    bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json",
+                       help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     bench.set_defaults(run=_bench)
 
