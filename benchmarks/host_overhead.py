@@ -30,6 +30,7 @@ from mira.runtime.experts import MiraExperts
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "How do I sort a list of dictionaries by a key in Python?"
+HEADS = ROOT / "benchmarks" / "results" / "predictor-tiny-heads.safetensors"  # benchmarks/predictor.py
 
 
 class Timers:
@@ -55,7 +56,8 @@ def profile(setting: str, slots_share: float, new_tokens: int, prompts: int) -> 
     probe = mira.load(device="cpu", vram_budget=1 << 40, progress=False)
     total = probe.store.num_layers * probe.store.num_experts
     budget = probe.plan.reserve_bytes + int(slots_share * total) * probe.store.blob_bytes
-    model = mira.load(device="cpu", vram_budget=budget, prefetch=setting, progress=False)
+    model = mira.load(device="cpu", vram_budget=budget, prefetch=setting, progress=False,
+                      heads=HEADS if setting == "trained" else None)
     timers = Timers()
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     for name in ("fetch", "stage", "after_layer"):
@@ -97,7 +99,7 @@ def main() -> None:
     parser.add_argument("--slots-share", type=float, default=0.25, help="share of the experts with a slot")
     args = parser.parse_args()
     torch.manual_seed(0)
-    rows = [profile(setting, args.slots_share, args.new_tokens, args.prompts) for setting in ("off", "gate")]
+    rows = [profile(setting, args.slots_share, args.new_tokens, args.prompts) for setting in ("off", "gate", "trained")]
     names = ["MiraExperts.forward", "ffn", "cache.fetch", "cache.stage", "cache.after_layer", "predictor.scores",
              "predictor.observe"]
     print(f"{'prefetch':>8} " + " ".join(f"{n:>20}" for n in names) + f" {'rest':>8} {'ms/step':>8}")

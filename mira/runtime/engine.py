@@ -117,7 +117,8 @@ def default_device() -> str:
 
 def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
          quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
-         profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True) -> MiraModel:
+         profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True,
+         heads: str | os.PathLike | None = None) -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
@@ -139,6 +140,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             i's input; needs no training), "auto" (trained when the store has heads, else gate) or
             "off". It acts only where the policy has STAGE slots (the mira policy under a budget).
         progress: show progress bars.
+        heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
+            of the store's own.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -152,7 +155,7 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
     counts = _profile_counts(profile, store.num_layers * store.num_experts) if profile is not None else None
     return assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context, counts,
-                    prefetch)
+                    prefetch, heads)
 
 
 def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreTrainedTokenizerBase | None,

@@ -107,3 +107,17 @@ def test_each_forward_step_reports_its_token_count_to_the_policy(stores, monkeyp
     model.generate(_prompt(), max_new_tokens=4, do_sample=False, pad_token_id=0)  # generate keeps 1 logit row
     model(torch.ones(2, 7, dtype=torch.long))
     assert steps == [10, 1, 1, 1, 14]
+
+
+def test_heads_given_to_load_replace_the_stores_own_and_must_match_the_model(stores, tmp_path):
+    def budget_for_12_slots(store: Path) -> int:  # 12 of 24 experts: a budget with STAGE slots
+        probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
+        return probe.plan.reserve_bytes + 12 * probe.store.blob_bytes
+
+    store, other = stores["qwen2_moe", "int8-row"], stores["mixtral", "int8-row"]
+    heads = predictor_file(_with_untrained_heads(store, tmp_path))
+    model = mira.load(store, device="cpu", vram_budget=budget_for_12_slots(store), heads=heads, progress=False)
+    assert all(isinstance(m.predictor, TrainedPredictor) for m in model.hf_model.modules()
+               if isinstance(m, MiraExperts))  # the store itself has no heads
+    with pytest.raises(mira.MiraError, match="trained on another model"):
+        mira.load(other, device="cpu", vram_budget=budget_for_12_slots(other), heads=heads, progress=False)
