@@ -2,7 +2,8 @@
 
 The H200 runs of `mira bench` are host-bound: with every expert resident, the Mixtral-shaped model
 decodes at 14 tokens/s where the HBM bound is 301 (benchmarks/results/bench-mixtral-8x7b.json).
-This script times, per MoE layer call, the pieces of `MiraExperts.forward` that run on the host:
+This script times, per MoE layer call, the pieces of `MiraExperts.forward` that run on the host
+(with a quarter of the experts in slots, and with all of them, where a layer skips the cache):
 the cache lookups (`ExpertCache.fetch`), the prefetch offers (`stage`), the release
 (`after_layer`), the predictor's scores, the FFN call, and the rest of the forward (counting,
 the one `.tolist()` per layer), each wrapped with `time.perf_counter` (the wrappers add ~1 us per
@@ -100,12 +101,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = [profile(setting, args.slots_share, args.new_tokens, args.prompts) for setting in ("off", "gate", "trained")]
+    rows.append(profile("off", 1.0, args.new_tokens, args.prompts))  # every expert resident: no lookups, no sync
     names = ["MiraExperts.forward", "ffn", "cache.fetch", "cache.stage", "cache.after_layer", "predictor.scores",
              "predictor.observe"]
-    print(f"{'prefetch':>8} " + " ".join(f"{n:>20}" for n in names) + f" {'rest':>8} {'ms/step':>8}")
+    print(f"{'prefetch':>8} {'slots':>6} " + " ".join(f"{n:>20}" for n in names) + f" {'rest':>8} {'ms/step':>8}")
     for row in rows:
         cells = [row["us_per_layer_call"].get(n) for n in names]
-        print(f"{row['prefetch']:>8} " + " ".join(f"{'' if c is None else c:>20}" for c in cells)
+        print(f"{row['prefetch']:>8} {row['slots']:>6} " + " ".join(f"{'' if c is None else c:>20}" for c in cells)
               + f" {row['us_per_layer_call_rest_of_forward']:>8} {row['ms_per_step']:>8}")
     print("(microseconds per MoE layer call; rest = counting, the .tolist() sync and glue inside forward)")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()

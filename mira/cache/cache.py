@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mira.cache.policy import Access, Policy, Tier
+from mira.cache.policy import Access, Policy, Static, Tier
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.predict.prefetcher import PrefetchBook
@@ -65,6 +65,19 @@ class ExpertCache:
                 blobs[expert] = self.pool.row(slot)
             self.telemetry.record(layer_position, expert, count, access.tier)
         return blobs
+
+    def fixed_rows(self, layer_position: int) -> list[torch.Tensor] | None:
+        """The slot rows of every expert of a layer whose experts are all resident for good (a static
+        placement that holds them all), else None. Such a layer needs no lookup and no host sync:
+        its experts' rows never change. The current stream waits for their copies to land (once:
+        call it from the stream that computes)."""
+        E = self.store.num_experts
+        uids = range(layer_position * E, (layer_position + 1) * E)
+        if not isinstance(self.policy, Static) or any(uid not in self._slot_of for uid in uids):
+            return None
+        for uid in uids:
+            self.transfer.ready(self._slot_of[uid])
+        return [self.pool.row(self._slot_of[uid]) for uid in uids]
 
     def stage(self, layer_position: int, experts: list[int]) -> None:
         """Offer the experts predicted for MoE layer `layer_position` to STAGE (copies ahead of use)."""

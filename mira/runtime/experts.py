@@ -26,7 +26,9 @@ class MiraExperts(nn.Module):
     A decode call (at most `DECODE_TOKENS` tokens; with the fused kernels also at most their
     `decode_max_pairs` routed pairs) allocates no device memory and syncs with the host once: the
     routed-token counts, the predicted experts, the kernels' address table and the output live in
-    buffers this layer owns. The output is a view of this layer's own buffer, valid until this
+    buffers this layer owns. A layer whose experts are all resident for good (every expert fits
+    the budget) does not sync at all: its address table is fixed, nothing is decided on the host,
+    and its telemetry is counted on the device (`Telemetry.device_counters`). The output is a view of this layer's own buffer, valid until this
     layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in
     5.x) add it to the residual or the shared experts' output, into a new tensor, at once, and one
     buffer per layer means no layer's call overwrites another layer's output. Larger calls
@@ -62,12 +64,19 @@ class MiraExperts(nn.Module):
         # the fused kernels read a device address table: kept here rather than built from the blobs per call
         self._table = AddressTable(E, device) if hasattr(ffn, "forward_bases") else None
         self._compute = self._compute_from_table if self._table is not None else self._compute_from_blobs
+        self._device = torch.device(device)
+        self._fixed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (rows, address table [E])
+        self._may_be_fixed = predictor is None  # a layer that stages for another keeps the host in the loop
 
     def _keep_router_logits(self, module, args, output) -> None:
         self._router_logits = output[0]  # [T, E]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # T tokens, K routed per token, H hidden, E experts
+        if self._may_be_fixed:
+            self._fix()
+        if self._fixed is not None:
+            return self._forward_fixed(hidden_states, top_k_index, top_k_weights)
         E, p = self._tokens.shape[0], self.layer_position
         routed = top_k_index.reshape(-1)  # [T*K]
         self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
@@ -87,6 +96,30 @@ class MiraExperts(nn.Module):
         out = self._compute(hidden_states, top_k_index, top_k_weights, blobs, experts)  # [T, H]
         self.cache.after_layer(p, experts)
         return out
+
+    def _fix(self) -> None:
+        """On the first call: if every expert of this layer is resident for good, keep their rows and
+        address table and count on the device from now on."""
+        self._may_be_fixed = False
+        rows = self.cache.fixed_rows(self.layer_position)
+        if rows is None:
+            return
+        table = torch.tensor([row.data_ptr() for row in rows], dtype=torch.int64).to(self._device)  # [E]
+        self._fixed = (rows, table)
+        self._routed, self._lookups = self.cache.telemetry.device_counters(self.layer_position, self._device)
+        self._seen = torch.zeros_like(self._tokens)
+
+    def _forward_fixed(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Every expert resident for good: count on the device and compute; no host sync."""
+        routed = top_k_index.reshape(-1)  # [T*K]
+        self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
+        self._routed.add_(self._tokens)
+        self._lookups.add_(torch.clamp(self._tokens, max=1, out=self._seen))
+        rows, table = self._fixed
+        if self._table is not None:
+            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, table, out=self._output(hidden))
+        return self.ffn(hidden, top_k_index, top_k_weights, rows, out=self._output(hidden))
 
     def _compute_from_table(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             blobs: Sequence[torch.Tensor | None], experts: list[int]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from mira.kernels import make_moe_ffn
 from mira.kernels.reference import moe_ffn_reference
 from mira.predict.baselines import GateSpeculation
 from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
+from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
 
 E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64, 3 MoE layers
@@ -113,3 +114,43 @@ def _paused(new: NewTensors, ffn):
             return ffn(*args, **kwargs)
 
     return call
+
+
+def _host_reads(monkeypatch) -> list[str]:
+    """Every read of tensor values by the host (what would be a device sync on CUDA), by name."""
+    reads: list[str] = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+@pytest.mark.parametrize(("slots", "fixed"), [(24, True), (12, False)])  # every expert resident; half of them
+def test_a_layer_with_every_expert_resident_reads_nothing_back_and_counts_on_the_device(
+        stores, monkeypatch, slots, fixed):
+    # the fused kernels (in the interpreter): the reference FFN reads the routing on the host itself
+    monkeypatch.setattr(engine, "make_moe_ffn", lambda *args, **kwargs: make_moe_ffn(*args, **kwargs, backend="triton"))
+    store = stores["mixtral", "int8-shared"]
+    probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
+    budget = probe.plan.reserve_bytes + slots * probe.store.blob_bytes
+    model = mira.load(store, device="cpu", vram_budget=budget, prefetch="off", progress=False)
+    layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+    calls = [_call(seed, tokens=1) for seed in range(3)]
+    layers[0](*calls[0])  # the first call looks at the placement
+    reads = _host_reads(monkeypatch)
+    outputs = [[layer(*args).clone() for args in calls] for layer in layers]
+    monkeypatch.undo()
+    assert (len(reads) == 0) == fixed, reads  # under a budget, every call reads its routing back
+    for position, per_layer in enumerate(outputs):
+        for got, args in zip(per_layer, calls):
+            torch.testing.assert_close(got.double(), _reference(model, position, *args), rtol=1e-5, atol=1e-5)
+    stats = model.stats()["cache"]  # reading the figures folds the device counters in
+    routed = 4 * K + 2 * 3 * K  # layer 0 had 4 calls, layers 1 and 2 had 3; one token each, K distinct experts
+    assert stats["tokens_routed"] == routed
+    if fixed:
+        assert stats["tokens_served"]["hot"] == routed and stats["lookups"] == {"hot": routed, "stage": 0, "miss": 0}
