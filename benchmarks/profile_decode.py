@@ -1,0 +1,164 @@
+"""Where a decode step's time goes, on the host and on the device (torch.profiler).
+
+Loads the bundled model, or a synthetic one at real shapes (`--synthetic mixtral-8x7b`), at one
+budget; feeds a prompt, then profiles `--steps` greedy decode steps (one token each, the model
+called directly with its KV cache, as `generate` does without its own bookkeeping) and reports per
+step:
+
+- wall time;
+- host time inside Mira's pieces (record_function ranges around them): MiraExperts.forward
+  (inclusive), cache.fetch, cache.stage, cache.after_layer, the predictor's scores, the FFN call;
+- host time blocked on the device (cudaStreamSynchronize: the per-layer read-back of routing);
+- device time by kind: the expert kernels (Triton), host-to-device copies, everything else
+  (attention, norms, router, embeddings, LM head).
+
+Prints a table and writes benchmarks/results/profile-decode-<model>-<budget>.json. On the CPU the
+device columns are empty; run it on the GPU machine.
+
+    python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budget 24GiB
+    python benchmarks/profile_decode.py --budget all
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from mira.bench.run import UNLIMITED, _budget_bytes
+from mira.bench.sources import open_source
+from mira.runtime.engine import default_device
+from mira.runtime.experts import MiraExperts
+
+ROOT = Path(__file__).resolve().parent.parent
+RANGES = ("MiraExperts.forward", "cache.fetch", "cache.stage", "cache.after_layer", "predictor.scores", "ffn")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _ranged(owner, attr: str, name: str) -> None:
+    original = getattr(owner, attr)
+
+    def wrapped(*args, **kwargs):
+        with record_function(name):
+            return original(*args, **kwargs)
+
+    setattr(owner, attr, wrapped)
+
+
+def _instrument(model) -> None:
+    layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+    for name in ("fetch", "stage", "after_layer"):
+        _ranged(model.cache, name, f"cache.{name}")
+    if layers[0].predictor is not None:
+        _ranged(layers[0].predictor, "scores", "predictor.scores")
+    ffn = layers[0].ffn  # one kernel object serves every layer
+    if hasattr(ffn, "forward_bases"):
+        _ranged(ffn, "forward_bases", "ffn")
+    for layer in layers:
+        _ranged(layer, "forward", "MiraExperts.forward")
+        if not hasattr(ffn, "forward_bases"):  # the reference FFN, called as `layer.ffn(...)`
+            _ranged(layer, "ffn", "ffn")
+
+
+def _decode(model, ids: torch.Tensor, steps: int):
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return token
+
+
+def _device_kind(name: str) -> str:
+    if name.startswith(("_gate_up", "_down")):  # mira.kernels.triton_ffn's kernels
+        return "expert kernels (Triton)"
+    if "Memcpy HtoD" in name:
+        return "host-to-device copies"
+    return "other kernels"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory or store (default: the bundled model)")
+    parser.add_argument("--synthetic", help="a preset of mira.bench.synthetic instead")
+    parser.add_argument("--budget", default="all", help="24GiB, 25%% (of the experts) or all (default)")
+    parser.add_argument("--policy", default="mira")
+    parser.add_argument("--prefetch", default="auto")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
+    parser.add_argument("--device", default=default_device())
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    source = open_source(args.model, args.synthetic, device, progress=False)
+    context = args.prompt_tokens + 2 * args.steps + 8
+    probe = source.mira(UNLIMITED, "mira", "off", None, context)
+    reserve = probe.plan.reserve_bytes if probe.plan else 0
+    total = probe.store.num_layers * probe.store.num_experts
+    all_bytes = reserve + total * probe.store.blob_bytes
+    del probe
+    budget = _budget_bytes(args.budget, reserve, total, source.store.blob_bytes, all_bytes)
+    model = source.mira(budget, args.policy, args.prefetch, [1] * total if args.policy == "static" else None,
+                        context)
+    ids = torch.randint(5, source.config.vocab_size, (1, args.prompt_tokens),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    _decode(model, ids, 4)  # warm-up: kernels compiled, buffers made, cache filled
+    _instrument(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        _decode(model, ids, args.steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    steps = args.steps + 1  # the prompt's forward is one more call; its share is small at 16+ steps
+
+    host: dict[str, float] = {}
+    device_ms: dict[str, float] = defaultdict(float)
+    blocked = 0.0
+    for event in prof.key_averages():
+        if event.key in RANGES:
+            host[event.key] = event.cpu_time_total / 1e3 / steps
+        if event.key in SYNCS:
+            blocked += event.self_cpu_time_total / 1e3 / steps
+        device_time = getattr(event, "self_device_time_total", 0) or 0
+        if device_time and event.key not in RANGES:
+            device_ms[_device_kind(event.key)] += device_time / 1e3 / steps
+    figures = {"wall_ms_per_step": round(wall / steps * 1e3, 3),
+               "host_ms_per_step": {k: round(v, 3) for k, v in host.items()},
+               "host_blocked_on_device_ms_per_step": round(blocked, 3),
+               "device_ms_per_step": {k: round(v, 3) for k, v in device_ms.items()},
+               "slots": model.cache.pool.num_slots, "total_experts": total}
+    print(f"{source.label}, budget {args.budget} ({figures['slots']} of {total} experts in slots), "
+          f"policy {args.policy}, prefetch {args.prefetch}; per decode step:")
+    print(f"  wall                               {figures['wall_ms_per_step']:9.3f} ms")
+    for name in RANGES:
+        if name in host:
+            print(f"  host  {name:<28} {host[name]:9.3f} ms")
+    print(f"  host  blocked on the device        {blocked:9.3f} ms")
+    for name, value in sorted(device_ms.items()):
+        print(f"  device {name:<27} {value:9.3f} ms")
+    label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct")
+    out = ROOT / "benchmarks" / "results" / f"profile-decode-{label}.json"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
+    out.write_text(json.dumps({
+        "command": "python benchmarks/profile_decode.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "commit": commit, "machine": f"{platform.node()}, {gpu}, torch {torch.__version__}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "routing": source.routing, "setup": vars(args), "figures": figures}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
