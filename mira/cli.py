@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from mira.bench.command import add_command as add_bench_command
 from mira.cache.budget import parse_size
 from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.config import POLICIES, PREFETCH
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
-from mira.bench.command import add_command as add_bench_command
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
