@@ -68,14 +68,9 @@ def _instrument(model) -> None:
             _ranged(layer, "ffn", "ffn")
 
 
-def _decode(model, ids: torch.Tensor, steps: int):
-    with torch.no_grad():
-        out = model(ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return token
+def _decode(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy generation of steps + 1 tokens: the prompt's forward, then `steps` decode steps."""
+    return model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, pad_token_id=0)
 
 
 def _device_kind(name: str) -> str:
@@ -96,6 +91,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -109,9 +105,11 @@ def main() -> None:
     budget = _budget_bytes(args.budget, reserve, total, source.store.blob_bytes, all_bytes)
     model = source.mira(budget, args.policy, args.prefetch, [1] * total if args.policy == "static" else None,
                         context)
+    if args.eager and model.decode_graphs is not None:
+        model.use_cuda_graphs(False)
     ids = torch.randint(5, source.config.vocab_size, (1, args.prompt_tokens),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    _decode(model, ids, 4)  # warm-up: kernels compiled, buffers made, cache filled
+    _decode(model, ids, 4)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
     _instrument(model)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -137,9 +135,11 @@ def main() -> None:
                "host_ms_per_step": {k: round(v, 3) for k, v in host.items()},
                "host_blocked_on_device_ms_per_step": round(blocked, 3),
                "device_ms_per_step": {k: round(v, 3) for k, v in device_ms.items()},
-               "slots": model.cache.pool.num_slots, "total_experts": total}
+               "slots": model.cache.pool.num_slots, "total_experts": total,
+               "decode_steps_replayed": model.decode_graphs.replays if model.decode_graphs else 0}
     print(f"{source.label}, budget {args.budget} ({figures['slots']} of {total} experts in slots), "
-          f"policy {args.policy}, prefetch {args.prefetch}; per decode step:")
+          f"policy {args.policy}, prefetch {args.prefetch}, {figures['decode_steps_replayed']} decode steps "
+          "replayed from CUDA graphs; per decode step:")
     print(f"  wall                               {figures['wall_ms_per_step']:9.3f} ms")
     for name in RANGES:
         if name in host:
@@ -147,7 +147,8 @@ def main() -> None:
     print(f"  host  blocked on the device        {blocked:9.3f} ms")
     for name, value in sorted(device_ms.items()):
         print(f"  device {name:<27} {value:9.3f} ms")
-    label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct")
+    label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct") + (
+        "-eager" if args.eager else "")
     out = ROOT / "benchmarks" / "results" / f"profile-decode-{label}.json"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"

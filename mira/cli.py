@@ -10,7 +10,7 @@ from mira.bench.command import add_command as add_bench_command
 from mira.cache.budget import parse_size
 from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
-from mira.config import POLICIES, PREFETCH
+from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
 from mira.store.layout import SCHEMES
@@ -38,7 +38,8 @@ def _load(args: argparse.Namespace):
     from mira.runtime.engine import load
 
     return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant, policy=args.policy,
-                max_context=args.max_context, profile=args.profile, prefetch=args.prefetch, progress=not args.quiet)
+                max_context=args.max_context, profile=args.profile, prefetch=args.prefetch, progress=not args.quiet,
+                cuda_graphs=not args.no_cuda_graphs, residency=args.residency)
 
 
 def _trace(args: argparse.Namespace) -> None:
@@ -109,6 +110,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
                              "(the default: trained when the store has heads, else gate) or off. Acts where the "
                              "policy has STAGE slots")
+    parser.add_argument("--residency", choices=RESIDENCY, default="auto",
+                        help="under a budget: lagged (no host sync per MoE layer: missed experts are read from "
+                             "pinned host memory inside the kernel, the policy acts after each step), inline (one "
+                             "host sync per MoE layer: each miss is placed before its kernel runs, copied once) or "
+                             "auto (the default: lagged unless prefetching, which needs inline)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
+                             "needs the host is captured once as a CUDA graph and replayed")
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -8,6 +8,7 @@ from mira.store.layout import SCHEMES
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand")
 PREFETCH = ("auto", "trained", "gate", "off")
+RESIDENCY = ("auto", "lagged", "inline")  # how decode layers under a budget meet the cache (mira.cache.lagged)
 # A MoE layer call of at most this many tokens is a decode step: the experts module and the
 # predictors serve it from buffers allocated once, so it allocates no device memory (DESIGN.md
 # 2.5). Larger calls (prefill) allocate their own. 16 covers batch-1 and small-batch decode.

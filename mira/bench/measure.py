@@ -101,14 +101,18 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
 def _cache_figures(model: MiraModel) -> dict:
     stats = model.stats()
     cache, prefetch = stats["cache"], stats["prefetch"]
-    misses = cache["lookups"]["miss"]  # each one copy: into a slot, or into a transient row
+    # inline, each miss is one copy (into a slot or a transient row); lagged, each miss is one read
+    # of the pinned blob by the kernel, and an admission after it one more copy
+    misses = cache["lookups"]["miss"]
+    admitted_again = cache["bytes_to_device"] if model.cache.lagged is not None else 0
     on_gpu = model.device.type == "cuda"  # on the CPU, slots are RAM and nothing crosses PCIe
-    pcie = misses * model.store.blob_bytes + cache["prefetch_bytes"] if on_gpu else 0
+    pcie = misses * model.store.blob_bytes + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
     issued = prefetch["issued"]
     return {
         "slots": stats["slots"],
         "tokens_served": cache["tokens_served"],
         "lookups": cache["lookups"],
+        "copies": cache["copies"],  # on-demand copies into slots (admissions)
         "pcie_gb": round(pcie / 1e9, 3),
         "prefetch": prefetch,
         # precision: staged copies that their layer used; recall: of the experts that crossed PCIe

@@ -32,7 +32,7 @@ class Source:
     heads: str | None = None  # trained predictor heads for prefetch "auto"/"trained" (else the store's own)
 
     def mira(self, budget: int, policy: str, prefetch: str, profile_counts: list[int] | None,
-             max_context: int) -> MiraModel:
+             max_context: int, residency: str = "auto") -> MiraModel:
         raise NotImplementedError
 
     def full_model(self, device: torch.device):
@@ -54,11 +54,11 @@ class CheckpointSource(Source):
         self.store = ExpertStore.open(self.store_path, pin=device.type == "cuda", progress=progress)
         self.tokenizer = store_tokenizer(self.store_path)
 
-    def mira(self, budget, policy, prefetch, profile_counts, max_context) -> MiraModel:
+    def mira(self, budget, policy, prefetch, profile_counts, max_context, residency="auto") -> MiraModel:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         hf_model, sites = build_model(self.store_path, dtype, self.device)
         return assemble(hf_model, sites, self.store, self.tokenizer, budget, policy, max_context, profile_counts,
-                        prefetch, self.heads)
+                        prefetch, self.heads, residency)
 
     def full_model(self, device):
         if is_store(self.model_dir):
@@ -79,10 +79,10 @@ class SyntheticSource(Source):
         self.store = synthetic_store(self.config, len(moe_skeleton_layers(self.config)), "int8-shared",
                                      pin=device.type == "cuda", progress=progress, name=name)
 
-    def mira(self, budget, policy, prefetch, profile_counts, max_context) -> MiraModel:
+    def mira(self, budget, policy, prefetch, profile_counts, max_context, residency="auto") -> MiraModel:
         hf_model, sites, _ = synthetic_skeleton(self.config, self.device)
         return assemble(hf_model, sites, self.store, None, budget, policy, max_context, profile_counts, prefetch,
-                        self.heads)
+                        self.heads, residency)
 
     def full_model(self, device):
         return hf.full_model(self.config, device)

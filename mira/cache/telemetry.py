@@ -3,7 +3,10 @@
 The mechanism records every served expert; these cumulative figures feed reports and
 `--stats-json`. (Policies keep their own sliding windows from the accesses they see.) A layer
 whose experts are all resident for good records on the device instead, with no host sync
-(`device_counters`); those counters are folded into the figures whenever they are read.
+(`device_counters`); those counters are folded into the figures whenever they are read. Lagged
+layers' tokens are recorded when the cache settles them after their step
+(`ExpertCache.settle`), with the tier the policy reports then: a hit whose copy was still in
+flight when its layer ran was in fact read zero-copy from the host store.
 """
 
 from __future__ import annotations

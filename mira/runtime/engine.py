@@ -13,14 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
 from mira.cache.policy import make_policy
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
-from mira.config import PREFETCH, CacheConfig, RuntimeConfig
+from mira.config import PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.loader import MoESite, build_model, read_config
@@ -28,6 +28,7 @@ from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor
 from mira.runtime.experts import MiraExperts
+from mira.runtime.graphs import DecodeGraphs
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
 from mira.store.manifest import Manifest, is_store
@@ -47,6 +48,8 @@ class MiraModel:
         tokenizer: the model's tokenizer, or None when the directory has none.
         config: the RuntimeConfig it was loaded with.
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
+        decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
+            when switched off (`use_cuda_graphs(False)`) or on the CPU.
     """
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
@@ -62,6 +65,24 @@ class MiraModel:
         self._step_tokens = 0
         hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
         hf_model.register_forward_hook(self._after_step)
+        self._eager_forward = hf_model.forward
+        self.decode_graphs: DecodeGraphs | None = None
+        self._kv_cache: StaticCache | None = None
+        self.use_cuda_graphs(self.device.type == "cuda")
+
+    def use_cuda_graphs(self, enabled: bool) -> None:
+        """Replay decode steps from CUDA graphs (on CUDA only; default on there), or run every step
+        eagerly. Graphs apply to batch-1 `generate` calls whose MoE layers never need the host."""
+        if enabled and self.device.type != "cuda":
+            raise MiraError("CUDA graphs need a CUDA device")
+        if enabled and self.decode_graphs is None:
+            layers = [m for m in self.hf_model.modules() if isinstance(m, MiraExperts)]
+            self.decode_graphs = DecodeGraphs(self._eager_forward, layers)
+            self.hf_model.forward = self.decode_graphs
+        elif not enabled and self.decode_graphs is not None:
+            self.decode_graphs.forget()
+            self.decode_graphs = None
+            self.hf_model.forward = self._eager_forward
 
     def _before_step(self, module, args, kwargs) -> None:
         inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
@@ -70,6 +91,7 @@ class MiraModel:
         self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
 
     def _after_step(self, module, args, output) -> None:
+        self.cache.settle()  # lagged layers' routing of this step goes to the policy (a no-op inline)
         self.cache.end_step(self._step_tokens)
 
     def __call__(self, *args, **kwargs):
@@ -88,7 +110,24 @@ class MiraModel:
                             f"is longer than the context of {self.max_context} tokens; shorten the prompt, lower "
                             f"--max-new-tokens or pass a larger --max-context")
         kwargs.setdefault("disable_compile", True)
+        if self._replays(input_ids, kwargs):
+            kwargs["past_key_values"] = self._static_kv_cache()
         return self.hf_model.generate(input_ids.to(self.device), **kwargs)
+
+    def _replays(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
+        """Whether this generate call's decode steps can be replayed from CUDA graphs: one sequence,
+        and no MoE layer that needs the host after its first call."""
+        return (self.decode_graphs is not None and _one_sequence(input_ids, kwargs, self.hf_model.generation_config)
+                and all(layer.becomes_host_free for layer in self.decode_graphs.layers))
+
+    def _static_kv_cache(self) -> StaticCache:
+        """The KV cache CUDA graphs can replay on: fixed buffers of max_context tokens, made once and
+        emptied for each generate call (its buffers keep their addresses, so captured steps stay valid)."""
+        if self._kv_cache is None:
+            self._kv_cache = StaticCache(config=self.hf_model.config, max_cache_len=self.max_context)
+        else:
+            self._kv_cache.reset()
+        return self._kv_cache
 
     @property
     def all_resident(self) -> bool:
@@ -111,6 +150,36 @@ class MiraModel:
         }
 
 
+def _lagged(residency: str, predictor: Predictor | None, under_budget: bool, device: torch.device, ffn) -> bool:
+    """Whether decode layers run under lagged residency (mira.cache.lagged; `load`'s `residency`).
+
+    Lagged, no layer syncs with the host, so a decode step can be a CUDA graph; the price is that
+    an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then copied
+    into its slot). Not with a predictor, which stages from each layer's routing on the host; not
+    when every expert fits, where the layers are fixed and never sync anyway; on CUDA only with the
+    fused kernels, which read experts that have no slot from the pinned host store. "lagged" where
+    nothing can lag (every expert fits) is the same as "auto".
+    """
+    if residency not in RESIDENCY:
+        raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
+    possible = under_budget and (device.type == "cpu" or hasattr(ffn, "forward_bases"))
+    if residency == "lagged" and predictor is not None:
+        raise MiraError("--residency lagged cannot stage predicted experts, which needs every layer's routing on "
+                        "the host; pass --prefetch off or --residency inline")
+    return residency != "inline" and predictor is None and possible
+
+
+def _one_sequence(input_ids: torch.Tensor, kwargs: dict, defaults) -> bool:
+    """A generate call that decodes one sequence in its own KV cache (`defaults`: the model's
+    GenerationConfig, for what the call leaves out)."""
+    def setting(name: str) -> int:
+        value = kwargs.get(name)
+        return (value if value is not None else getattr(defaults, name, None)) or 1
+
+    return (input_ids.shape[0] == 1 and kwargs.get("past_key_values") is None and setting("num_beams") == 1
+            and setting("num_return_sequences") == 1 and kwargs.get("assistant_model") is None)
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,7 +187,7 @@ def default_device() -> str:
 def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
          quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
          profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True,
-         heads: str | os.PathLike | None = None) -> MiraModel:
+         heads: str | os.PathLike | None = None, cuda_graphs: bool = True, residency: str = "auto") -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
@@ -142,6 +211,14 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         progress: show progress bars.
         heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
             of the store's own.
+        cuda_graphs: on CUDA, replay decode steps from CUDA graphs where no MoE layer needs the host
+            (mira.runtime.graphs); False runs every step eagerly. Ignored on the CPU.
+        residency: how decode layers under a budget meet the cache: "lagged" (no host sync: routing
+            is counted on the device, missed experts are read from the pinned store inside the
+            kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
+            (one host sync per MoE layer: the policy places each routed expert before the kernel
+            runs, and a miss is copied in once) or "auto" (lagged unless a predictor stages experts,
+            which needs every layer's routing on the host).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -154,14 +231,17 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     compute_dtype = RuntimeConfig(device=torch_device.type, dtype=dtype or "").dtype
     hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
     counts = _profile_counts(profile, store.num_layers * store.num_experts) if profile is not None else None
-    return assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context, counts,
-                    prefetch, heads)
+    model = assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context, counts,
+                     prefetch, heads, residency)
+    if not cuda_graphs and model.decode_graphs is not None:
+        model.use_cuda_graphs(False)
+    return model
 
 
 def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreTrainedTokenizerBase | None,
              vram_budget: int | None = None, policy: str = "mira", max_context: int | None = None,
              profile_counts: list[int] | None = None, prefetch: str = "auto",
-             heads: str | os.PathLike | None = None) -> MiraModel:
+             heads: str | os.PathLike | None = None, residency: str = "auto") -> MiraModel:
     """Bind Mira's experts to a built model: the slot plan, cache, transfer layer, kernel and predictor.
 
     `load` calls this for a model read from a store; `mira bench` calls it for synthetic models
@@ -187,16 +267,18 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
         policy, profile_counts = "static", [1] * total_experts
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
     try:
-        residency = make_policy(policy, capacity, total_experts, config.cache, profile=profile_counts)
+        placement = make_policy(policy, capacity, total_experts, config.cache, profile=profile_counts)
     except ValueError as error:
         raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
-    cache = ExpertCache(store, residency, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
+    cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store, torch_device, heads) if residency.stage_slots else None
+    predictor = _predictor(prefetch, routers, store, torch_device, heads) if placement.stage_slots else None
+    lagged = _lagged(residency, predictor, capacity < total_experts, torch_device, ffn)
     for position, site in enumerate(sites):
-        setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position]))
+        setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
+                                                    lagged=lagged))
     return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
 
 

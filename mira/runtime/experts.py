@@ -28,11 +28,15 @@ class MiraExperts(nn.Module):
     routed-token counts, the predicted experts, the kernels' address table and the output live in
     buffers this layer owns. A layer whose experts are all resident for good (every expert fits
     the budget) does not sync at all: its address table is fixed, nothing is decided on the host,
-    and its telemetry is counted on the device (`Telemetry.device_counters`). The output is a view of this layer's own buffer, valid until this
+    and its telemetry is counted on the device (`Telemetry.device_counters`). Nor does a lagged
+    layer's decode call (mira.cache.lagged): it adds its routed tokens to the cache's counters on
+    the device and computes from its address table, which always holds a readable address for
+    every expert (slot row or pinned host blob); `ExpertCache.settle` takes the counts to the
+    policy after the step. The output is a view of this layer's own buffer, valid until this
     layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in
     5.x) add it to the residual or the shared experts' output, into a new tensor, at once, and one
     buffer per layer means no layer's call overwrites another layer's output. Larger calls
-    (prefill) return a tensor of their own.
+    (prefill) return a tensor of their own; a lagged layer serves them inline, after settling.
 
     Args:
         layer_position: this layer's index among MoE layers.
@@ -41,10 +45,16 @@ class MiraExperts(nn.Module):
         device: where the layer runs.
         predictor: predicts the experts of layer_position + 2 from this layer's state (None: no prefetch).
         router: this layer's router, whose logits the predictor may use.
+        lagged: decode under lagged residency instead of asking the cache on every call.
+
+    Raises:
+        ValueError: lagged with a predictor (staging decides on the host from every call's
+            routing), or lagged on CUDA with an FFN that cannot read the pinned host store (the
+            reference FFN: only the fused kernels take an address table).
     """
 
     def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, device: torch.device,
-                 predictor: Predictor | None = None, router: nn.Module | None = None):
+                 predictor: Predictor | None = None, router: nn.Module | None = None, lagged: bool = False):
         super().__init__()
         self.layer_position = layer_position
         self.cache = cache
@@ -67,6 +77,18 @@ class MiraExperts(nn.Module):
         self._device = torch.device(device)
         self._fixed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (rows, address table [E])
         self._may_be_fixed = predictor is None  # a layer that stages for another keeps the host in the loop
+        self._lagged = lagged
+        if lagged:
+            if predictor is not None:
+                raise ValueError("a lagged layer takes no predictor: staging decides on the host from every "
+                                 "call's routing; pass predictor=None or lagged=False")
+            if self._device.type == "cuda" and self._table is None:
+                raise ValueError(f"lagged residency on CUDA needs the fused kernels, which read missed experts "
+                                 f"from the pinned host store; {type(ffn).__name__} cannot: pass lagged=False")
+            residency = cache.lagged_residency()
+            self._pending = residency.pending[layer_position]  # [E], a view: settled for all layers at once
+            self._bases = residency.tables[layer_position]  # [E]
+            self._rows = residency.rows[layer_position]  # E blobs, rewritten in place by the cache
 
     def _keep_router_logits(self, module, args, output) -> None:
         self._router_logits = output[0]  # [T, E]
@@ -77,6 +99,10 @@ class MiraExperts(nn.Module):
             self._fix()
         if self._fixed is not None:
             return self._forward_fixed(hidden_states, top_k_index, top_k_weights)
+        if self._lagged:
+            if hidden_states.shape[0] <= DECODE_TOKENS:
+                return self._forward_lagged(hidden_states, top_k_index, top_k_weights)
+            self.cache.settle()  # the counts of earlier lagged calls go to the policy before this call's
         E, p = self._tokens.shape[0], self.layer_position
         routed = top_k_index.reshape(-1)  # [T*K]
         self._tokens.zero_().scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
@@ -96,6 +122,22 @@ class MiraExperts(nn.Module):
         out = self._compute(hidden_states, top_k_index, top_k_weights, blobs, experts)  # [T, H]
         self.cache.after_layer(p, experts)
         return out
+
+    @property
+    def host_free(self) -> bool:
+        """Whether this layer's next decode call does no host sync: true for a layer whose experts
+        are all resident for good once its first call has fixed them (that call copies its address
+        table from the host), and for a lagged layer that no first call will fix."""
+        if self._may_be_fixed:
+            return self._lagged and not self.cache.resident_for_good(self.layer_position)
+        return self._fixed is not None or self._lagged
+
+    @property
+    def becomes_host_free(self) -> bool:
+        """Whether this layer's decode calls do no host sync from its second call on (fixed or lagged)."""
+        if self._may_be_fixed:
+            return self._lagged or self.cache.resident_for_good(self.layer_position)
+        return self.host_free
 
     def _fix(self) -> None:
         """On the first call: if every expert of this layer is resident for good, keep their rows and
@@ -121,6 +163,15 @@ class MiraExperts(nn.Module):
             return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, table, out=self._output(hidden))
         return self.ffn(hidden, top_k_index, top_k_weights, rows, out=self._output(hidden))
 
+    def _forward_lagged(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Lagged residency: count on the device, compute from the table; no host sync, no cache call."""
+        routed = top_k_index.reshape(-1)  # [T*K]
+        self._pending.scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
+        if self._table is not None:
+            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=self._output(hidden))
+        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=self._output(hidden))
+
     def _compute_from_table(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             blobs: Sequence[torch.Tensor | None], experts: list[int]) -> torch.Tensor:
         bases = self._table.fill(blobs, experts)  # [E] int64 on the device
@@ -140,4 +191,4 @@ class MiraExperts(nn.Module):
         return self._out[:tokens]
 
     def extra_repr(self) -> str:
-        return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}"
+        return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}, lagged={self._lagged}"

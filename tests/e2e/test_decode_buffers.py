@@ -138,7 +138,8 @@ def test_a_layer_with_every_expert_resident_reads_nothing_back_and_counts_on_the
     store = stores["mixtral", "int8-shared"]
     probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
     budget = probe.plan.reserve_bytes + slots * probe.store.blob_bytes
-    model = mira.load(store, device="cpu", vram_budget=budget, prefetch="off", progress=False)
+    # under a budget, the inline mode (tests/e2e/test_lagged_residency.py has the lagged one)
+    model = mira.load(store, device="cpu", vram_budget=budget, prefetch="off", residency="inline", progress=False)
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     calls = [_call(seed, tokens=1) for seed in range(3)]
     layers[0](*calls[0])  # the first call looks at the placement

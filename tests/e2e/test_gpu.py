@@ -125,12 +125,12 @@ def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(store, monkey
     del everything
     load = Transfer.load
 
-    def slow_prefetch(self, src, dst, slot, prefetch=False):
+    def slow_prefetch(self, src, dst, slot, prefetch=False, then=None):
         if prefetch:
             self.prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.prefetch_stream):
                 torch.cuda._sleep(2_000_000)  # ~1 ms of GPU clock cycles before the copy starts
-        return load(self, src, dst, slot, prefetch)
+        return load(self, src, dst, slot, prefetch, then)
 
     monkeypatch.setattr(Transfer, "load", slow_prefetch)
     model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate", progress=False)

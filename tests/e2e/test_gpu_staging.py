@@ -54,13 +54,13 @@ def _staged_generation(store, prefetch: str, monkeypatch, wait_for_prefetches: b
     load, ready = Transfer.load, Transfer.ready
     prefetched: set[int] = set()  # slots whose last copy was a prefetch
 
-    def held_back_load(self, src, dst, slot, prefetch=False):
+    def held_back_load(self, src, dst, slot, prefetch=False, then=None):
         (prefetched.add if prefetch else prefetched.discard)(slot)
         if prefetch:
             self.prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.prefetch_stream):
                 torch.cuda._sleep(HOLD_BACK_CYCLES)
-        return load(self, src, dst, slot, prefetch)
+        return load(self, src, dst, slot, prefetch, then)
 
     def ready_but_for_prefetches(self, slot):
         if slot not in prefetched:

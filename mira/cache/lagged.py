@@ -1,0 +1,91 @@
+"""Lagged residency: decode with no host sync per MoE layer under a budget (DESIGN.md 2.8).
+
+Inline, a layer under a budget reads its routing back to the host on every call, so the policy can
+place the routed experts before the kernel runs. Lagged, the layer instead adds its routed tokens
+per expert to counters on the device and computes from an address table that holds, for every
+expert of the layer, an address the kernel can read: its slot row when it is resident and its copy
+has landed, else its blob in the pinned host store (read over PCIe inside the same launch:
+zero-copy, the same bytes). Once per forward step the cache reads every layer's counters back at
+once and settles them with the policy exactly as the layer calls would have (`ExpertCache.settle`):
+the policy sees the same accesses in the same order, a step later than the kernels.
+
+This module holds the tables and counters and rewrites table entries without allocating or waiting:
+the addresses are constants (one per host blob, one per slot row) kept on the device, and an entry
+is rewritten by one small kernel that copies a constant into it, on the stream the caller picks.
+
+L MoE layers, E experts per layer, S slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mira.cache.slots import SlotPool
+from mira.store.store import ExpertStore
+
+
+class LaggedResidency:
+    """Where every expert of every MoE layer can be read now, and the tokens routed since the last settle.
+
+    Attributes:
+        tables: int64 [L, E] on the device; `tables[l]` is layer l's address table for
+            `TritonMoEFFN.forward_bases`: a slot row's address or the host blob's, never 0.
+        rows: L lists of E uint8 blobs, the same places as tensors, for the reference FFN (CPU).
+            They change on the host at once, so they are valid only where copies are immediate.
+        pending: int64 [L, E] on the device: tokens routed per expert since the last `drain`.
+
+    Args:
+        store: the expert store (host blobs, pinned on CUDA).
+        pool: the slot pool.
+        device: where the layers run.
+    """
+
+    def __init__(self, store: ExpertStore, pool: SlotPool, device: torch.device):
+        L, E, S = store.num_layers, store.num_experts, pool.num_slots
+        self._store = store
+        self._pool = pool
+        self._experts = E
+        blobs = [store.blob(*divmod(uid, E)).data_ptr() for uid in range(L * E)]
+        self._blob_addresses = torch.tensor(blobs, dtype=torch.int64, device=device)  # [L*E]
+        self._row_addresses = torch.tensor([pool.row(s).data_ptr() for s in range(S)], dtype=torch.int64,
+                                           device=device)  # [S]
+        self._uids = torch.arange(L * E, device=device)  # [L*E], the index of one entry's write
+        self._entries = self._blob_addresses.clone()  # [L*E]
+        self.tables = self._entries.view(L, E)
+        self.rows = [[store.blob(layer, expert) for expert in range(E)] for layer in range(L)]
+        self.pending = torch.zeros(L, E, dtype=torch.int64, device=device)
+
+    def to_slot(self, uid: int, slot: int) -> None:
+        """Expert `uid`'s entry becomes slot `slot`'s row, on the current stream.
+
+        Call it on the stream that copies the expert into the slot, right after the copy: a kernel
+        that reads the entry before the copy has landed still finds the host blob. One 8-byte store
+        per entry (an elementwise kernel, not a byte copy), so a kernel reading the table from
+        another stream meanwhile sees the old address or the new one, never a mix.
+        """
+        self._write(uid, self._row_addresses[slot : slot + 1])
+        layer, expert = divmod(uid, self._experts)
+        self.rows[layer][expert] = self._pool.row(slot)
+
+    def to_host(self, uid: int) -> None:
+        """Expert `uid`'s entry goes back to its host blob, on the current stream.
+
+        Call it on the compute stream before anything may overwrite the slot it leaves: kernels
+        enqueued after it read the host blob.
+        """
+        self._write(uid, self._blob_addresses[uid : uid + 1])
+        layer, expert = divmod(uid, self._experts)
+        self.rows[layer][expert] = self._store.blob(layer, expert)
+
+    def drain(self) -> list[list[int]]:
+        """The tokens routed per expert since the last drain, [L][E], and zero the counters.
+
+        The one host sync of a settle: one read-back for all layers, on the current stream (the
+        compute stream, after the step's kernels).
+        """
+        counts = self.pending.tolist()
+        self.pending.zero_()
+        return counts
+
+    def _write(self, uid: int, address: torch.Tensor) -> None:
+        self._entries.index_copy_(0, self._uids[uid : uid + 1], address)

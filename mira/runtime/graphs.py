@@ -1,0 +1,140 @@
+"""Decode steps replayed from CUDA graphs (DESIGN.md 2.8).
+
+A decode step is some hundreds of small kernel launches from Python: transformers' attention,
+norms and routers, and Mira's expert kernels. On a host that launches slowly the GPU mostly waits
+(`benchmarks/results/profile-decode-mixtral-8x7b-all.json`: 88.7 ms per step, the device busy for
+13.4 ms of it). When no MoE layer needs the host during a decode step (`MiraExperts.host_free`),
+the step is captured once as a CUDA graph and then replayed: one launch per token.
+
+A graph replays fixed kernels on fixed addresses, so a step is captured per signature: the
+names, shapes and dtypes of its tensor arguments, the values of the others, and the KV cache
+object, which must be transformers' `StaticCache` (fixed buffers, positions kept on the device).
+`MiraModel.generate` supplies one for batch-1 decoding. A signature is captured the second time
+it is seen; the first time runs eagerly as a warm-up (lazy buffers, cuBLAS and Triton set-up). Any
+other call (prefill, a dynamic cache, a layer that syncs, the CPU) runs eagerly, unchanged.
+
+A replay runs no Python, so module hooks inside the step do not fire. The experts modules'
+forward pre-hooks are called after each replay with that step's arguments (the graph's own
+buffers, holding this step's values): that is what recording routing needs. Other hooks inside
+the model see captured steps only once, at capture.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from mira.runtime.experts import MiraExperts
+
+
+def replayable_cache(cache: Any) -> bool:
+    """A cache whose every layer keeps fixed buffers and its position on the device: a plain
+    `StaticCache`, already filled by a prefill (its buffers exist)."""
+    return (isinstance(cache, StaticCache) and len(cache.layers) > 0
+            and all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers))
+
+
+class _Graph:
+    """One captured decode step: the buffers its inputs are copied into, its output, and the
+    arguments each experts module was called with (graph buffers, rewritten by every replay)."""
+
+    def __init__(self, forward: Callable, kwargs: dict[str, Any], layers: Sequence[MiraExperts], pool) -> None:
+        self.inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                       for name, value in kwargs.items()}
+        self.calls: list[tuple[MiraExperts, tuple]] = []
+        handles = [layer.register_forward_pre_hook(lambda module, args: self.calls.append((module, args)))
+                   for layer in layers]
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.output = forward(**self.inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def replay(self, kwargs: dict[str, Any]):
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                self.inputs[name].copy_(value)
+        self.graph.replay()
+        # a replay runs no Python: show the experts modules' forward pre-hooks (e.g. mira.runtime.tracing's
+        # routing recorder) the arguments this step called them with, as an eager step would have
+        for module, args in self.calls:
+            for hook in list(module._forward_pre_hooks.values()):
+                hook(module, args)
+        # the logits buffer is overwritten by the next replay: hand out a copy, as an eager step would
+        return self.output.__class__(**{name: value.clone() if name == "logits" else value
+                                        for name, value in self.output.items()})
+
+
+class DecodeGraphs:
+    """Stands in for a transformers model's `forward`: replays captured decode steps.
+
+    Args:
+        forward: the model's own forward (the bound method).
+        layers: the model's Mira experts modules.
+
+    Attributes:
+        layers: the Mira experts modules, which must all be `host_free` for a step to be captured.
+        captures, replays: decode steps captured and replayed so far.
+    """
+
+    def __init__(self, forward: Callable, layers: Sequence[MiraExperts]):
+        self._forward = forward
+        self.layers = list(layers)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[Hashable, _Graph] = {}
+        self._seen: set[Hashable] = set()
+        self._refused: set[Hashable] = set()
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, *args, **kwargs):
+        key = None if args else self._signature(kwargs)
+        if key is None or key in self._refused:
+            return self._forward(*args, **kwargs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return self._forward(**kwargs)
+            try:
+                graph = _Graph(self._forward, kwargs, self.layers, self._pool)
+            except RuntimeError as error:  # something in the step needs the host after all
+                self._refused.add(key)
+                warnings.warn(f"mira: a decode step could not be captured as a CUDA graph ({error}); it runs "
+                              "eagerly", RuntimeWarning, stacklevel=2)
+                return self._forward(**kwargs)
+            self._graphs[key] = graph
+            self.captures += 1
+        self.replays += 1
+        return graph.replay(kwargs)
+
+    def forget(self) -> None:
+        """Drop every captured step (their memory goes back to the allocator)."""
+        self._graphs.clear()
+        self._seen.clear()
+
+    def _signature(self, kwargs: dict[str, Any]) -> Hashable | None:
+        """What a captured step depends on, or None when this call must run eagerly."""
+        input_ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        if (input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] != 1 or not input_ids.is_cuda
+                or kwargs.get("inputs_embeds") is not None or not replayable_cache(cache)
+                or not all(layer.host_free for layer in self.layers)):
+            return None
+        key: list[Hashable] = [id(cache)]
+        for name, value in sorted(kwargs.items()):
+            if name == "past_key_values":
+                continue
+            if isinstance(value, torch.Tensor):
+                key.append((name, tuple(value.shape), value.dtype, value.device))
+            elif value is None or isinstance(value, (bool, int, float, str)):
+                key.append((name, value))
+            else:
+                return None
+        return tuple(key)
