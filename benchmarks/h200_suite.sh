@@ -24,12 +24,12 @@ case "${1:-}" in
     cp benchmarks/results/profile-decode-*.json "$OUT/" 2>/dev/null || true ;;
   mixtral)
     timeout 580 python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x256 --budgets 8GiB,12GiB \
-      --configs mira+p,mira,mira-inline,static,lru-inline,hf-offload --offload-budgets 12GiB --offload-new-tokens 3 \
+      --configs mira+p,mira,mira-inline,static,lru,hf-offload --offload-budgets 12GiB --offload-new-tokens 3 \
       --beams 1,2,4,8 --beam-budget 12GiB --beam-new-tokens 64 --out "$OUT/bench-mixtral-8x7b-small-budgets.json" \
       --quiet ;;
   small)
     timeout 580 python -m mira.cli bench --synthetic qwen3-30b-a3b --fixed 64x256 --budgets 8GiB,12GiB,24GiB,all \
-      --configs mira+p,mira,mira-inline,static,lru-inline,hf-gpu,hf-offload --offload-budgets 12GiB \
+      --configs mira+p,mira,mira-inline,static,lru,hf-gpu,hf-offload --offload-budgets 12GiB \
       --offload-new-tokens 3 --out "$OUT/bench-qwen3-30b-a3b.json" --quiet ;;
   *)
     sed -n 2,11p "$0"; exit 2 ;;

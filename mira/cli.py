@@ -114,7 +114,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="under a budget: lagged (no host sync per MoE layer: missed experts are read from "
                              "pinned host memory inside the kernel, the policy acts after each step), inline (one "
                              "host sync per MoE layer: each miss is placed before its kernel runs, copied once) or "
-                             "auto (the default: lagged unless prefetching, which needs inline)")
+                             "auto (the default: lagged unless prefetching, which needs inline, or with lru/lfu, "
+                             "where every miss would then cross PCIe twice)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")

@@ -10,7 +10,7 @@ from pathlib import Path
 from mira.bench.synthetic import PRESETS
 
 DEFAULT_BUDGETS = "8GiB,12GiB,24GiB,48GiB,all"
-DEFAULT_CONFIGS = "mira+p,mira,lru,lru-inline,static,hf-gpu,hf-offload"
+DEFAULT_CONFIGS = "mira+p,mira,lru,static,hf-gpu,hf-offload"
 
 
 def add_command(subparsers) -> None:
@@ -24,9 +24,10 @@ def add_command(subparsers) -> None:
                     "Belady's PCIe bytes / 55 GB/s) with achieved/bound. Configurations: mira+p (prefetch: "
                     "trained heads when given or in the store, else gate speculation), mira+gate (prefetch by "
                     "gate speculation), mira (no prefetch; lagged residency and CUDA graphs on the GPU), mira-inline "
-                    "(no prefetch, one host sync per MoE layer, no CUDA graphs), lru (on demand, LRU; lagged on the GPU, so "
-                    "each admitted miss crosses PCIe twice), lru-inline (on demand, LRU, each miss copied in once "
-                    "before its kernel: mixtral-offloading's way), static (popularity placement), hf-gpu (transformers, whole model on the "
+                    "(no prefetch, one host sync per MoE layer, no CUDA graphs), lru (on demand, LRU, each miss copied "
+                    "in before its kernel: mixtral-offloading's way), lru-lagged (the same under lagged residency: "
+                    "no host sync, but each admitted miss crosses PCIe twice), static (popularity placement; "
+                    "lagged), hf-gpu (transformers, whole model on the "
                     "GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()

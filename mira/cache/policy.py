@@ -58,9 +58,14 @@ class Policy(ABC):
 
     hot_slots / stage_slots: how the capacity is split between the two tiers; single-tier policies
     keep every resident in HOT.
+    admits_every_miss: whether every miss is admitted into a slot (LRU, LFU) rather than some
+        (mira) or none (static, on-demand). Under lagged residency each admission is a second
+        PCIe crossing of a miss the kernel has already read, so the engine keeps such policies
+        inline unless asked otherwise.
     """
 
     name: str = "policy"
+    admits_every_miss: bool = False
 
     def __init__(self, capacity: int):
         if capacity < 0:
@@ -125,6 +130,7 @@ class LRU(Policy):
     """Least recently used: every miss is admitted, the least recently used resident goes."""
 
     name = "lru"
+    admits_every_miss = True
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -161,6 +167,7 @@ class LFU(Policy):
     """
 
     name = "lfu"
+    admits_every_miss = True
 
     def __init__(self, capacity: int):
         super().__init__(capacity)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
-from mira.cache.policy import make_policy
+from mira.cache.policy import Policy, make_policy
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.config import PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
@@ -150,23 +150,29 @@ class MiraModel:
         }
 
 
-def _lagged(residency: str, predictor: Predictor | None, under_budget: bool, device: torch.device, ffn) -> bool:
+def _lagged(residency: str, predictor: Predictor | None, placement: Policy, under_budget: bool,
+            device: torch.device, ffn) -> bool:
     """Whether decode layers run under lagged residency (mira.cache.lagged; `load`'s `residency`).
 
     Lagged, no layer syncs with the host, so a decode step can be a CUDA graph; the price is that
     an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then copied
-    into its slot). Not with a predictor, which stages from each layer's routing on the host; not
-    when every expert fits, where the layers are fixed and never sync anyway; on CUDA only with the
-    fused kernels, which read experts that have no slot from the pinned host store. "lagged" where
-    nothing can lag (every expert fits) is the same as "auto".
+    into its slot). On the H200 at 24 GiB with random routing (benchmarks/results/
+    bench-mixtral-8x7b*.json) that made LRU, which admits every miss, 0.61x as fast as inline and
+    the mira policy, which admits some, 0.89x; static placement, which admits none, was the
+    fastest configuration. So "auto" is lagged except for policies that admit every miss, and
+    never with a predictor, which stages from each layer's routing on the host. Nothing lags
+    when every expert fits (the layers are fixed and never sync) and, on CUDA, without the fused
+    kernels, which read experts that have no slot from the pinned host store.
     """
     if residency not in RESIDENCY:
         raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
-    possible = under_budget and (device.type == "cpu" or hasattr(ffn, "forward_bases"))
     if residency == "lagged" and predictor is not None:
         raise MiraError("--residency lagged cannot stage predicted experts, which needs every layer's routing on "
                         "the host; pass --prefetch off or --residency inline")
-    return residency != "inline" and predictor is None and possible
+    possible = predictor is None and under_budget and (device.type == "cpu" or hasattr(ffn, "forward_bases"))
+    if residency == "auto":
+        return possible and not placement.admits_every_miss
+    return possible and residency == "lagged"
 
 
 def _one_sequence(input_ids: torch.Tensor, kwargs: dict, defaults) -> bool:
@@ -218,7 +224,7 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
             (one host sync per MoE layer: the policy places each routed expert before the kernel
             runs, and a miss is copied in once) or "auto" (lagged unless a predictor stages experts,
-            which needs every layer's routing on the host).
+            which needs every layer's routing on the host, or the policy admits every miss: lru, lfu).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -275,7 +281,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     routers = [site.parent.gate for site in sites]
     predictor = _predictor(prefetch, routers, store, torch_device, heads) if placement.stage_slots else None
-    lagged = _lagged(residency, predictor, capacity < total_experts, torch_device, ffn)
+    lagged = _lagged(residency, predictor, placement, capacity < total_experts, torch_device, ffn)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=lagged))

@@ -42,7 +42,7 @@ def _lagged_model(store, dtype: str):
     budget = everything.plan.reserve_bytes + SLOTS * everything.store.blob_bytes
     del everything
     model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, policy="lru", prefetch="off",
-                      progress=False)
+                      residency="lagged", progress=False)
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     assert all(m._lagged and m.host_free and type(m.ffn).__name__ == "TritonMoEFFN" for m in layers)
     assert model.cache.pool.num_slots == SLOTS and model.store.data.is_pinned()

@@ -141,7 +141,7 @@ def test_lagged_greedy_generation_equals_every_expert_resident_and_transformers(
     reference = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"], dtype=torch.float32).eval()
     assert torch.equal(reference.generate(_prompt(), **GREEDY, disable_compile=True), expected)
     model = mira.load(store, device="cpu", vram_budget=_budget(store, slots), policy="lru", prefetch="off",
-                      progress=False)
+                      residency="lagged", progress=False)
     assert all(layer._lagged and layer.host_free for layer in _layers(model))
     assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
     with torch.no_grad():
@@ -156,7 +156,7 @@ def test_a_lagged_decode_call_reads_nothing_back_and_matches_the_float64_referen
     monkeypatch.setattr(engine, "make_moe_ffn", lambda *args, **kwargs: make_moe_ffn(*args, **kwargs, backend="triton"))
     store = stores["mixtral", "int8-shared"]
     model = mira.load(store, device="cpu", vram_budget=_budget(store, 9), policy="lru", prefetch="off",
-                      progress=False)
+                      residency="lagged", progress=False)
     monkeypatch.undo()
     layers, cache = _layers(model), model.cache
     assert all(hasattr(layer.ffn, "forward_bases") and layer._lagged for layer in layers)
@@ -298,3 +298,20 @@ def test_residency_lagged_with_a_predictor_or_unknown_is_refused_with_the_fix(st
                   progress=False)
     with pytest.raises(MiraError, match="choose one of auto, lagged, inline"):
         mira.load(store, device="cpu", vram_budget=_budget(store, 12), residency="late", progress=False)
+
+
+def test_auto_residency_lags_unless_the_policy_admits_every_miss_or_a_predictor_stages(stores):
+    store = stores["mixtral", "int8-shared"]
+    budget = _budget(store, 12)
+
+    def lagged(**options) -> bool:
+        layers = _layers(mira.load(store, device="cpu", vram_budget=budget, progress=False, **options))
+        assert len({layer._lagged for layer in layers}) == 1
+        return layers[0]._lagged
+
+    assert lagged(policy="mira", prefetch="off")
+    assert lagged(policy="on-demand")
+    assert not lagged(policy="lru") and not lagged(policy="lfu")  # each admission would cross PCIe twice
+    assert lagged(policy="lru", residency="lagged")
+    assert not lagged(policy="mira", prefetch="gate")  # staging needs the routing on the host
+    assert not lagged(policy="mira", prefetch="off", residency="inline")

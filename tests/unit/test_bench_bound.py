@@ -78,8 +78,8 @@ def test_goals_compare_the_runs_of_the_same_budget_and_ignore_beams_and_skips():
         _row("mira+p", "24GiB", 30.0, nbytes=24, achieved_over_bound=1.2),
         _row("mira", "24GiB", 25.0, nbytes=24),
         _row("lru", "24GiB", 10.0, nbytes=24),
-        _row("lru-inline", "24GiB", 7.5, nbytes=24),  # the slower LRU: the goal takes the faster one
-        _row("lru-inline", "8GiB", 3.0, nbytes=8),
+        _row("lru-lagged", "24GiB", 7.5, nbytes=24),  # the slower LRU: the goal takes the faster one
+        _row("lru-lagged", "8GiB", 3.0, nbytes=8),
         _row("hf-offload", "24GiB", 0.5, nbytes=24),
         _row("mira+p", "24GiB", 1.0, nbytes=24, num_beams=1, beam_search=True),  # must not replace the row above
         _row("mira+p", "all", 90.0, nbytes=48),
@@ -102,6 +102,6 @@ def test_goals_compare_the_runs_of_the_same_budget_and_ignore_beams_and_skips():
 
 def test_the_lru_goal_compares_with_the_faster_of_the_two_lru_configurations():
     rows = [_row("mira+p", "24GiB", 12.0, nbytes=24), _row("lru", "24GiB", 4.0, nbytes=24),
-            _row("lru-inline", "24GiB", 8.0, nbytes=24)]
+            _row("lru-lagged", "24GiB", 8.0, nbytes=24)]
     assert goals(rows)["mira+p_over_lru"] == {"value": 1.5, "goal": ">= 1.5", "met": True}
     assert goals(rows[:2])["mira+p_over_lru"]["value"] == 3
