@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import mira
 from allocations import NewTensors
+from host_reads import host_reads
 from mira.config import DECODE_TOKENS
 from mira.kernels import make_moe_ffn
 from mira.kernels.reference import moe_ffn_reference
@@ -116,20 +117,6 @@ def _paused(new: NewTensors, ffn):
     return call
 
 
-def _host_reads(monkeypatch) -> list[str]:
-    """Every read of tensor values by the host (what would be a device sync on CUDA), by name."""
-    reads: list[str] = []
-    for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return reads
-
-
 @pytest.mark.parametrize(("slots", "fixed"), [(24, True), (12, False)])  # every expert resident; half of them
 def test_a_layer_with_every_expert_resident_reads_nothing_back_and_counts_on_the_device(
         stores, monkeypatch, slots, fixed):
@@ -143,7 +130,7 @@ def test_a_layer_with_every_expert_resident_reads_nothing_back_and_counts_on_the
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     calls = [_call(seed, tokens=1) for seed in range(3)]
     layers[0](*calls[0])  # the first call looks at the placement
-    reads = _host_reads(monkeypatch)
+    reads = host_reads(monkeypatch)
     outputs = [[layer(*args).clone() for args in calls] for layer in layers]
     monkeypatch.undo()
     assert (len(reads) == 0) == fixed, reads  # under a budget, every call reads its routing back

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import mira
 from allocations import NewTensors
+from host_reads import host_reads
 from mira.cache.cache import ExpertCache
 from mira.cache.policy import LRU, Tier
 from mira.cache.slots import SlotPool
@@ -57,20 +58,6 @@ def _call(generator: torch.Generator, tokens: int):
 def _reference(store: ExpertStore, layer: int, hidden, index, weights) -> torch.Tensor:
     blobs = [store.blob(layer, e) for e in range(E)]
     return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, store.layout, F.silu)
-
-
-def _host_reads(monkeypatch) -> list[str]:
-    """Every read of tensor values by the host (a device sync on CUDA), by name."""
-    reads: list[str] = []
-    for name in ("tolist", "item", "cpu", "numpy", "__bool__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return reads
 
 
 def _assert_tables_follow_the_slots(cache: ExpertCache) -> None:
@@ -163,7 +150,7 @@ def test_a_lagged_decode_call_reads_nothing_back_and_matches_the_float64_referen
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         calls = [_call(generator, tokens=1 + step) for _ in layers]
-        reads = _host_reads(monkeypatch)
+        reads = host_reads(monkeypatch)
         outputs = [layer(*args).clone() for layer, args in zip(layers, calls)]
         assert reads == []  # no host sync in a lagged decode call
         cache.settle()
@@ -284,7 +271,7 @@ def test_host_free_is_exact_for_fixed_lagged_inline_and_predicting_layers(stores
         layer(*_call(generator, tokens=2))
         expected = layer.host_free
         assert expected == becomes == layer.becomes_host_free
-        reads = _host_reads(monkeypatch)
+        reads = host_reads(monkeypatch)
         layer(*_call(generator, tokens=2))
         monkeypatch.undo()
         assert expected == (reads == []), (model.stats()["policy"], reads)
