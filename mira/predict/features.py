@@ -291,7 +291,8 @@ class FeatureRecorder:
 
     Hooks observe and change nothing: a forward hook on each MoE layer's router keeps its logits, a
     forward pre-hook on each Mira experts module sees (hidden, top_k_index, top_k_weights) of that
-    layer, and a forward hook on the whole model closes the step. Use it as a context manager next
+    layer, and a forward hook on the whole model closes the step. While it records, decode steps
+    run eagerly (no CUDA graphs, whose replays would skip the routers' hooks). Use it as a context manager next
     to `RoutingRecorder` (the trace), around the same forward passes; `features()` returns what was seen.
 
     Args:
@@ -313,8 +314,13 @@ class FeatureRecorder:
         self._tokens: list[int] = []
         self._top_k = 0
         self._handles: list = []
+        self._graphs = False  # whether the model replayed decode steps from CUDA graphs before recording
 
     def __enter__(self) -> FeatureRecorder:
+        # a decode step replayed from a CUDA graph would not run the routers' hooks
+        self._graphs = self.model.decode_graphs is not None
+        if self._graphs:
+            self.model.use_cuda_graphs(False)
         for position, (experts, router) in enumerate(zip(self._experts, self._routers)):
             self._handles.append(router.register_forward_hook(
                 lambda module, args, output, position=position: self._logits.__setitem__(position, output[0])))
@@ -327,6 +333,8 @@ class FeatureRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._graphs:
+            self.model.use_cuda_graphs(True)
 
     def _see_layer(self, position: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         # T tokens, H hidden, E experts, K routed per token

@@ -16,7 +16,11 @@ other call (prefill, a dynamic cache, a layer that syncs, the CPU) runs eagerly,
 A replay runs no Python, so module hooks inside the step do not fire. The experts modules'
 forward pre-hooks are called after each replay with that step's arguments (the graph's own
 buffers, holding this step's values): that is what recording routing needs. Other hooks inside
-the model see captured steps only once, at capture.
+the model see captured steps only once, at capture: a caller that needs them on every step
+switches graphs off meanwhile (`MiraModel.use_cuda_graphs(False)`, as the feature recorder of
+mira.predict.features does). transformers' own output-capturing hooks (hidden states,
+attentions, router logits on request) are part of the capture: their outputs are graph buffers,
+handed out as copies like the logits.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ def replayable_cache(cache: Any) -> bool:
     `StaticCache`, already filled by a prefill (its buffers exist)."""
     return (isinstance(cache, StaticCache) and len(cache.layers) > 0
             and all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers))
+
+
+def _copied(value: Any) -> Any:
+    """Tensors (also inside tuples and lists, such as hidden states per layer) cloned; anything else,
+    such as the KV cache, as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copied(item) for item in value)
+    return value
 
 
 class _Graph:
@@ -67,9 +81,8 @@ class _Graph:
         for module, args in self.calls:
             for hook in list(module._forward_pre_hooks.values()):
                 hook(module, args)
-        # the logits buffer is overwritten by the next replay: hand out a copy, as an eager step would
-        return self.output.__class__(**{name: value.clone() if name == "logits" else value
-                                        for name, value in self.output.items()})
+        # the output's buffers are overwritten by the next replay: hand out copies, as an eager step would
+        return self.output.__class__(**{name: _copied(value) for name, value in self.output.items()})
 
 
 class DecodeGraphs:

@@ -152,3 +152,18 @@ def test_heads_or_features_of_another_model_are_refused(store, checkpoints, tmp_
     finally:
         shutil.rmtree(predictor_file(other_store).parent)
     assert load_predictor(other_store, model_routers(other.hf_model), "cpu") is None
+
+
+def test_feature_recording_switches_cuda_graphs_off_meanwhile_and_back_on(store, monkeypatch):
+    """A replayed decode step would skip the routers' hooks the recorder relies on."""
+    from mira.predict.features import FeatureRecorder
+
+    model = _load(store)
+    switches = []
+    monkeypatch.setattr(model, "use_cuda_graphs", switches.append)
+    with FeatureRecorder(model):
+        assert switches == []  # no graphs on the CPU: nothing to switch
+    model.decode_graphs = object()  # as on CUDA
+    with FeatureRecorder(model):
+        assert switches == [False]
+    assert switches == [False, True]
