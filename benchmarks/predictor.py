@@ -84,6 +84,8 @@ def _record(model, held_out: bool, count: int, max_new_tokens: int) -> list[Path
 def _decode_ms_per_token(model, prompts: list[str], max_new_tokens: int, predictor=None) -> float:
     """Median over prompts of (generation time - prompt time) / (new tokens - 1), predictor hooked in or not."""
     handles, logits = [], {}
+    if model.decode_graphs is not None:
+        model.use_cuda_graphs(False)  # the hooks below run on every step, so every step runs eagerly
     if predictor is not None:
         routers = model_routers(model.hf_model)
         experts = sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)),
