@@ -58,7 +58,8 @@ def profile(setting: str, slots_share: float, new_tokens: int, prompts: int) -> 
     probe = mira.load(device="cpu", vram_budget=1 << 40, progress=False)
     total = probe.store.num_layers * probe.store.num_experts
     budget = probe.plan.reserve_bytes + int(slots_share * total) * probe.store.blob_bytes
-    model = mira.load(device="cpu", vram_budget=budget, prefetch=setting, progress=False,
+    # inline: the per-layer-call host work this script times (lagged residency moves it to one settle per step)
+    model = mira.load(device="cpu", vram_budget=budget, prefetch=setting, residency="inline", progress=False,
                       heads=HEADS if setting == "trained" else None)
     timers = Timers()
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]

@@ -92,8 +92,9 @@ def _simulated(trace: RoutingTrace, blob_bytes: int) -> list[dict]:
 
 def _runtime(prompts: list[str], max_new_tokens: int, slots: int, prefetch: str) -> dict:
     probe = mira.load(device="cpu", vram_budget=1 << 30, progress=False)
+    # inline in every setting, as prefetching is: the same per-call accounting (a miss is one copy)
     model = mira.load(device="cpu", vram_budget=probe.plan.reserve_bytes + slots * probe.store.blob_bytes,
-                      prefetch="off" if prefetch == "off" else "gate", progress=False)
+                      prefetch="off" if prefetch == "off" else "gate", residency="inline", progress=False)
     if prefetch == "trained":  # the benchmark's heads, not the store's (the store may have none)
         heads, _ = load_heads(HEADS, model.store.manifest.source_fingerprint)
         predictor = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
