@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--residency", default="auto", help="auto (default), lagged or inline (mira.load)")
     parser.add_argument("--eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     args = parser.parse_args()
 
@@ -104,7 +105,7 @@ def main() -> None:
     del probe
     budget = _budget_bytes(args.budget, reserve, total, source.store.blob_bytes, all_bytes)
     model = source.mira(budget, args.policy, args.prefetch, [1] * total if args.policy == "static" else None,
-                        context)
+                        context, args.residency)
     if args.eager and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     ids = torch.randint(5, source.config.vocab_size, (1, args.prompt_tokens),
@@ -148,7 +149,7 @@ def main() -> None:
     for name, value in sorted(device_ms.items()):
         print(f"  device {name:<27} {value:9.3f} ms")
     label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct") + (
-        "-eager" if args.eager else "")
+        f"-{args.residency}" if args.residency != "auto" else "") + ("-eager" if args.eager else "")
     out = ROOT / "benchmarks" / "results" / f"profile-decode-{label}.json"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"

@@ -111,11 +111,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "(the default: trained when the store has heads, else gate) or off. Acts where the "
                              "policy has STAGE slots")
     parser.add_argument("--residency", choices=RESIDENCY, default="auto",
-                        help="under a budget: lagged (no host sync per MoE layer: missed experts are read from "
-                             "pinned host memory inside the kernel, the policy acts after each step), inline (one "
-                             "host sync per MoE layer: each miss is placed before its kernel runs, copied once) or "
-                             "auto (the default: lagged unless prefetching, which needs inline, or with lru/lfu, "
-                             "where every miss would then cross PCIe twice)")
+                        help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
+                             "graphs: missed experts are read from pinned host memory inside the kernel and the "
+                             "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
+                             "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
+                             "or auto (the default: lagged for policies that never admit a miss, static and "
+                             "on-demand; inline otherwise)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")

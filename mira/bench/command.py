@@ -23,12 +23,12 @@ def add_command(subparsers) -> None:
                     "PCIe, prefetch precision and recall, and the decode bound max(HBM bytes / 4.29 TB/s, "
                     "Belady's PCIe bytes / 55 GB/s) with achieved/bound. Configurations: mira+p (prefetch: "
                     "trained heads when given or in the store, else gate speculation), mira+gate (prefetch by "
-                    "gate speculation), mira (no prefetch; lagged residency and CUDA graphs on the GPU), mira-inline "
-                    "(no prefetch, one host sync per MoE layer, no CUDA graphs), lru (on demand, LRU, each miss copied "
-                    "in before its kernel: mixtral-offloading's way), lru-lagged (the same under lagged residency: "
-                    "no host sync, but each admitted miss crosses PCIe twice), static (popularity placement; "
-                    "lagged), hf-gpu (transformers, whole model on the "
-                    "GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
+                    "gate speculation), mira (no prefetch; inline: one host sync per MoE layer, each miss copied "
+                    "in once), mira-lagged (the same under lagged residency: no host sync, decode steps replayed "
+                    "from CUDA graphs, an admitted miss crosses PCIe twice), mira-eager (no CUDA graphs, also "
+                    "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
+                    "lru-lagged, static (popularity placement; lagged, as it never admits a miss), hf-gpu "
+                    "(transformers, whole model on the GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--model", help="Hugging Face model directory or Mira store (default: the bundled model)")

@@ -43,11 +43,12 @@ from mira.store.files import write_json_atomic
 MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
     "mira+p": ("mira", "auto", "auto", True),
     "mira+gate": ("mira", "gate", "auto", True),
-    "mira": ("mira", "off", "auto", True),
-    "mira-inline": ("mira", "off", "inline", False),  # one host sync per MoE layer, no graphs
-    "lru": ("lru", "off", "auto", True),  # inline (auto keeps LRU inline): mixtral-offloading's way
+    "mira": ("mira", "off", "auto", True),  # inline under a budget (auto: the mira policy admits misses)
+    "mira-lagged": ("mira", "off", "lagged", True),
+    "mira-eager": ("mira", "off", "inline", False),  # every step eager, also with every expert resident
+    "lru": ("lru", "off", "auto", True),  # inline: mixtral-offloading's way
     "lru-lagged": ("lru", "off", "lagged", True),
-    "static": ("static", "off", "auto", True),
+    "static": ("static", "off", "auto", True),  # lagged: it never admits a miss
 }
 BASELINES = ("hf-gpu", "hf-offload")
 ALL = "all"

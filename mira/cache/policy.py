@@ -58,14 +58,14 @@ class Policy(ABC):
 
     hot_slots / stage_slots: how the capacity is split between the two tiers; single-tier policies
     keep every resident in HOT.
-    admits_every_miss: whether every miss is admitted into a slot (LRU, LFU) rather than some
-        (mira) or none (static, on-demand). Under lagged residency each admission is a second
-        PCIe crossing of a miss the kernel has already read, so the engine keeps such policies
-        inline unless asked otherwise.
+    admits_misses: whether misses are admitted into slots (LRU and LFU admit every one, mira
+        some) rather than never (static, on-demand). Under lagged residency each admission is a
+        second PCIe crossing of a miss the kernel has already read, so the engine keeps such
+        policies inline unless asked otherwise.
     """
 
     name: str = "policy"
-    admits_every_miss: bool = False
+    admits_misses: bool = True
 
     def __init__(self, capacity: int):
         if capacity < 0:
@@ -130,7 +130,6 @@ class LRU(Policy):
     """Least recently used: every miss is admitted, the least recently used resident goes."""
 
     name = "lru"
-    admits_every_miss = True
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -167,7 +166,6 @@ class LFU(Policy):
     """
 
     name = "lfu"
-    admits_every_miss = True
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -237,6 +235,7 @@ class Static(Policy):
     """
 
     name = "static"
+    admits_misses = False
 
     def __init__(self, capacity: int, counts: Sequence[int] | Mapping[int, int]):
         super().__init__(capacity)
@@ -258,6 +257,7 @@ class OnDemand(Policy):
     """No cache at all: every access is a miss served from the host store (the capacity is unused)."""
 
     name = "on-demand"
+    admits_misses = False
 
     def _access(self, uid: int, tokens: int) -> Access:
         return Access(Tier.MISS)

@@ -156,13 +156,14 @@ def _lagged(residency: str, predictor: Predictor | None, placement: Policy, unde
 
     Lagged, no layer syncs with the host, so a decode step can be a CUDA graph; the price is that
     an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then copied
-    into its slot). On the H200 at 24 GiB with random routing (benchmarks/results/
-    bench-mixtral-8x7b*.json) that made LRU, which admits every miss, 0.61x as fast as inline and
-    the mira policy, which admits some, 0.89x; static placement, which admits none, was the
-    fastest configuration. So "auto" is lagged except for policies that admit every miss, and
-    never with a predictor, which stages from each layer's routing on the host. Nothing lags
-    when every expert fits (the layers are fixed and never sync) and, on CUDA, without the fused
-    kernels, which read experts that have no slot from the pinned host store.
+    into its slot). Measured: on the H200 at 24 GiB with random routing (benchmarks/results/
+    bench-mixtral-8x7b*.json) lagged LRU decoded 0.61x as fast as inline and lagged mira 0.89x,
+    while static placement, which admits nothing, was the fastest configuration; on the bundled
+    model's real routing (lagged-traffic-tiny.json) lagged mira moves 1.09-1.31x the blobs of
+    inline and LRU 1.9x. So "auto" is lagged only for policies that never admit a miss, and never
+    with a predictor, which stages from each layer's routing on the host. Nothing lags when every
+    expert fits (the layers are fixed and never sync) and, on CUDA, without the fused kernels,
+    which read experts that have no slot from the pinned host store.
     """
     if residency not in RESIDENCY:
         raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
@@ -171,7 +172,7 @@ def _lagged(residency: str, predictor: Predictor | None, placement: Policy, unde
                         "the host; pass --prefetch off or --residency inline")
     possible = predictor is None and under_budget and (device.type == "cpu" or hasattr(ffn, "forward_bases"))
     if residency == "auto":
-        return possible and not placement.admits_every_miss
+        return possible and not placement.admits_misses
     return possible and residency == "lagged"
 
 
@@ -223,8 +224,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             is counted on the device, missed experts are read from the pinned store inside the
             kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
             (one host sync per MoE layer: the policy places each routed expert before the kernel
-            runs, and a miss is copied in once) or "auto" (lagged unless a predictor stages experts,
-            which needs every layer's routing on the host, or the policy admits every miss: lru, lfu).
+            runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
+            miss, static and on-demand, where it moves no more bytes; inline otherwise).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.

@@ -50,11 +50,11 @@ def _run(model, kv_cache=None):
 @pytest.mark.parametrize("budget_experts", [None, 10])
 def test_replayed_decode_steps_match_eager_steps(store, budget_experts):
     model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off", progress=False)
-    if budget_experts is not None:  # 10 of 24 experts fit: misses are read from the host store
+    if budget_experts is not None:  # 10 of 24 experts fit, lagged: misses are read from the host store
         budget = model.plan.reserve_bytes + budget_experts * model.store.blob_bytes
         del model
         model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
-                          progress=False)
+                          residency="lagged", progress=False)
         assert model.cache.pool.num_slots == budget_experts
     graphs = model.decode_graphs
     assert graphs is not None
