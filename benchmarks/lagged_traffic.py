@@ -43,8 +43,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 PROFILE = RESULTS / "traces" / "profile-train.npz"  # training-split routing (benchmarks/policies.py)
 SHARES = (0.10, 0.25, 0.50)
 POLICIES = ("mira", "lru", "static")
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from policies import _prompts  # noqa: E402  (held-out ShareGPT prompts, as in policies.py and predictor.py)
+sys.path.insert(0, str(ROOT / "tools"))
+from sharegpt_data import first_user_messages  # noqa: E402  (tools/: the benchmarks' ShareGPT prompts)
 
 
 def _count_settle_copies(model) -> list[int]:
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    prompts = _prompts(True, args.prompts)
+    prompts = first_user_messages(True, args.prompts)
     store = mira.load(device="cpu", progress=False).store
     total = store.num_layers * store.num_experts
     rows = []

@@ -38,23 +38,8 @@ from mira.runtime.tracing import record_trace
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
-PROMPT_CHARS = 1000  # longer first messages are cut: the model was trained with context 512
-
-
-def _prompts(held_out: bool, count: int) -> list[str]:
-    sys.path.insert(0, str(ROOT / "tools"))
-    from sharegpt_data import is_held_out, load_conversations
-
-    prompts = []
-    for conversation in load_conversations():
-        if is_held_out(conversation.id) != held_out:
-            continue
-        users = [content for role, content in conversation.messages if role == "user"]
-        if users:
-            prompts.append(users[0][:PROMPT_CHARS])
-        if len(prompts) == count:
-            return prompts
-    return prompts
+sys.path.insert(0, str(ROOT / "tools"))
+from sharegpt_data import first_user_messages  # noqa: E402  (tools/: the benchmarks' ShareGPT prompts)
 
 
 def _trace(model, prompts: list[str], max_new_tokens: int, path: Path) -> RoutingTrace:
@@ -75,8 +60,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     model = mira.load(device="cpu", progress=False)
-    held_out = _trace(model, _prompts(True, args.prompts), args.max_new_tokens, RESULTS / "traces" / "heldout.npz")
-    profile = _trace(model, _prompts(False, args.profile_prompts), args.max_new_tokens,
+    held_out = _trace(model, first_user_messages(True, args.prompts), args.max_new_tokens,
+                      RESULTS / "traces" / "heldout.npz")
+    profile = _trace(model, first_user_messages(False, args.profile_prompts), args.max_new_tokens,
                      RESULTS / "traces" / "profile-train.npz")
     decode_tokens = int((~held_out.is_prefill).sum())
     total = held_out.num_uids

@@ -47,25 +47,9 @@ from mira.runtime.generate import encode_prompt
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT / ".carry" / "predictor"
-PROMPT_CHARS = 1000  # longer first messages are cut: the model was trained with context 512
 CHUNK = 1500  # prompts per recorded file (about 600 MB of features)
-
-
-def _prompts(held_out: bool, end: int, start: int = 0) -> list[str]:
-    """The first user messages of conversations start..end-1 of one split, in file order."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from sharegpt_data import is_held_out, load_conversations
-
-    prompts = []
-    for conversation in load_conversations():
-        if is_held_out(conversation.id) != held_out:
-            continue
-        users = [content for role, content in conversation.messages if role == "user"]
-        if users:
-            prompts.append(users[0][:PROMPT_CHARS])
-        if len(prompts) == end:
-            break
-    return prompts[start:]
+sys.path.insert(0, str(ROOT / "tools"))
+from sharegpt_data import first_user_messages  # noqa: E402  (tools/: the benchmarks' ShareGPT prompts)
 
 
 def _record(model, held_out: bool, count: int, max_new_tokens: int) -> list[Path]:
@@ -76,7 +60,7 @@ def _record(model, held_out: bool, count: int, max_new_tokens: int) -> list[Path
         path = DATA / f"{'heldout' if held_out else 'train'}-{start}-{end}x{max_new_tokens}.npz"
         if not (path.is_file() and features_path(path).is_file()):
             path.parent.mkdir(parents=True, exist_ok=True)
-            record_with_features(model, _prompts(held_out, end, start), max_new_tokens, path)
+            record_with_features(model, first_user_messages(held_out, end, start), max_new_tokens, path)
         paths.append(path)
     return paths
 
@@ -180,7 +164,7 @@ def main() -> None:
         alpha = [round(heads(i, HeadInputs(*(t[:, i] for t in inputs))).alpha.mean().item(), 3) for i in range(sources)]
     print("mean alpha (ActHead's weight) per source layer:", alpha)
 
-    timing_prompts = _prompts(True, args.timing_prompts)
+    timing_prompts = first_user_messages(True, args.timing_prompts)
     routers = model_routers(model.hf_model)
     timing = {"plain": _decode_ms_per_token(model, timing_prompts, args.max_new_tokens)}
     timing["gate speculation"] = _decode_ms_per_token(model, timing_prompts, args.max_new_tokens,

@@ -48,8 +48,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 HEADS = RESULTS / "predictor-tiny-heads.safetensors"
 PROFILE = RESULTS / "traces" / "profile-train.npz"  # training-split routing (benchmarks/policies.py)
 SHARES = (0.10, 0.25, 0.50)
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from policies import _prompts  # noqa: E402  (held-out ShareGPT prompts, as in policies.py and predictor.py)
+sys.path.insert(0, str(ROOT / "tools"))
+from sharegpt_data import first_user_messages  # noqa: E402  (tools/: the benchmarks' ShareGPT prompts)
 
 
 def _heldout_trace(prompts: int, max_new_tokens: int) -> Path:
@@ -57,7 +57,8 @@ def _heldout_trace(prompts: int, max_new_tokens: int) -> Path:
     path = ROOT / ".carry" / "predictor" / f"heldout-0-{prompts}x{max_new_tokens}.npz"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        record_with_features(mira.load(device="cpu", progress=False), _prompts(True, prompts), max_new_tokens, path)
+        record_with_features(mira.load(device="cpu", progress=False), first_user_messages(True, prompts),
+                             max_new_tokens, path)
     return path
 
 
@@ -135,7 +136,7 @@ def main() -> None:
               f"{r['prefetches_per_token']:10.3f} {r['copies_per_token']:7.3f} "
               f"{r['goal_lfu_minus_misses_over_lfu_minus_belady']:6.2f}")
 
-    prompts = _prompts(True, args.runtime_prompts)
+    prompts = first_user_messages(True, args.runtime_prompts)
     runtime = [_runtime(prompts, args.max_new_tokens, round(share * trace.num_uids), prefetch)
                for share in SHARES for prefetch in ("off", "gate", "trained")]
     print(f"\nruntime (CPU), per token, lookups per layer call:\n{'slots':>5}  {'prefetch':8s} {'misses':>7} "

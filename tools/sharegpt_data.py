@@ -136,6 +136,21 @@ def is_held_out(conversation_id: str) -> bool:
     return int(digest, 16) % HELD_OUT_MODULUS == 0
 
 
+def first_user_messages(held_out: bool, end: int, start: int = 0, max_chars: int = 1000) -> list[str]:
+    """The first user message of conversations start..end-1 of one split (those with one), in file
+    order, cut to `max_chars` (the benchmarks' prompts; the bundled model was trained with context 512)."""
+    prompts = []
+    for conversation in load_conversations():
+        if is_held_out(conversation.id) != held_out:
+            continue
+        users = [content for role, content in conversation.messages if role == "user"]
+        if users:
+            prompts.append(users[0][:max_chars])
+        if len(prompts) == end:
+            break
+    return prompts[start:]
+
+
 def format_conversation(conversation: Conversation) -> str:
     """The training text of a conversation, the same string the chat template renders."""
     body = "".join(f"{ROLE_TOKENS[role]}\n{content}{END}\n" for role, content in conversation.messages)
