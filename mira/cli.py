@@ -138,8 +138,12 @@ def _generate(args: argparse.Namespace) -> None:
     if stats["slots"]:
         experts = (f"{stats['policy']} policy, {stats['slots']}/{stats['total_experts']} expert slots, hit rate "
                    f"{cache['hit_rate']:.2f}, {cache['copies']} copies ({cache['bytes_to_device'] / 2**20:.1f} MiB)")
+        if stats["residency"] == "lagged":
+            experts += ", lagged residency"
     else:
         experts = "experts read in place from host memory"
+    if stats["decode_steps_replayed"]:
+        experts += f", {stats['decode_steps_replayed']} decode steps replayed from CUDA graphs"
     print(f"\n[mira] TTFT {report.ttft_s:.3f} s | decode {report.decode_tokens_per_s:.1f} tokens/s "
           f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']}, {stats['quant']}, "
           f"{experts}", file=sys.stderr)

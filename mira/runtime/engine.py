@@ -147,6 +147,8 @@ class MiraModel:
             "budget": asdict(self.plan) if self.plan else None,
             "cache": self.cache.telemetry.summary(),
             "prefetch": self.cache.book.counts.as_dict(),
+            "residency": "lagged" if self.cache.lagged is not None else "inline",
+            "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
         }
 
 

@@ -300,8 +300,10 @@ def test_auto_residency_lags_only_policies_that_never_admit_a_miss(stores, tmp_p
     recorder.trace().save(trace)
 
     def lagged(**options) -> bool:
-        layers = _layers(mira.load(store, device="cpu", vram_budget=budget, progress=False, **options))
+        model = mira.load(store, device="cpu", vram_budget=budget, progress=False, **options)
+        layers = _layers(model)
         assert len({layer._lagged for layer in layers}) == 1
+        assert model.stats()["residency"] == ("lagged" if layers[0]._lagged else "inline")
         return layers[0]._lagged
 
     assert lagged(policy="static", profile=trace) and lagged(policy="on-demand")
