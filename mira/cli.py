@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what the results of a run record as its command
     if getattr(args, "quiet", False):
         from transformers.utils import logging as transformers_logging
 

@@ -67,6 +67,10 @@ def add_command(subparsers) -> None:
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json",
                        help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")
+    bench.add_argument("--resume", action="store_true",
+                       help="continue the run in --out: keep the runs it holds and measure only the missing ones "
+                            "(it must be the same model, prompt set, commit and device; for runs longer than one "
+                            "sitting)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
     bench.set_defaults(run=_bench)
 
@@ -106,7 +110,7 @@ def _bench(args: argparse.Namespace) -> None:
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet)
     source.heads = args.heads
     out = Path(args.out)
-    result = run_bench(source, setup, device, out, "mira " + shlex.join(sys.argv[1:]))
+    result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
     print(format_table(result))
     try:
         plot(result, str(out.with_suffix(".png")))

@@ -12,7 +12,10 @@ Order of a run (the expert store is opened once):
 4. the baselines, after the store is released: transformers all on the GPU (where it fits), then
    transformers + accelerate offload at each budget.
 
-Results are written after every configuration, so an interrupted run keeps what it measured.
+Results are written after every configuration, so an interrupted run keeps what it measured, and
+`resume=True` continues it: the runs already in the output file are kept and not measured again,
+provided the file holds the same run (model, routing, prompt set, commit, device); its `segments`
+list the invocations that measured it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import datetime
 import gc
 import importlib.util
+import json
 import platform
 import subprocess
 import sys
@@ -71,13 +75,17 @@ class BenchSetup:
     profile: str | None = None  # a routing trace for the static policy
 
 
-def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path, command: str) -> dict:
+def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path, command: str,
+              resume: bool = False) -> dict:
     every = setup.prompts + CALIBRATION
     max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
         [p.max_new_tokens for p in every] + [setup.beam_new_tokens])
     vocab = source.config.vocab_size
     result = _header(source, setup, device, command)
+    if resume and out.exists():
+        result = _resumed(out, result)
     rows = result["runs"]
+    done = {_run_key(row) for row in rows}
 
     def save() -> None:
         _write_json(out, result)
@@ -97,13 +105,13 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
                for label in setup.budgets}
     for label, budget in budgets.items():
-        for name in [c for c in setup.configs if c in MIRA_CONFIGS]:
+        for name in [c for c in setup.configs if c in MIRA_CONFIGS and (c, label, 1, False) not in done]:
             rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile_counts, vocab))
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     if setup.beams and setup.beam_budget in budgets:
         beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
-        for width in setup.beams:
+        for width in [w for w in setup.beams if ("mira+p", setup.beam_budget, w, True) not in done]:
             rows.append(_mira_row(source, "mira+p", setup.beam_budget, budgets[setup.beam_budget], beam_prompts,
                                   max_context, profile_counts, vocab, num_beams=width) | {"beam_search": True})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
@@ -113,7 +121,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     _free(device)
     if any(c in BASELINES for c in setup.configs):
         try:
-            _baselines(source, setup, budgets, device, vocab, rows, save)
+            _baselines(source, setup, budgets, device, vocab, rows, save, done)
         except Exception as error:  # a baseline that breaks must not lose the runs measured so far
             rows.append({"config": "baselines", "budget": ALL, "skipped": f"failed: {error!r}"})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
@@ -152,16 +160,22 @@ def _prefetcher(model) -> str | None:
 
 
 def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], device: torch.device, vocab: int,
-               rows: list[dict], save) -> None:
-    """Append the baselines' runs to `rows` (saving after each)."""
+               rows: list[dict], save, done: set[tuple]) -> None:
+    """Append the baselines' runs to `rows` (saving after each); those keyed in `done` are not run."""
+    offload_budgets = [label for label in budgets if label != ALL and ("hf-offload", label, 1, False) not in done
+                       and (setup.offload_budgets is None or label in setup.offload_budgets)]
+    run_gpu = "hf-gpu" in setup.configs and ("hf-gpu", ALL, 1, False) not in done
+    run_offload = "hf-offload" in setup.configs and bool(offload_budgets)
+    if not run_gpu and not run_offload:
+        return
     nbytes = hf.parameter_bytes(source.config, torch.bfloat16 if device.type == "cuda" else torch.float32)
     on_device = hf.fits_on_device(nbytes, device)
     if not on_device and not hf.fits_in_host(nbytes):
         rows.extend({"config": name, "budget": ALL, "skipped": f"the {format_size(nbytes)} model fits neither the "
-                     "device nor host memory"} for name in BASELINES if name in setup.configs)
+                     "device nor host memory"} for name, run in zip(BASELINES, (run_gpu, run_offload)) if run)
         return
     model = source.full_model(device if on_device else torch.device("cpu"))
-    if "hf-gpu" in setup.configs:
+    if run_gpu:
         row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes}
         if on_device:
             row.update(time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device).summary())
@@ -170,12 +184,12 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
         rows.append(row)
         print(_brief(row), file=sys.stderr, flush=True)
         save()
-    if "hf-offload" in setup.configs and device.type != "cuda":
+    if run_offload and device.type != "cuda":
         rows.append({"config": "hf-offload", "budget": ALL, "skipped": "offloading needs a CUDA device"})
-    if "hf-offload" in setup.configs and device.type == "cuda" and importlib.util.find_spec("accelerate") is None:
+    if run_offload and device.type == "cuda" and importlib.util.find_spec("accelerate") is None:
         rows.append({"config": "hf-offload", "budget": ALL, "skipped": "accelerate is not installed (pip install "
                      "accelerate)"})
-    elif "hf-offload" in setup.configs and device.type == "cuda":
+    elif run_offload and device.type == "cuda":
         if not hf.fits_in_host(nbytes if on_device else 0):
             rows.append({"config": "hf-offload", "budget": ALL, "skipped": "host memory too small for the model"})
             return
@@ -183,9 +197,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
         _free(device)
         prompts = [BenchPrompt(p.text, p.input_tokens, min(p.max_new_tokens, setup.offload_new_tokens))
                    for p in setup.prompts[: setup.offload_prompts]]
-        for label, budget in budgets.items():
-            if label == ALL or (setup.offload_budgets is not None and label not in setup.offload_budgets):
-                continue
+        for label in offload_budgets:
+            budget = budgets[label]
             row = {"config": "hf-offload", "budget": label, "budget_bytes": budget}
             with hf.offloaded(model, budget, device) as dispatched:
                 row["parameters_by_device"] = hf.device_map_summary(dispatched)
@@ -238,6 +251,39 @@ def goals(rows: list[dict]) -> dict:
     return out
 
 
+def _run_key(row: dict) -> tuple:
+    """What identifies a run within a bench result: configuration, budget, beam width, beam search."""
+    return row["config"], row["budget"], row.get("num_beams", 1), bool(row.get("beam_search"))
+
+
+SAME_RUN = ("model", "routing", "prompt_set", "prompts", "commit", "device")
+
+
+def _resumed(path: Path, fresh: dict) -> dict:
+    """The result in `path`, to be continued by the invocation whose header is `fresh`: its measured
+    runs kept (skipped ones dropped, to be tried again), budgets and configurations merged, and the
+    invocation added to its segments.
+
+    Raises:
+        MiraError: the file cannot be read, or holds another run (SAME_RUN differs).
+    """
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise MiraError(f"cannot resume from {path}: {error}; pass another --out or drop --resume") from None
+    for field_name in SAME_RUN:
+        if previous.get(field_name) != fresh[field_name]:
+            raise MiraError(
+                f"cannot resume {path}: it holds another run ({field_name} {previous.get(field_name)!r}, this run "
+                f"{fresh[field_name]!r}); pass another --out, or drop --resume to start over")
+    previous["runs"] = [row for row in previous["runs"] if not row.get("skipped")]
+    for key in ("budgets", "configs"):
+        previous[key] += [name for name in fresh[key] if name not in previous[key]]
+    first = {"command": previous["command"], "date": previous["date"]}
+    previous["segments"] = previous.get("segments", [first]) + [{"command": fresh["command"], "date": fresh["date"]}]
+    return previous
+
+
 def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int, all_bytes: int) -> int:
     """"all", "25%" (of the experts, beyond the reserve) or a size such as "24GiB"."""
     if label == ALL:
@@ -278,6 +324,7 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": source.label,
         "routing": source.routing,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "prompt_set": setup.prompt_set,
         "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
         "budgets": setup.budgets,

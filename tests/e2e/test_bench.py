@@ -100,3 +100,30 @@ def test_a_bench_run_reports_every_configuration_goals_and_a_chart(tmp_path):
     assert set(result["goals"]) >= {"prefetch_gain_by_budget", "all_resident_over_hf_gpu"}
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "mira-tiny-moe, real routing" in run.stdout
+
+
+def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path, capsys):
+    from mira.cli import main
+
+    out = tmp_path / "bench.json"
+    common = ["bench", "--fixed", "8x3", "--out", str(out), "--quiet"]
+    assert main([*common, "--budgets", "25%", "--configs", "mira+p,mira"]) == 0
+    first = json.loads(out.read_text())
+    assert [(r["config"], r["budget"]) for r in first["runs"]] == [("mira+p", "25%"), ("mira", "25%")]
+    assert set(first["goals"]["prefetch_gain_by_budget"]["value"]) == {"25%"}
+
+    assert main([*common, "--budgets", "25%,all", "--configs", "mira+p,mira,static", "--resume"]) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["runs"][:2] == first["runs"]  # kept as measured, not measured again
+    assert [(r["config"], r["budget"]) for r in resumed["runs"][2:]] == [
+        ("static", "25%"), ("mira+p", "all"), ("mira", "all"), ("static", "all")]
+    assert resumed["budgets"] == ["25%", "all"] and resumed["configs"] == ["mira+p", "mira", "static"]
+    assert resumed["segments"][0]["command"] == first["command"]
+    assert resumed["segments"][1]["command"].startswith("mira bench") and "--resume" in resumed["segments"][1]["command"]
+    assert set(resumed["goals"]["prefetch_gain_by_budget"]["value"]) == {"25%", "all"}  # over every run
+
+    capsys.readouterr()
+    assert main([*common[:2], "8x4", *common[3:], "--budgets", "25%", "--configs", "mira", "--resume"]) == 1
+    error = capsys.readouterr().err
+    assert "holds another run (prompt_set" in error and "drop --resume" in error
+    assert json.loads(out.read_text()) == resumed  # a refused resume leaves the file as it was
