@@ -10,8 +10,8 @@
 #                                           # store open of 8 GB (~3 min)
 #   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT (~2 min)
 #   bash benchmarks/h200_suite.sh qwen3     # mira bench, Qwen3-30B-A3B shape, 64 in / 256 out (~6 min)
-#   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out, every budget,
-#                                           # baselines, beams (~15 min: two calls)
+#   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 128 out (to fit one call),
+#                                           # every budget, baselines, beams (~10 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes, Mixtral shape (~6 min)
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -38,9 +38,9 @@ case "${1:-}" in
       --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 12GiB --beam-new-tokens 64 \
       --out "$OUT/bench-qwen3-30b-a3b.json" --quiet --resume ;;
   mixtral)
-    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x256 \
-      --budgets 8GiB,12GiB,24GiB,48GiB,all --configs mira+p,mira,lru,static,hf-gpu,hf-offload --offload-budgets 24GiB \
-      --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 24GiB --beam-new-tokens 64 \
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x128 \
+      --budgets all,48GiB,24GiB,12GiB,8GiB --configs mira+p,mira,lru,static,hf-gpu,hf-offload --offload-budgets 24GiB \
+      --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 24GiB --beam-new-tokens 32 \
       --out "$OUT/bench-mixtral-8x7b.json" --quiet --resume ;;
   profile)
     timeout 200 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budget all --prefetch off
