@@ -2,7 +2,8 @@
 
 Run eagerly, Mira's decode steps on the H200 are host-bound: with every expert resident, the
 Mixtral-shaped model decodes at 12.7-14 tokens/s where the HBM bound is 301 (`mira-inline` in
-benchmarks/results/bench-mixtral-8x7b.json; replayed from CUDA graphs the same step gives 111).
+benchmarks/results/bench-mixtral-8x7b.json as committed at 57afe3b; replayed from CUDA graphs the
+same step gives 111).
 This script times, per MoE layer call, the pieces of `MiraExperts.forward` that run on the host
 (with a quarter of the experts in slots, and with all of them, where a layer skips the cache):
 the cache lookups (`ExpertCache.fetch`), the prefetch offers (`stage`), the release
