@@ -17,10 +17,7 @@ not pinned, so it is faster there than on a GPU machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +28,7 @@ from mira.kernels.addresses import AddressTable
 from mira.kernels.triton_ffn import TritonMoEFFN
 from mira.kernels.tuning import KernelConfig
 from mira.store.layout import ExpertLayout
+from mira.bench.provenance import result_header
 
 SHAPES = {"mixtral-8x7b": (8, 2), "deepseek-v2-lite": (64, 6), "qwen3-30b-a3b": (128, 8)}  # E experts, K routed
 
@@ -76,12 +74,8 @@ def main() -> None:
     print(f"{'shape':18s} {'E':>4s} {'routed':>6s} {'blob list us':>13s} {'table us':>9s}")
     for name, f in results.items():
         print(f"{name:18s} {f['experts']:4d} {f['routed']:6d} {f['blob_list_us']:13.1f} {f['table_us']:9.1f}")
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {gpu or 'no GPU'}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join([Path(sys.executable).name, *sys.argv]), device),
         "setup": {"calls": args.calls, "device": str(device), "torch": torch.__version__},
         "figures": results,
     }

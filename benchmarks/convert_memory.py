@@ -12,9 +12,7 @@ cache the kernel can drop), next to the size of one layer's experts and of the w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from mira.bench.provenance import result_header
 from transformers import MixtralConfig, MixtralForCausalLM
 
 MiB = 1 << 20
@@ -92,10 +91,7 @@ def main() -> None:
     for key, value in figures.items():
         print(f"{key:32s} {value:10.1f}")
     result = {
-        "command": " ".join(sys.argv),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(sys.argv)),
         "setup": vars(args),
         "figures": figures,
     }

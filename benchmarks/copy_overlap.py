@@ -21,10 +21,8 @@ benchmarks/results/copy-overlap-h200.json (or --out).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +36,7 @@ from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.runtime.transfer import Transfer  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
+from mira.bench.provenance import result_header
 
 SHAPES = {  # hidden, intermediate, experts per layer, routed per token
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -185,10 +184,7 @@ def main() -> None:
         sys.exit("copy_overlap.py measures CUDA streams and pinned memory: run it on a machine with a GPU")
     device = torch.device("cuda")
     result = {
-        "command": " ".join(["python", "benchmarks/copy_overlap.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "machine": torch.cuda.get_device_name(device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(["python", "benchmarks/copy_overlap.py", *sys.argv[1:]]), device),
         "setup": {"scheme": "int8-shared", "activations": "bf16", "tokens": 1, "gb_per_copy_run": args.gb,
                   "copy": "Transfer.load on the prefetch stream, pinned host -> device rows",
                   "compute": f"CUDA graph of {GRAPH_CALLS} decode calls over resident experts, replayed"},

@@ -9,15 +9,14 @@ time, the text and the run's statistics.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,12 +33,7 @@ def main() -> None:
             raise SystemExit(run.stderr)
         figures = {"wall_s": wall, "text": run.stdout.strip(), "stats": json.loads(stats.read_text())}
     print(f"{wall:.1f} s in total\n{figures['text']}")
-    result = {"command": "python benchmarks/first_run.py", "runs": " ".join(command[1:]),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       cwd=ROOT).stdout.strip(),
-              "machine": f"{platform.node()}, {os.cpu_count()} cores, CPU only",
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "figures": figures}
+    result = {**result_header("python benchmarks/first_run.py"), "runs": " ".join(command[1:]), "figures": figures}
     (ROOT / "benchmarks" / "results" / "first-run-cpu.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

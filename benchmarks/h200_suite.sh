@@ -3,7 +3,9 @@
 # 10 minutes). Run from the repository root on the GPU machine, after putting numpy on the path (see
 # the device README); results land in $OUT (default benchmarks/results). The bench parts resume:
 # rerun a part that ran out of time and it measures only what is missing from its JSON
-# (copy the JSON back into $OUT first when $OUT starts empty).
+# (copy the JSON back into $OUT first when $OUT starts empty). The GPU machine's copy of .git keeps
+# the commit the session began at: export MIRA_COMMIT=<the commit whose tree travels> in the device
+# command, or every result records that stale commit (mira.bench.provenance).
 #
 #   bash benchmarks/h200_suite.sh tests     # every GPU test (~1.5 min)
 #   bash benchmarks/h200_suite.sh pipeline  # copies overlapped with compute, zero-copy misses (3 shapes),
@@ -50,5 +52,5 @@ case "${1:-}" in
     done
     cp benchmarks/results/profile-decode-*.json "$OUT/" 2>/dev/null || true ;;
   *)
-    sed -n 2,15p "$0"; exit 2 ;;
+    sed -n 2,18p "$0"; exit 2 ;;
 esac

@@ -18,10 +18,7 @@ GPU's; the bookkeeping figures are plain Python and carry over, scaled by the ho
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +27,7 @@ import torch
 
 import mira
 from mira.runtime.experts import MiraExperts
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "How do I sort a list of dictionaries by a key in Python?"
@@ -113,13 +111,9 @@ def main() -> None:
         print(f"{row['prefetch']:>8} {row['slots']:>6} " + " ".join(f"{'' if c is None else c:>20}" for c in cells)
               + f" {row['us_per_layer_call_rest_of_forward']:>8} {row['ms_per_step']:>8}")
     print("(microseconds per MoE layer call; rest = counting, the .tolist() sync and glue inside forward)")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out = ROOT / "benchmarks" / "results" / "host-overhead-cpu.json"
     out.write_text(json.dumps({
-        "command": "python benchmarks/host_overhead.py", "commit": commit,
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("python benchmarks/host_overhead.py"),
         "setup": {"model": "mira-tiny-moe (bundled)", **vars(args)}, "runs": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +45,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: the kernels run i
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mira.bench.provenance import commit, utc_now  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
@@ -387,16 +386,6 @@ def ceilings(device: torch.device, timer: Timer) -> dict:
     return {"hbm_copy_TBps_read_plus_write": 2 * (1 << 30) / hbm / 1e12, "pinned_h2d_GBps": PINNED_BYTES / h2d / 1e9}
 
 
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return commit + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (the GPU machine)
-        commit = os.environ.get("MIRA_COMMIT")
-        return f"{commit} (from MIRA_COMMIT; uncommitted changes not known)" if commit else "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
@@ -416,9 +405,9 @@ def main() -> None:
 
     result = {
         "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-        "commit": git_commit(),
+        "commit": commit(),
         "gpu": gpu,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "software": {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0]},
         "setup": {"scheme": "int8-shared", "activations": "bf16" if device.type == "cuda" else "fp32",
                   "experts_per_layer": EXPERTS, "top_k": TOP_K, "prefill_tokens": PREFILL_TOKENS,

@@ -26,10 +26,7 @@ mechanism, and only the bytes' path differs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +34,7 @@ import torch
 
 import mira
 from mira.runtime.generate import encode_prompt
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -108,11 +106,7 @@ def main() -> None:
             rows += [{k: v for k, v in r.items() if k != "outputs"} for r in pair]
 
     result = {
-        "command": " ".join(["python", "benchmarks/lagged_traffic.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(["python", "benchmarks/lagged_traffic.py", *sys.argv[1:]])),
         "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
                   "total_experts": total, "static_profile": str(PROFILE.relative_to(ROOT)), **vars(args)},
         "crossings": "expert blobs over PCIe per generate call, prompt steps included: inline, one per miss lookup; "

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +31,7 @@ from mira.cache.simulate import format_table, plot_sweep, simulate
 from mira.config import CacheConfig
 from mira.predict.trace import RoutingTrace
 from mira.runtime.tracing import record_trace
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -103,10 +101,7 @@ def main() -> None:
                                                  "stage_fraction_large")})
 
     result = {
-        "command": " ".join(["python", "benchmarks/policies.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(["python", "benchmarks/policies.py", *sys.argv[1:]])),
         "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
                   "held_out_tokens": held_out.num_tokens, "held_out_decode_tokens": decode_tokens,
                   "profile_tokens": profile.num_tokens, "experts": total, "expert_bytes": expert_bytes,

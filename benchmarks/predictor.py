@@ -22,11 +22,8 @@ and the trained heads to benchmarks/results/predictor-tiny-heads.safetensors (co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +40,7 @@ from mira.predict.heads import HeadConfig, TrainedPredictor, load_heads, save_he
 from mira.predict.train import TrainConfig, load_training_data, train_heads
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -186,11 +184,7 @@ def main() -> None:
     print("goal (MixtureHead mean Coverage@2 >= 0.90 on decode steps, above every baseline):", goal)
     branch = heads.heads[0]
     result.update({
-        "command": " ".join(["python", "benchmarks/predictor.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(["python", "benchmarks/predictor.py", *sys.argv[1:]])),
         "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
                   "train_traces": [str(path.relative_to(ROOT)) for path in train_paths],
                   "heldout_traces": [str(path.relative_to(ROOT)) for path in heldout_paths],

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +39,7 @@ from mira.predict.prefetcher import PrefetchBook
 from mira.predict.trace import RoutingTrace
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -146,11 +144,7 @@ def main() -> None:
               f"{r['copies_per_token']:7.3f} {r['prefetch_counts']['used']:6d} {r['prefetch_counts']['wasted']:6d}")
 
     result = {
-        "command": " ".join(["python", "benchmarks/prefetch.py", *sys.argv[1:]]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "machine": f"{platform.node()}, {platform.machine()}, CPU, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join(["python", "benchmarks/prefetch.py", *sys.argv[1:]])),
         "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
                   "trace": str(trace_path.relative_to(ROOT)), "trace_tokens": trace.num_tokens,
                   "experts": trace.num_uids, "heads": str(HEADS.relative_to(ROOT)),

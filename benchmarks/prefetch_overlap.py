@@ -11,9 +11,7 @@ so the share is a lower bound.)
 
 from __future__ import annotations
 
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import mira
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
 from mira.runtime.transfer import Transfer
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,11 +94,7 @@ def main() -> None:
                "expert_ffn_calls": len(compute_spans), "prefetch_counts": stats["prefetch"],
                "demand_copies": stats["cache"]["copies"]}
     print(json.dumps(figures, indent=1))
-    out = {"command": "python benchmarks/prefetch_overlap.py",
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip(),
-           "machine": torch.cuda.get_device_name(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    out = {**result_header("python benchmarks/prefetch_overlap.py", "cuda"),
            "setup": {"model": "mira-tiny-moe", "slots": quarter, "new_tokens": 64, "prefetch": "gate",
                      "note": "events bracket each prefetch copy and each expert FFN call; overlap with "
                              "attention is not counted"},

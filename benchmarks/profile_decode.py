@@ -22,10 +22,7 @@ device columns are empty; run it on the GPU machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +34,7 @@ from mira.bench.run import UNLIMITED, _budget_bytes
 from mira.bench.sources import open_source
 from mira.runtime.engine import default_device
 from mira.runtime.experts import MiraExperts
+from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RANGES = ("MiraExperts.forward", "cache.fetch", "cache.stage", "cache.after_layer", "predictor.scores", "ffn")
@@ -151,13 +149,9 @@ def main() -> None:
     label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct") + (
         f"-{args.residency}" if args.residency != "auto" else "") + ("-eager" if args.eager else "")
     out = ROOT / "benchmarks" / "results" / f"profile-decode-{label}.json"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
     out.write_text(json.dumps({
-        "command": "python benchmarks/profile_decode.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "commit": commit, "machine": f"{platform.node()}, {gpu}, torch {torch.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header("python benchmarks/profile_decode.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None), device),
         "routing": source.routing, "setup": vars(args), "figures": figures}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -15,13 +15,10 @@ it does now). Prints a table and writes benchmarks/results/store-open-<h200|cpu>
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ from mira.store.files import sha256_file
 from mira.store.layout import ExpertLayout
 from mira.store.manifest import FORMAT_VERSION, Manifest
 from mira.store.store import MAX_WORKERS, ExpertStore
+from mira.bench.provenance import result_header
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8), "deepseek-v2-lite": (2048, 1408, 64), "qwen3-30b-a3b": (2048, 768, 128)}
 GB = 10**9
@@ -147,13 +145,8 @@ def main() -> None:
         print(f"page-locking {nbytes / GB:.2f} GB alone: torch.empty(pin_memory=True) {locking['pin_memory_s']:.2f} s "
               f"(locked {locking['pin_memory_locked_gb']} GB), cudaHostRegister of a filled buffer "
               f"{locking['host_register_s']:.2f} s")
-    gpu = torch.cuda.get_device_name() if cuda else None
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                   f"{gpu or 'no GPU'}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(" ".join([Path(sys.executable).name, *sys.argv]), "cuda" if cuda else None),
         "setup": {"gb": args.gb, "store_bytes": nbytes, "shape": args.shape, "layer_files": len(manifest.moe_layers),
                   "parallel_workers": args.workers, "torch": torch.__version__},
         "figures": {"write_s": round(write_s, 2), "open": runs, "page_locking": locking},

@@ -20,12 +20,9 @@ list the invocations that measured it.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import importlib.util
 import json
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +34,7 @@ import torch
 from mira.bench import hf
 from mira.bench.measure import run_mira, time_generation
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
+from mira.bench.provenance import result_header
 from mira.bench.sources import Source
 from mira.cache.budget import format_size, parse_size
 from mira.errors import MiraError
@@ -144,7 +142,7 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
     start = time.perf_counter()
     row.update(run_mira(model, prompts, vocab, num_beams))
     row["wall_s"] = round(time.perf_counter() - start, 2)
-    row["residency"] = residency
+    row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
     del model
     _free(source.device)
@@ -318,10 +316,7 @@ def _brief(row: dict) -> str:
 
 def _header(source: Source, setup: BenchSetup, device: torch.device, command: str) -> dict:
     return {
-        "command": command,
-        "commit": _commit(),
-        "machine": _machine(device),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **result_header(command, device),
         "model": source.label,
         "routing": source.routing,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -331,19 +326,6 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "configs": setup.configs,
         "runs": [],
     }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _machine(device: torch.device) -> str:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
-    return f"{platform.node()}, {gpu}, {torch.get_num_threads()} CPU threads, torch {torch.__version__}"
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -96,6 +96,8 @@ def test_a_bench_run_reports_every_configuration_goals_and_a_chart(tmp_path):
             if budget == "all":
                 assert served["miss"] == 0 and row["slots"] == 96
     assert rows["mira+p", "25%"]["prefetcher"] == "GateSpeculation" and rows["mira", "25%"]["prefetcher"] is None
+    # auto residency: lagged for the static policy, which never admits a miss; inline for the mira policy
+    assert rows["static", "25%"]["residency"] == "lagged" and rows["mira", "25%"]["residency"] == "inline"
     assert rows["mira+p", "25%"]["prefetch"]["issued"] > 0
     assert set(result["goals"]) >= {"prefetch_gain_by_budget", "all_resident_over_hf_gpu"}
     assert (tmp_path / "bench.png").stat().st_size > 0
