@@ -6,7 +6,8 @@ random INT8 weights, int8-shared, bf16 activations), on one GPU:
 - one expert at batch 1: Mira's decode launches; achieved GB/s of blob bytes read against the
   design's 4.29 TB/s HBM figure (and the copy bandwidth measured in this run); torch bf16 FFN;
   naive torch INT8 dequantize-then-matmul;
-- top-2 of 8 experts at batch 1 (one MoE layer's decode), Mira and torch bf16;
+- top-2 of 8 experts at batch 1 (one MoE layer's decode), Mira and torch bf16; Mira again with the
+  experts spread over a --spread-gb pool, as a large model's slot pool spreads them;
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), Mira's grouped GEMM
   against torch bf16 "grouped matmul" (a loop over experts of bf16 matmuls, token lists computed
   outside the timed region);
@@ -229,6 +230,31 @@ class ShapeBench:
             ffn.forward_bases(self.x1[i], index, weight, self.layer_tables[i], out=self.out1)
         return self.timer.graph(call, self.calls)
 
+    def time_top2_spread(self, ffn: TritonMoEFFN, pool_bytes: int) -> float | None:
+        """time_top2 with every call's experts placed far apart in one pool of `pool_bytes`, as in
+        the slot pool of a large model (Mixtral's is 45 GB), where an expert kernel ran 1.5x slower
+        than here (profile-decode-mixtral-8x7b-all.json): does reading experts spread over tens of
+        GB cost more than over a compact set of slots? None when the pool does not fit."""
+        nbytes, used = self.layout.nbytes, EXPERTS * self.calls
+        rows = pool_bytes // nbytes
+        if rows < used:
+            return None
+        try:
+            pool = torch.empty(rows, nbytes, dtype=torch.uint8, device=self.device)  # [R, B]
+        except torch.OutOfMemoryError:
+            return None
+        positions = [i * (rows // used) for i in range(used)]  # evenly spread over the pool
+        for i, row in enumerate(positions):
+            pool[row].copy_(self.slots[i % self.n_slots])
+        tables = [table([pool[positions[EXPERTS * c + e]] for e in range(EXPERTS)]) for c in range(self.calls)]
+
+        def call(i):
+            index, weight = self.top2[i]
+            ffn.forward_bases(self.x1[i], index, weight, tables[i], out=self.out1)
+        seconds = self.timer.graph(call, self.calls)
+        del pool, tables
+        return seconds
+
     def time_prefill(self, ffn: TritonMoEFFN, tokens: int | None = None) -> float:
         n = tokens or self.xp.shape[0]
         x, index, weight, out = self.xp[:n], self.p_index[:n], self.p_weight[:n], self.outp[:n]
@@ -393,6 +419,8 @@ def main() -> None:
     parser.add_argument("--tuning-dir", type=Path, default=TUNING_DIR)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels-h200.json")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--spread-gb", type=float, default=40.0,
+                        help="pool the top-2 'spread' figure places its experts across (default 40 GB)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few repeats (CPU or GPU)")
     args = parser.parse_args()
 
@@ -438,6 +466,8 @@ def main() -> None:
             "mira_one_expert_fraction_of_4.29TBps": bench.layout.nbytes / one / HBM_DESIGN_BPS,
             "mira_top2_s": top2,
             "mira_top2_eager_call_s": bench.time_eager_call(ffn),
+            "mira_top2_spread_s": bench.time_top2_spread(ffn, int((0.02 if args.smoke else args.spread_gb) * 1e9)),
+            "spread_pool_gb": 0.02 if args.smoke else args.spread_gb,
             "mira_prefill_s": prefill,
             "torch_dequant_then_matmul_one_expert_s": bench.torch_dequant(),
             **{f"torch_bf16_{k}": v for k, v in bench.torch_bf16().items()},
@@ -462,13 +492,14 @@ def main() -> None:
 def print_table(result: dict) -> None:
     us = lambda s: f"{s * 1e6:9.1f}"  # noqa: E731
     print(f"\n{result['gpu']}  {result['date']}  ceilings: {result['ceilings']}")
-    header = ("shape", "blob MB", "1 exp us", "GB/s", "%4.29T", "bf16 us", "deq us", "top2 us", "bf16 top2",
+    header = ("shape", "blob MB", "1 exp us", "GB/s", "%4.29T", "bf16 us", "deq us", "top2 us", "spread us", "bf16 top2",
               "eager us", "prefill us", "bf16 pre", "ratio", "copy GB/s", "cp+comp us", "zc us", "zc GB/s", "zc/cp")
     print(" ".join(f"{h:>10}" for h in header))
     for name, f in result["shapes"].items():
         row = (name[:10], f"{f['blob_bytes'] / 1e6:10.1f}", us(f["mira_one_expert_s"]), f"{f['mira_one_expert_GBps']:10.0f}",
                f"{100 * f['mira_one_expert_fraction_of_4.29TBps']:9.0f}%", us(f["torch_bf16_one_expert_s"]),
-               us(f["torch_dequant_then_matmul_one_expert_s"]), us(f["mira_top2_s"]), us(f["torch_bf16_top2_s"]),
+               us(f["torch_dequant_then_matmul_one_expert_s"]), us(f["mira_top2_s"]),
+               us(f["mira_top2_spread_s"]) if f.get("mira_top2_spread_s") is not None else f"{'-':>9}", us(f["torch_bf16_top2_s"]),
                us(f["mira_top2_eager_call_s"]), us(f["mira_prefill_s"]), us(f["torch_bf16_prefill_s"]),
                f"{f['prefill_mira_over_torch_bf16']:10.2f}", f"{f['pinned_copy_GBps']:10.1f}",
                us(f["copy_then_compute_s"]), us(f["zero_copy_s"]), f"{f['zero_copy_GBps']:10.1f}",

@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--budget", default="all", help="24GiB, 25%% (of the experts) or all (default)")
     parser.add_argument("--policy", default="mira")
     parser.add_argument("--prefetch", default="auto")
+    parser.add_argument("--heads", help="trained predictor heads for --prefetch trained/auto (default: the store's own)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
     parser.add_argument("--device", default=default_device())
@@ -95,6 +96,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     source = open_source(args.model, args.synthetic, device, progress=False)
+    source.heads = args.heads
     context = args.prompt_tokens + 2 * args.steps + 8
     probe = source.mira(UNLIMITED, "mira", "off", None, context)
     reserve = probe.plan.reserve_bytes if probe.plan else 0
@@ -147,7 +149,8 @@ def main() -> None:
     for name, value in sorted(device_ms.items()):
         print(f"  device {name:<27} {value:9.3f} ms")
     label = (args.synthetic or Path(args.model or "mira-tiny-moe").name) + "-" + args.budget.replace("%", "pct") + (
-        f"-{args.residency}" if args.residency != "auto" else "") + ("-eager" if args.eager else "")
+        f"-{args.residency}" if args.residency != "auto" else "") + ("-eager" if args.eager else "") + (
+        f"-{args.prefetch}" if args.prefetch not in ("auto", "off") else "")
     out = ROOT / "benchmarks" / "results" / f"profile-decode-{label}.json"
     out.write_text(json.dumps({
         **result_header("python benchmarks/profile_decode.py " + " ".join(
