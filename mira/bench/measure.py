@@ -4,14 +4,16 @@ bound of DESIGN.md 4 for the routing the run had."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from mira.bench.bound import decode_bound
-from mira.bench.prompts import BenchPrompt, prompt_ids
+from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
 from mira.models.registry import adapter_for
 from mira.runtime.engine import MiraModel
 from mira.runtime.tracing import RoutingRecorder
@@ -28,6 +30,29 @@ class _Clock:
 
     def end(self) -> None:
         pass
+
+
+class RandomContinuation(LogitsProcessor):
+    """Greedy decoding that emits pseudo-random ids instead of the model's choice: the token at each
+    position is drawn from (seed, position), so every configuration decodes the same ids.
+
+    For synthetic models: a random model's own greedy output soon repeats one token, and with it
+    routes to the same experts at every step (the Qwen3-shaped run in bench-qwen3-30b-a3b.json missed
+    almost only in its prompt), which makes the VRAM budget irrelevant; random ids keep the routing
+    as random as the prompt's.
+    """
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def token(self, position: int) -> int:
+        return random.Random(self.seed * 1_000_003 + position).randrange(FIRST_ID, self.vocab_size)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        token = self.token(input_ids.shape[1])
+        scores.fill_(float("-inf"))
+        scores[:, token] = 0.0
+        return scores
 
 
 @dataclass
@@ -63,32 +88,40 @@ class Timing:
 
 
 def time_generation(generate: Callable, prompts: list[BenchPrompt], tokenizer, vocab_size: int, device,
-                    num_beams: int = 1, on_prompt: Callable[[], None] | None = None) -> Timing:
-    """Greedy (or beam) generation of every prompt at batch 1, exactly `max_new_tokens` each."""
+                    num_beams: int = 1, on_prompt: Callable[[], None] | None = None,
+                    random_continuation: bool = False) -> Timing:
+    """Greedy (or beam) generation of every prompt at batch 1, exactly `max_new_tokens` each; with
+    `random_continuation` (greedy only) the new tokens are RandomContinuation's ids."""
     timing = Timing()
     for number, prompt in enumerate(prompts):
         ids = prompt_ids(prompt, tokenizer, vocab_size, seed=number).to(device)
         if on_prompt is not None:
             on_prompt()
         clock = _Clock() if num_beams == 1 else None
+        forced = LogitsProcessorList([RandomContinuation(vocab_size, number)]) if random_continuation else None
+        if forced is not None and num_beams > 1:
+            raise ValueError("random_continuation forces greedy decoding's ids; it does not apply to beam search")
         _synchronize(device)
         start = time.perf_counter()
         output = generate(ids, max_new_tokens=prompt.max_new_tokens, min_new_tokens=prompt.max_new_tokens,
-                          do_sample=False, num_beams=num_beams, streamer=clock, pad_token_id=0)
+                          do_sample=False, num_beams=num_beams, streamer=clock, pad_token_id=0,
+                          logits_processor=forced)
         _synchronize(device)
         timing.add(ids.shape[1], output.shape[1] - ids.shape[1], start, clock.times if clock else [],
                    time.perf_counter())
     return timing
 
 
-def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1) -> dict:
-    """Time `model` over `prompts` and report its cache figures and the bound (batch 1 runs only)."""
+def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1,
+             random_continuation: bool = False) -> dict:
+    """Time `model` over `prompts` and report its cache figures and the bound (batch 1 runs only);
+    `random_continuation` as for time_generation (greedy runs only)."""
     if num_beams > 1:
         timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams)
         return {**timing.summary(), "num_beams": num_beams, **_cache_figures(model)}
     with RoutingRecorder(model) as recorder:
         timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device,
-                                 on_prompt=recorder.next_sequence)
+                                 on_prompt=recorder.next_sequence, random_continuation=random_continuation)
     result = {**timing.summary(), **_cache_figures(model)}
     bound = decode_bound(recorder.trace(), model.cache.pool.num_slots, model.store.blob_bytes,
                          _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model))

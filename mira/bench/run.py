@@ -89,7 +89,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
         _write_json(out, result)
 
     warm = source.mira(UNLIMITED, "mira", "auto", None, max_context)
-    time_generation(warm.generate, CALIBRATION, None, vocab, device)
+    time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
     all_bytes = reserve + total_experts * warm.store.blob_bytes
@@ -140,7 +140,8 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
         model.use_cuda_graphs(False)
     row["prefetcher"] = _prefetcher(model)
     start = time.perf_counter()
-    row.update(run_mira(model, prompts, vocab, num_beams))
+    row.update(run_mira(model, prompts, vocab, num_beams, random_continuation=num_beams == 1 and
+                        _random_continuation(source)))
     row["wall_s"] = round(time.perf_counter() - start, 2)
     row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
@@ -176,7 +177,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
     if run_gpu:
         row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes}
         if on_device:
-            row.update(time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device).summary())
+            row.update(time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device,
+                                       random_continuation=_random_continuation(source)).summary())
         else:
             row["skipped"] = f"the {format_size(nbytes)} bf16 model does not fit in device memory"
         rows.append(row)
@@ -200,7 +202,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
             row = {"config": "hf-offload", "budget": label, "budget_bytes": budget}
             with hf.offloaded(model, budget, device) as dispatched:
                 row["parameters_by_device"] = hf.device_map_summary(dispatched)
-                row.update(time_generation(dispatched.generate, prompts, source.tokenizer, vocab, device).summary())
+                row.update(time_generation(dispatched.generate, prompts, source.tokenizer, vocab, device,
+                                           random_continuation=_random_continuation(source)).summary())
             rows.append(row)
             print(_brief(row), file=sys.stderr, flush=True)
             save()
@@ -249,12 +252,24 @@ def goals(rows: list[dict]) -> dict:
     return out
 
 
+def _random_continuation(source: Source) -> bool:
+    """Whether greedy runs decode RandomContinuation's ids (mira.bench.measure): for synthetic models."""
+    return source.routing == "synthetic"
+
+
+def _decoding(source: Source) -> str:
+    if _random_continuation(source):
+        return ("greedy runs emit pseudo-random ids, the same in every configuration (a synthetic model's own "
+                "greedy output repeats one token, and its routing with it); beam search decodes the model's own")
+    return "greedy (beam search where num_beams > 1)"
+
+
 def _run_key(row: dict) -> tuple:
     """What identifies a run within a bench result: configuration, budget, beam width, beam search."""
     return row["config"], row["budget"], row.get("num_beams", 1), bool(row.get("beam_search"))
 
 
-SAME_RUN = ("model", "routing", "prompt_set", "prompts", "commit", "device")
+SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device")
 
 
 def _resumed(path: Path, fresh: dict) -> dict:
@@ -319,6 +334,7 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         **result_header(command, device),
         "model": source.label,
         "routing": source.routing,
+        "decoding": _decoding(source),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "prompt_set": setup.prompt_set,
         "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],

@@ -129,3 +129,33 @@ def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path
     error = capsys.readouterr().err
     assert "holds another run (prompt_set" in error and "drop --resume" in error
     assert json.loads(out.read_text()) == resumed  # a refused resume leaves the file as it was
+
+
+def test_random_continuation_makes_greedy_decoding_emit_the_same_seeded_ids_in_any_model():
+    from mira.bench.measure import RandomContinuation, time_generation
+    from mira.bench.prompts import FIRST_ID, BenchPrompt
+
+    config = SMALL["qwen3_moe"]()
+    prompts = [BenchPrompt(None, 8, 6), BenchPrompt(None, 5, 4)]
+    decoded = []
+    for seed in (3, 4):  # two different random models
+        skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"), seed=seed)
+        store = synthetic_store(config, len(sites), "int8-shared", pin=False, seed=seed, progress=False)
+        model = assemble(skeleton, sites, store, None)
+        outputs = []
+
+        def generate(ids, **kwargs):
+            outputs.append(model.generate(ids, **kwargs))
+            return outputs[-1]
+        timing = time_generation(generate, prompts, None, config.vocab_size, "cpu", random_continuation=True)
+        assert timing.new_tokens == 6 + 4
+        decoded.append([out[0, prompt.input_tokens:].tolist() for out, prompt in zip(outputs, prompts)])
+        with pytest.raises(ValueError, match="beam search"):
+            time_generation(generate, prompts[:1], None, config.vocab_size, "cpu", num_beams=2,
+                            random_continuation=True)
+    # prompt n's new tokens are RandomContinuation(vocab, n)'s draws at their positions, whatever the model
+    expected = [[RandomContinuation(config.vocab_size, n).token(p.input_tokens + i) for i in range(p.max_new_tokens)]
+                for n, p in enumerate(prompts)]
+    assert decoded == [expected, expected]
+    assert all(FIRST_ID <= token < config.vocab_size for ids in expected for token in ids)
+    assert len({token for ids in expected for token in ids}) > 5  # not one repeated id
