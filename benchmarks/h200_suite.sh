@@ -18,8 +18,10 @@
 #                                           # the README's command)
 #   bash benchmarks/h200_suite.sh lagged    # Qwen3 shape and the bundled model, mira and LRU lagged against
 #                                           # inline: should auto lag them for small experts? (~8 min)
-#   bash benchmarks/h200_suite.sh spread    # kernels.py, Mixtral shape: top-2 with experts spread over 40 GB
-#                                           # (why an expert kernel is 1.5x slower in the model) (~2 min)
+#   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes: the vector_tiles launches
+#                                           # (no barrier in the GEMV loops) among the candidates, and top-2 with
+#                                           # the experts spread over 40 GB (why an expert kernel is 1.5x slower
+#                                           # in the model); writes the tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes: Mixtral shape replayed; the
 #                                           # bundled model at 10% with and without prefetching (~5 min)
 set -euo pipefail
@@ -58,8 +60,10 @@ case "${1:-}" in
       --budgets 10%,25% --configs mira,mira-lagged,lru,lru-lagged,static \
       --profile benchmarks/results/traces/profile-train.npz --out "$OUT/bench-mira-tiny-moe-lagged.json" --quiet \
       --resume ;;
-  spread)
-    timeout 300 python benchmarks/kernels.py --shapes mixtral-8x7b --spread-gb 40 --out "$OUT/kernels-h200-spread.json" ;;
+  kernels)
+    timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --out "$OUT/kernels-h200.json" \
+      2>&1 | tee "$OUT/kernels-h200-autotune.log"
+    cp mira/kernels/tuning/nvidia-h200.json "$OUT/" ;;
   profile)
     timeout 200 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budget all --prefetch off
     for prefetch in off trained; do
