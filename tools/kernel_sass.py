@@ -1,0 +1,106 @@
+"""What the decode GEMV launches compile to, read without a GPU (issue #5).
+
+Compiles `_gate_up_gemv` and `_down_gemv` for a CUDA target (sm_90 by default) with the Triton
+installed here, at one expert shape and a list of launch configurations, and reports from the
+machine code (the `cuobjdump` that Triton ships): registers per thread, barriers (`BAR`) and
+shared-memory stores in the whole kernel, and 16-byte weight loads (`LDG.E.EF.128`, the
+evict-first loads of the INT8 tiles). The arguments that the JIT would specialize as multiples of 16
+at this shape (pointers, strides, sizes, offsets) get the same hint here, so the code matches what
+a launch compiles. Triton versions differ: the GPU machine's may schedule differently.
+
+    python tools/kernel_sass.py [--hidden 4096 --intermediate 14336] [--arch 90] [--json]
+
+(Not under TRITON_INTERPRET=1, which replaces the kernels with interpreted functions.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mira.kernels import triton_ffn
+from mira.kernels.tuning import GemvConfig
+
+CANDIDATES = {  # launch -> configurations (the stored H200 tuning first)
+    "gate_up": [GemvConfig(8, 256, unroll=2, cvt="prmt"), GemvConfig(8, 256, unroll=2, cvt="prmt", vector_tiles=True),
+                GemvConfig(8, 256, unroll=4, cvt="prmt", vector_tiles=True)],
+    "down": [GemvConfig(4, 512, unroll=2, cvt="prmt"), GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True),
+             GemvConfig(4, 512, unroll=4, cvt="prmt", vector_tiles=True)],
+}
+I32, DIV16 = "i32", [["tt.divisibility", 16]]
+
+
+def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: int, arch: int) -> bytes:
+    """The cubin of one decode launch at this shape (int8-shared, bf16 activations, K = 2)."""
+    if launch == "gate_up":
+        fn = triton_ffn._gate_up_gemv
+        signature = {"hidden_ptr": "*bf16", "stride_ht": I32, "index_ptr": "*i64", "bases_ptr": "*i64",
+                     "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "S_IN_OFF": I32}
+        constants = {"SCHEME": 0, "BLOCK_I": config.block_rows, "BLOCK_H": config.block_cols, "UNROLL": config.unroll,
+                     "EVEN_H": hidden % (config.block_cols * config.unroll) == 0}
+    else:
+        fn = triton_ffn._down_gemv
+        signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
+                     "out_ptr": "*bf16", "stride_ot": I32, "H": I32, "I": I32, "K": I32, "W2_OFF": I32,
+                     "S_OUT_OFF": I32}
+        constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
+                     "EVEN_I": intermediate % (config.block_cols * config.unroll) == 0}
+    constants |= {"CVT": config.cvt, "VECTOR_TILES": config.vector_tiles}
+    # every argument but K (= 2) is a multiple of 16 at real shapes, as the JIT would find
+    hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name != "K"}
+    signature |= {name: "constexpr" for name in constants}
+    source = ASTSource(fn, signature=signature, constexprs=constants, attrs=hinted)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+
+
+def sass_figures(cubin: bytes) -> dict:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        sass = subprocess.run([str(tool), "--dump-sass", file.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
+                               check=True).stdout
+    registers = next(int(word[4:]) for word in usage.split() if word.startswith("REG:"))
+    return {"registers": registers, "barriers": sass.count("BAR.SYNC"), "shared_stores": sass.count(" STS"),
+            "weight_loads_128": sass.count("LDG.E.EF.128")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper (default)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this tool compiles")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default the GPU machine's Triton uses
+    rows = [{"launch": launch, "config": dataclasses.asdict(config),
+             **sass_figures(compile_launch(launch, config, args.hidden, args.intermediate, args.arch))}
+            for launch, configs in CANDIDATES.items() for config in configs]
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'vector_tiles':>12} {'regs':>5} {'BAR':>4} "
+          f"{'STS':>4} {'LDG.128 (weights)':>17}")
+    for row in rows:
+        config = row["config"]
+        shape = f"{config['block_rows']} x {config['block_cols']}"
+        print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
+              f"{str(config['vector_tiles']):>12} {row['registers']:>5} {row['barriers']:>4} "
+              f"{row['shared_stores']:>4} {row['weight_loads_128']:>17}")
+
+
+if __name__ == "__main__":
+    main()
