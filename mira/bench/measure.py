@@ -39,7 +39,8 @@ class RandomContinuation(LogitsProcessor):
     For synthetic models: a random model's own greedy output soon repeats one token, and with it
     routes to the same experts at every step (the Qwen3-shaped run in bench-qwen3-30b-a3b.json missed
     almost only in its prompt), which makes the VRAM budget irrelevant; random ids keep the routing
-    as random as the prompt's.
+    as random as the prompt's. It overrides every other processor's scores, the minimum-length one's
+    included: the synthetic presets have no end-of-sequence id, so no drawn id ends a run early.
     """
 
     def __init__(self, vocab_size: int, seed: int):

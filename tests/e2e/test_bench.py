@@ -159,3 +159,5 @@ def test_random_continuation_makes_greedy_decoding_emit_the_same_seeded_ids_in_a
     assert decoded == [expected, expected]
     assert all(FIRST_ID <= token < config.vocab_size for ids in expected for token in ids)
     assert len({token for ids in expected for token in ids}) > 5  # not one repeated id
+    # forced ids override the minimum-length processor: no preset may have an id that ends a run
+    assert all(preset_config(name).eos_token_id is None for name in PRESETS)
