@@ -114,30 +114,27 @@ def _gate_up_gemv(
     gate_rows = w13 + offs_i[:, None] * H  # [BLOCK_I, 1]
     up_rows = w13 + (offs_i[:, None] + I) * H
     x_row = hidden_ptr + token * stride_ht
-    zero_rows = offs_i[:, None] * 0  # [BLOCK_I, 1]
     acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H * UNROLL):
         for u in tl.static_range(UNROLL):
             offs_h = tl.max_contiguous(tl.multiple_of(h0 + u * BLOCK_H + tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
-            if VECTOR_TILES:  # x and s read as [BLOCK_I, BLOCK_H] tiles in the weights' layout
-                cols = zero_rows + offs_h[None, :]
-            else:  # read once as [BLOCK_H] vectors, then broadcast (through shared memory, with barriers)
-                cols = offs_h
+            # VECTOR_TILES: x and s read as [BLOCK_I, BLOCK_H] tiles in the weights' layout; else as
+            # [BLOCK_H] vectors, broadcast below (which goes through shared memory, with barriers)
+            cols = offs_i[:, None] * 0 + offs_h[None, :] if VECTOR_TILES else offs_h
             if EVEN_H:
                 x = tl.load(x_row + cols).to(tl.float32)
                 w_mask = row_mask[:, None]
             else:
+                in_h = offs_h < H
                 x = tl.load(x_row + cols, mask=cols < H, other=0.0).to(tl.float32)
-                w_mask = row_mask[:, None] & (offs_h < H)[None, :]
+                w_mask = row_mask[:, None] & in_h[None, :]
             if SCHEME == 0:  # int8-shared: W13q diag(s) x = W13q (s * x)
                 x = x * tl.load(s_in + cols, mask=cols < h_limit, other=0.0).to(tl.float32)
-            if not VECTOR_TILES:
-                x = x[None, :]
             wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
             wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            acc_g += _int8_to_f32(wg, CVT) * x
-            acc_u += _int8_to_f32(wu, CVT) * x
+            acc_g += _int8_to_f32(wg, CVT) * (x if VECTOR_TILES else x[None, :])
+            acc_u += _int8_to_f32(wu, CVT) * (x if VECTOR_TILES else x[None, :])
     g = tl.sum(acc_g, axis=1)  # [BLOCK_I]
     u = tl.sum(acc_u, axis=1)
     if SCHEME == 1:  # int8-row: one scale per output row
@@ -160,7 +157,6 @@ def _down_gemv(
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_rows = offs_h < H
-    zero_rows = offs_h[:, None] * 0  # [BLOCK_H, 1]
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
@@ -176,20 +172,18 @@ def _down_gemv(
         for i0 in range(0, I, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
-                if VECTOR_TILES:  # act read as a [BLOCK_H, BLOCK_I] tile in the weights' layout
-                    cols = zero_rows + offs_i[None, :]
-                else:  # read once as a [BLOCK_I] vector, then broadcast (through shared memory)
-                    cols = offs_i
+                # VECTOR_TILES: act read as a [BLOCK_H, BLOCK_I] tile in the weights' layout; else as a
+                # [BLOCK_I] vector, broadcast below (through shared memory)
+                cols = offs_h[:, None] * 0 + offs_i[None, :] if VECTOR_TILES else offs_i
                 if EVEN_I:
                     a = tl.load(act_row + cols)
                     w_mask = row_mask[:, None]
                 else:
+                    in_i = offs_i < I
                     a = tl.load(act_row + cols, mask=cols < I, other=0.0)
-                    w_mask = row_mask[:, None] & (offs_i < I)[None, :]
-                if not VECTOR_TILES:
-                    a = a[None, :]
+                    w_mask = row_mask[:, None] & in_i[None, :]
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-                acc += _int8_to_f32(w, CVT) * a
+                acc += _int8_to_f32(w, CVT) * (a if VECTOR_TILES else a[None, :])
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
         total += tl.where(present, y, float("nan")) * weight
     tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
