@@ -42,3 +42,13 @@ def stores(tmp_path_factory, checkpoints) -> dict[tuple[str, str], Path]:
             out[family, scheme] = root / f"{family}-{scheme}"
             convert(ckpt, out[family, scheme], scheme, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def mixtral_store(tmp_path_factory) -> Path:
+    """The tiny Mixtral checkpoint as an int8-shared store: the model of the GPU tests."""
+    from mira.store.convert import convert
+
+    root = tmp_path_factory.mktemp("mixtral-store")
+    convert(make_checkpoint("mixtral", root / "ckpt"), root / "store", "int8-shared", progress=False)
+    return root / "store"

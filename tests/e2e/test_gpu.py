@@ -9,19 +9,10 @@ import pytest
 import torch
 
 import mira
-from tiny_models import make_checkpoint
+from gpu_counts import InsideModules, sync_warnings, syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mira.store.convert import convert
-
-    root = tmp_path_factory.mktemp("gpu")
-    convert(make_checkpoint("mixtral", root / "ckpt"), root / "store", "int8-shared", progress=False)
-    return root / "store"
 
 
 def _prompt():
@@ -29,15 +20,15 @@ def _prompt():
 
 
 @pytest.mark.parametrize(("dtype", "reference_device"), [("float32", "cpu"), ("bfloat16", "cuda")])
-def test_cuda_under_an_evicting_budget_generates_the_reference_text(store, dtype, reference_device):
-    everything = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
+def test_cuda_under_an_evicting_budget_generates_the_reference_text(mixtral_store, dtype, reference_device):
+    everything = mira.load(mixtral_store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
     assert everything.cache.pool.num_slots == 24
-    reference = everything if reference_device == "cuda" else mira.load(store, device="cpu", dtype=dtype,
+    reference = everything if reference_device == "cuda" else mira.load(mixtral_store, device="cpu", dtype=dtype,
                                                                           progress=False)
     expected = reference.generate(_prompt(), **GREEDY).cpu()
     budget = everything.plan.reserve_bytes + 10 * everything.store.blob_bytes  # 10 of 24 experts fit
     del everything, reference
-    model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, progress=False)
+    model = mira.load(mixtral_store, device="cuda", dtype=dtype, vram_budget=budget, progress=False)
     assert model.cache.pool.num_slots == 10
     assert model.store.data.is_pinned()
     got = model.generate(_prompt(), **GREEDY).cpu()
@@ -48,23 +39,21 @@ def test_cuda_under_an_evicting_budget_generates_the_reference_text(store, dtype
 
 
 @pytest.mark.parametrize("prefetch", ["off", "gate"])
-def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store, prefetch):
+def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(mixtral_store, prefetch):
     """Counts host syncs (CUDA sync-debug warnings) and caching-allocator allocations made inside
     Mira's experts modules during one decode step: none allocated, at most one sync per MoE layer.
     prefetch off: every expert resident; gate: 12 of 24 experts fit, and gate speculation stages
     experts into STAGE during the step."""
-    import warnings
-
     from mira.runtime.experts import MiraExperts
 
-    everything = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch=prefetch,
+    everything = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch=prefetch,
                            progress=False)
     if prefetch == "off":
         model = everything
     else:
         budget = everything.plan.reserve_bytes + 12 * everything.store.blob_bytes
         del everything
-        model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch,
+        model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch,
                           progress=False)
         assert model.cache.policy.stage_slots > 0
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
@@ -77,31 +66,12 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store, prefet
         step_ids = prefill.logits[:, -1:].argmax(-1)
         model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)  # warm: lazy buffers, cuBLAS
         torch.cuda.synchronize()
-        counts = {"syncs": 0, "allocations": 0, "calls": 0}
-        marks = {}
-
-        def before(module, args):
-            marks["warnings"] = len(caught)
-            marks["allocations"] = torch.cuda.memory_stats()["allocation.all.allocated"]
-
-        def after(module, args, output):
-            counts["syncs"] += sum("synchroniz" in str(w.message) for w in caught[marks["warnings"]:])
-            counts["allocations"] += torch.cuda.memory_stats()["allocation.all.allocated"] - marks["allocations"]
-            counts["calls"] += 1
-
-        hooks = [h for m in experts for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
         staged_before = offered()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        for hook in hooks:
-            hook.remove()
+        with sync_warnings() as caught, InsideModules(experts, caught) as inside:
+            model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)
+    counts = inside.counts
     print(f"\nprefetch {prefetch}, decode step inside the experts modules: {counts}; whole step: "
-          f"{sum('synchroniz' in str(w.message) for w in caught)} sync warnings; prefetch {model.stats()['prefetch']}")
+          f"{syncs(caught)} sync warnings; prefetch {model.stats()['prefetch']}")
     assert counts["calls"] == len(experts) == 3
     assert all(type(m.ffn).__name__ == "TritonMoEFFN" for m in experts)  # the fused kernels ran
     assert counts["syncs"] <= len(experts)
@@ -112,13 +82,13 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(store, prefet
         assert offered() > staged_before  # the predictor ran and offered experts to STAGE in this step
 
 
-def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(store, monkeypatch):
+def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(mixtral_store, monkeypatch):
     """Every prefetch copy is held back ~1 ms on its stream and every slot starts as garbage
     (0xFF: int8 -1, bf16 NaN scales): a kernel that read a STAGE slot early would compute NaN or
     another expert's output, and the greedy text would differ from the all-resident run."""
     from mira.runtime.transfer import Transfer
 
-    everything = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off",
+    everything = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off",
                            progress=False)
     expected = everything.generate(_prompt(), **GREEDY).cpu()
     budget = everything.plan.reserve_bytes + 12 * everything.store.blob_bytes
@@ -133,7 +103,7 @@ def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(store, monkey
         return load(self, src, dst, slot, prefetch, then)
 
     monkeypatch.setattr(Transfer, "load", slow_prefetch)
-    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate", progress=False)
+    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate", progress=False)
     model.cache.pool.buffer.fill_(0xFF)
     got = model.generate(_prompt(), **GREEDY).cpu()
     counts = model.stats()["prefetch"]

@@ -12,20 +12,10 @@ from transformers import StaticCache
 
 import mira
 from mira.runtime.tracing import RoutingRecorder
-from tiny_models import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NEW_TOKENS = 24
 GREEDY = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mira.store.convert import convert
-
-    root = tmp_path_factory.mktemp("graphs")
-    convert(make_checkpoint("mixtral", root / "ckpt"), root / "store", "int8-shared", progress=False)
-    return root / "store"
 
 
 def _prompts():
@@ -48,12 +38,12 @@ def _run(model, kv_cache=None):
 
 
 @pytest.mark.parametrize("budget_experts", [None, 10])
-def test_replayed_decode_steps_match_eager_steps(store, budget_experts):
-    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off", progress=False)
+def test_replayed_decode_steps_match_eager_steps(mixtral_store, budget_experts):
+    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off", progress=False)
     if budget_experts is not None:  # 10 of 24 experts fit, lagged: misses are read from the host store
         budget = model.plan.reserve_bytes + budget_experts * model.store.blob_bytes
         del model
-        model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
+        model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
                           residency="lagged", progress=False)
         assert model.cache.pool.num_slots == budget_experts
     graphs = model.decode_graphs

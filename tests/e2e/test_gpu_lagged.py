@@ -6,30 +6,19 @@ the same bytes), and leaves every table entry at its expert's slot row or host b
 Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
 """
 
-import warnings
-
 import pytest
 import torch
 
 import mira
 from mira.runtime.experts import MiraExperts
 from mira.runtime.transfer import Transfer
-from tiny_models import make_checkpoint
+from gpu_counts import InsideModules, cuda_allocations, sync_warnings, syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
 SLOTS = 9  # of 24 experts: one layer's 8 and one more, so nearly every step evicts
 LATE_CYCLES = 20_000_000  # ~10 ms at the H200's clock: longer than a tiny model's decode step
 STEP_TOKENS = (7, 101, 250, 33)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    from mira.store.convert import convert
-
-    root = tmp_path_factory.mktemp("gpu-lagged")
-    convert(make_checkpoint("mixtral", root / "ckpt"), root / "store", "int8-shared", progress=False)
-    return root / "store"
 
 
 def _prompt():
@@ -61,8 +50,8 @@ def _assert_tables_follow_the_slots(cache) -> None:
 
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_lagged_residency_generates_the_all_resident_text(store, monkeypatch, dtype, late):
-    model, expected = _lagged_model(store, dtype)
+def test_cuda_lagged_residency_generates_the_all_resident_text(mixtral_store, monkeypatch, dtype, late):
+    model, expected = _lagged_model(mixtral_store, dtype)
     if late:  # every copy waits ~10 ms on its stream first; the compute stream never waits for it
         load = Transfer.load
 
@@ -82,49 +71,29 @@ def test_cuda_lagged_residency_generates_the_all_resident_text(store, monkeypatc
     _assert_tables_follow_the_slots(model.cache)
 
 
-def test_a_lagged_decode_step_neither_syncs_nor_allocates_inside_the_experts(store):
+def test_a_lagged_decode_step_neither_syncs_nor_allocates_inside_the_experts(mixtral_store):
     """Host syncs (CUDA sync-debug warnings) and caching-allocator allocations inside Mira's experts
-    modules during decode steps (as tests/e2e/test_gpu.py counts them): none; and the settle after
+    modules during decode steps (tests/gpu_counts.py): none; and the settle after
     each step syncs once and allocates nothing, while it admits experts and rewrites their table
     entries."""
-    model, _ = _lagged_model(store, "bfloat16")
+    model, _ = _lagged_model(mixtral_store, "bfloat16")
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     with torch.no_grad():
         prefill = model(_prompt().cuda(), use_cache=True)
         step_ids = prefill.logits[:, -1:].argmax(-1)
         model(step_ids, past_key_values=prefill.past_key_values, use_cache=True)  # warm: lazy buffers, cuBLAS
         torch.cuda.synchronize()
-        counts = {"syncs": 0, "allocations": 0, "calls": 0}
         settle = {"syncs": 0, "allocations": 0}
         copies = model.cache.telemetry.copies
-        marks = {}
-
-        def before(module, args):
-            marks["warnings"] = len(caught)
-            marks["allocations"] = torch.cuda.memory_stats()["allocation.all.allocated"]
-
-        def after(module, args, output):
-            counts["syncs"] += sum("synchroniz" in str(w.message) for w in caught[marks["warnings"]:])
-            counts["allocations"] += torch.cuda.memory_stats()["allocation.all.allocated"] - marks["allocations"]
-            counts["calls"] += 1
-
-        hooks = [h for m in experts for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for token in STEP_TOKENS:  # steps over other tokens than the warm one: misses to admit
-                    step_ids.fill_(token)
-                    model.hf_model.forward(step_ids, past_key_values=prefill.past_key_values, use_cache=True)
-                    inside = len(caught)
-                    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
-                    model.cache.settle()
-                    settle["allocations"] += torch.cuda.memory_stats()["allocation.all.allocated"] - allocated
-                    settle["syncs"] += sum("synchroniz" in str(w.message) for w in caught[inside:])
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        for hook in hooks:
-            hook.remove()
+        with sync_warnings() as caught, InsideModules(experts, caught) as inside:
+            for token in STEP_TOKENS:  # steps over other tokens than the warm one: misses to admit
+                step_ids.fill_(token)
+                model.hf_model.forward(step_ids, past_key_values=prefill.past_key_values, use_cache=True)
+                seen, allocated = len(caught), cuda_allocations()
+                model.cache.settle()
+                settle["allocations"] += cuda_allocations() - allocated
+                settle["syncs"] += syncs(caught[seen:])
+    counts = inside.counts
     settle["copies"] = model.cache.telemetry.copies - copies
     print(f"\nlagged decode steps inside the experts modules: {counts}; settles: {settle}")
     assert counts["calls"] == len(experts) * len(STEP_TOKENS) == 3 * len(STEP_TOKENS)
