@@ -228,10 +228,13 @@ class ShapeBench:
         return self.timer.graph(lambda i: ffn.forward_bases(self.x1[i], self.one_index, self.one_weight,
                                                             self.one_tables[i], out=self.out1), self.calls)
 
-    def time_top2(self, ffn: TritonMoEFFN) -> float:
+    def time_top2(self, ffn: TritonMoEFFN, tables: list[torch.Tensor] | None = None) -> float:
+        """Top-2 of a layer's experts at batch 1; `tables`: other address tables per call."""
+        tables = tables or self.layer_tables
+
         def call(i):
             index, weight = self.top2[i]
-            ffn.forward_bases(self.x1[i], index, weight, self.layer_tables[i], out=self.out1)
+            ffn.forward_bases(self.x1[i], index, weight, tables[i], out=self.out1)
         return self.timer.graph(call, self.calls)
 
     def time_top2_spread(self, ffn: TritonMoEFFN, pool_bytes: int) -> float | None:
@@ -251,11 +254,7 @@ class ShapeBench:
         for i, row in enumerate(positions):
             pool[row].copy_(self.slots[i % self.n_slots])
         tables = [table([pool[positions[EXPERTS * c + e]] for e in range(EXPERTS)]) for c in range(self.calls)]
-
-        def call(i):
-            index, weight = self.top2[i]
-            ffn.forward_bases(self.x1[i], index, weight, tables[i], out=self.out1)
-        seconds = self.timer.graph(call, self.calls)
+        seconds = self.time_top2(ffn, tables)
         del pool, tables
         return seconds
 

@@ -2,13 +2,13 @@
 
 Compiles `_gate_up_gemv` and `_down_gemv` for a CUDA target (sm_90 by default) with the Triton
 installed here, at one expert shape and a list of launch configurations, and reports from the
-machine code (the `cuobjdump` that Triton ships): registers per thread, barriers (`BAR`) and
-shared-memory stores in the whole kernel, and 16-byte weight loads (`LDG.E.EF.128`, the
-evict-first loads of the INT8 tiles). The arguments that the JIT would specialize as multiples of 16
+machine code (the `cuobjdump` that Triton ships): registers per thread, barriers (`BAR`) in the
+whole kernel and inside its loops, shared-memory stores, and 16-byte weight loads (`LDG.E.EF.128`,
+the evict-first loads of the INT8 tiles). The arguments that the JIT would specialize as multiples of 16
 at this shape (pointers, strides, sizes, offsets) get the same hint here, so the code matches what
 a launch compiles. Triton versions differ: the GPU machine's may schedule differently.
 
-    python tools/kernel_sass.py [--hidden 4096 --intermediate 14336] [--arch 90] [--json]
+    python tools/kernel_sass.py [--hidden 4096 --intermediate 14336] [--arch 90] [--json] [--out FILE]
 
 (Not under TRITON_INTERPRET=1, which replaces the kernels with interpreted functions.)
 """
@@ -19,7 +19,9 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from mira.bench.provenance import result_header
 from mira.kernels import triton_ffn
 from mira.kernels.tuning import GemvConfig
 
@@ -72,8 +75,16 @@ def sass_figures(cubin: bytes) -> dict:
         usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
                                check=True).stdout
     registers = next(int(word[4:]) for word in usage.split() if word.startswith("REG:"))
-    return {"registers": registers, "barriers": sass.count("BAR.SYNC"), "shared_stores": sass.count(" STS"),
-            "weight_loads_128": sass.count("LDG.E.EF.128")}
+    return {"registers": registers, "barriers": sass.count("BAR.SYNC"), "barriers_in_loops": _barriers_in_loops(sass),
+            "shared_stores": sass.count(" STS"), "weight_loads_128": sass.count("LDG.E.EF.128")}
+
+
+def _barriers_in_loops(sass: str) -> int:
+    """Barriers between the target and the address of some backward branch (inside a loop)."""
+    code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(target, 16), address) for address, text in code
+             for target in re.findall(r"BRA (?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < address]
+    return sum("BAR.SYNC" in text and any(start <= address <= end for start, end in loops) for address, text in code)
 
 
 def main() -> None:
@@ -82,6 +93,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper (default)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--out", type=Path, help="also write the rows, with the result header, to this JSON file")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this tool compiles")
@@ -89,16 +101,21 @@ def main() -> None:
     rows = [{"launch": launch, "config": dataclasses.asdict(config),
              **sass_figures(compile_launch(launch, config, args.hidden, args.intermediate, args.arch))}
             for launch, configs in CANDIDATES.items() for config in configs]
+    if args.out:
+        command = " ".join(["python", "tools/kernel_sass.py", *sys.argv[1:]])
+        result = {**result_header(command), "triton": triton.__version__, "target": f"sm_{args.arch}",
+                  "shape": {"hidden": args.hidden, "intermediate": args.intermediate}, "rows": rows}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'vector_tiles':>12} {'regs':>5} {'BAR':>4} "
+    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'vector_tiles':>12} {'regs':>5} {'BAR':>4} {'in loops':>8} "
           f"{'STS':>4} {'LDG.128 (weights)':>17}")
     for row in rows:
         config = row["config"]
         shape = f"{config['block_rows']} x {config['block_cols']}"
         print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
-              f"{str(config['vector_tiles']):>12} {row['registers']:>5} {row['barriers']:>4} "
+              f"{str(config['vector_tiles']):>12} {row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
               f"{row['shared_stores']:>4} {row['weight_loads_128']:>17}")
 
 

@@ -23,6 +23,7 @@ def test_vector_tiles_keep_barriers_out_of_the_decode_loops():
         # broadcast, the vector crosses shared memory in every loop step; as tiles, the one barrier left is
         # the final reduction's
         assert broadcast["barriers"] > 4 and broadcast["shared_stores"] > 1
-        assert tiles and all(r["barriers"] == 1 for r in tiles)
+        assert broadcast["barriers_in_loops"] > 4
+        assert tiles and all(r["barriers"] == 1 and r["barriers_in_loops"] == 0 for r in tiles)
         same_unroll = next(r for r in tiles if r["config"]["unroll"] == broadcast["config"]["unroll"])
         assert same_unroll["weight_loads_128"] == broadcast["weight_loads_128"] > 0  # the same 16-byte weight loads
