@@ -5,7 +5,10 @@
 # rerun a part that ran out of time and it measures only what is missing from its JSON
 # (copy the JSON back into $OUT first when $OUT starts empty). The GPU machine's copy of .git keeps
 # the commit the session began at: export MIRA_COMMIT=<the commit whose tree travels> in the device
-# command, or every result records that stale commit (mira.bench.provenance).
+# command, or every result records that stale commit (mira.bench.provenance). On a machine of
+# several GPUs, parts can run side by side (CUDA_VISIBLE_DEVICES=0 / 1); say so in $MIRA_RUN_CONTEXT,
+# which every result records, and measure first whether the GPUs share host bandwidth
+# (python benchmarks/h2d_pair.py).
 #
 #   bash benchmarks/h200_suite.sh tests     # every GPU test (~1.5 min)
 #   bash benchmarks/h200_suite.sh pipeline  # copies overlapped with compute, zero-copy misses (3 shapes),
@@ -61,9 +64,9 @@ case "${1:-}" in
       --profile benchmarks/results/traces/profile-train.npz --out "$OUT/bench-mira-tiny-moe-lagged.json" --quiet \
       --resume ;;
   kernels)
-    timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --out "$OUT/kernels-h200.json" \
-      2>&1 | tee "$OUT/kernels-h200-autotune.log"
-    cp mira/kernels/tuning/nvidia-h200.json "$OUT/" ;;
+    # the tuning goes to $OUT, not into mira/kernels/tuning, which a bench on another GPU may be reading
+    timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --tuning-dir "$OUT" \
+      --out "$OUT/kernels-h200.json" 2>&1 | tee "$OUT/kernels-h200-autotune.log" ;;
   profile)
     timeout 200 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budget all --prefetch off
     for prefetch in off trained; do

@@ -46,7 +46,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: the kernels run i
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mira.bench.provenance import commit, utc_now  # noqa: E402
+from mira.bench.provenance import commit, context, utc_now  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
@@ -69,6 +69,8 @@ GEMV_UP = [  # gate/up decode launch candidates
     GemvConfig(32, 256, num_stages=4, mma=True), GemvConfig(64, 128, num_stages=4, mma=True),
     GemvConfig(8, 256, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(8, 256, unroll=4, cvt="prmt", vector_tiles=True),
     GemvConfig(16, 256, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True),
+    GemvConfig(8, 512, unroll=2, num_warps=8, cvt="prmt", vector_tiles=True),
+    GemvConfig(16, 256, unroll=4, num_warps=8, cvt="prmt", vector_tiles=True),
 ]
 GEMV_DOWN = [  # down decode launch candidates
     GemvConfig(8, 512, unroll=2, cvt="prmt"), GemvConfig(4, 512, unroll=2, cvt="prmt"),
@@ -77,11 +79,14 @@ GEMV_DOWN = [  # down decode launch candidates
     GemvConfig(16, 512, num_stages=4, mma=True), GemvConfig(32, 256, num_stages=4, mma=True),
     GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(4, 512, unroll=4, cvt="prmt", vector_tiles=True),
     GemvConfig(8, 512, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(2, 1024, unroll=2, cvt="prmt", vector_tiles=True),
+    GemvConfig(8, 512, unroll=2, num_warps=8, cvt="prmt", vector_tiles=True),
 ]
 GEMM = [
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(32, 128, 64, num_warps=4, num_stages=4), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),
-    GemmConfig(64, 128, 128, num_warps=8, num_stages=3),
+    GemmConfig(64, 128, 128, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(64, 256, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4), GemmConfig(128, 64, 128, num_warps=4, num_stages=3),
 ]
 
 
@@ -439,6 +444,7 @@ def main() -> None:
         "commit": commit(),
         "gpu": gpu,
         "date": utc_now(),
+        **context(),
         "software": {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0]},
         "setup": {"scheme": "int8-shared", "activations": "bf16" if device.type == "cuda" else "fp32",
                   "experts_per_layer": EXPERTS, "top_k": TOP_K, "prefill_tokens": PREFILL_TOKENS,

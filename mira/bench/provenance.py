@@ -15,8 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def result_header(command: str, device: torch.device | str | None = None) -> dict:
-    """{"command", "commit", "machine", "date"} for a result measured now on `device`."""
-    return {"command": command, "commit": commit(), "machine": machine(device), "date": utc_now()}
+    """{"command", "commit", "machine", "date"} for a result measured now on `device`, and
+    "context" when $MIRA_RUN_CONTEXT says what else the machine was doing (another job on a second
+    GPU, say), which the figures cannot show by themselves."""
+    header = {"command": command, "commit": commit(), "machine": machine(device), "date": utc_now()}
+    return header | context()
+
+
+def context() -> dict:
+    """{"context": $MIRA_RUN_CONTEXT} when that is set, else {}."""
+    told = os.environ.get("MIRA_RUN_CONTEXT")
+    return {"context": told} if told else {}
 
 
 def commit() -> str:

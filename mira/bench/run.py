@@ -292,8 +292,9 @@ def _resumed(path: Path, fresh: dict) -> dict:
     previous["runs"] = [row for row in previous["runs"] if not row.get("skipped")]
     for key in ("budgets", "configs"):
         previous[key] += [name for name in fresh[key] if name not in previous[key]]
-    first = {"command": previous["command"], "date": previous["date"]}
-    previous["segments"] = previous.get("segments", [first]) + [{"command": fresh["command"], "date": fresh["date"]}]
+    segment = ("command", "date", "machine", "context")
+    first = {key: previous[key] for key in segment if key in previous}
+    previous["segments"] = previous.get("segments", [first]) + [{key: fresh[key] for key in segment if key in fresh}]
     return previous
 
 

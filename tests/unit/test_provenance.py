@@ -10,6 +10,7 @@ from mira.bench.provenance import ROOT, result_header
 
 def test_the_header_names_the_command_the_machine_and_a_utc_date(monkeypatch):
     monkeypatch.delenv("MIRA_COMMIT", raising=False)
+    monkeypatch.delenv("MIRA_RUN_CONTEXT", raising=False)
     header = result_header("python benchmarks/x.py --flag")
     assert set(header) == {"command", "commit", "machine", "date"}
     assert header["command"] == "python benchmarks/x.py --flag"
@@ -23,3 +24,8 @@ def test_the_header_names_the_command_the_machine_and_a_utc_date(monkeypatch):
 def test_a_copy_whose_git_metadata_is_stale_is_told_its_commit(monkeypatch):
     monkeypatch.setenv("MIRA_COMMIT", "31a53f5")
     assert result_header("cmd")["commit"] == "31a53f5 (from MIRA_COMMIT)"
+
+
+def test_what_else_ran_on_the_machine_is_recorded_when_told(monkeypatch):
+    monkeypatch.setenv("MIRA_RUN_CONTEXT", "GPU 1 ran kernels.py meanwhile")
+    assert result_header("cmd")["context"] == "GPU 1 ran kernels.py meanwhile"
