@@ -47,8 +47,7 @@ SHAPES = {  # hidden, intermediate, experts per layer, routed per token
     "qwen3-30b-a3b": (2048, 768, 128, 8),
 }
 ZERO_COPY_VARIANTS = {  # name -> changes to both decode launches' tuned GemvConfig
-    "vector tiles": dict(vector_tiles=True),
-    "unroll 4, vector tiles": dict(unroll=4, vector_tiles=True),
+    "unroll 4": dict(unroll=4),
     "half the rows per program": "half_rows",
 }
 RESIDENT_BYTES = 512 << 20  # resident blobs the compute rotates over: well past the 60 MB L2

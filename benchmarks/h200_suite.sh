@@ -21,10 +21,9 @@
 #                                           # the README's command)
 #   bash benchmarks/h200_suite.sh lagged    # Qwen3 shape and the bundled model, mira and LRU lagged against
 #                                           # inline: should auto lag them for small experts? (~8 min)
-#   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes: the vector_tiles launches
-#                                           # (no barrier in the GEMV loops) among the candidates, and top-2 with
-#                                           # the experts spread over 40 GB (why an expert kernel is 1.5x slower
-#                                           # in the model); writes the tuning file too (~5 min)
+#   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes, and top-2 with the experts
+#                                           # spread over 40 GB (why an expert kernel is 1.5x slower in the
+#                                           # model); writes the tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes: Mixtral shape replayed; the
 #                                           # bundled model at 10% with and without prefetching (~5 min)
 set -euo pipefail

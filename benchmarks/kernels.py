@@ -67,19 +67,12 @@ GEMV_UP = [  # gate/up decode launch candidates
     GemvConfig(4, 512, unroll=2, cvt="prmt"), GemvConfig(16, 256, unroll=4, cvt="prmt"),
     GemvConfig(16, 256, unroll=2, cvt="bits"), GemvConfig(16, 256, unroll=2, cvt="native"),
     GemvConfig(32, 256, num_stages=4, mma=True), GemvConfig(64, 128, num_stages=4, mma=True),
-    GemvConfig(8, 256, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(8, 256, unroll=4, cvt="prmt", vector_tiles=True),
-    GemvConfig(16, 256, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True),
-    GemvConfig(8, 512, unroll=2, num_warps=8, cvt="prmt", vector_tiles=True),
-    GemvConfig(16, 256, unroll=4, num_warps=8, cvt="prmt", vector_tiles=True),
 ]
 GEMV_DOWN = [  # down decode launch candidates
     GemvConfig(8, 512, unroll=2, cvt="prmt"), GemvConfig(4, 512, unroll=2, cvt="prmt"),
     GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(2, 1024, unroll=2, cvt="prmt"),
     GemvConfig(8, 512, unroll=2, cvt="bits"),
     GemvConfig(16, 512, num_stages=4, mma=True), GemvConfig(32, 256, num_stages=4, mma=True),
-    GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(4, 512, unroll=4, cvt="prmt", vector_tiles=True),
-    GemvConfig(8, 512, unroll=2, cvt="prmt", vector_tiles=True), GemvConfig(2, 1024, unroll=2, cvt="prmt", vector_tiles=True),
-    GemvConfig(8, 512, unroll=2, num_warps=8, cvt="prmt", vector_tiles=True),
 ]
 GEMM = [
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),

@@ -33,11 +33,9 @@ from mira.bench.provenance import result_header
 from mira.kernels import triton_ffn
 from mira.kernels.tuning import GemvConfig
 
-CANDIDATES = {  # launch -> configurations (the stored H200 tuning first)
-    "gate_up": [GemvConfig(8, 256, unroll=2, cvt="prmt"), GemvConfig(8, 256, unroll=2, cvt="prmt", vector_tiles=True),
-                GemvConfig(8, 256, unroll=4, cvt="prmt", vector_tiles=True)],
-    "down": [GemvConfig(4, 512, unroll=2, cvt="prmt"), GemvConfig(4, 512, unroll=2, cvt="prmt", vector_tiles=True),
-             GemvConfig(4, 512, unroll=4, cvt="prmt", vector_tiles=True)],
+CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
+    "gate_up": [GemvConfig(8, 256, unroll=2, cvt="prmt")],
+    "down": [GemvConfig(4, 512, unroll=2, cvt="prmt")],
 }
 I32, DIV16 = "i32", [["tt.divisibility", 16]]
 
@@ -57,7 +55,7 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
                      "S_OUT_OFF": I32}
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
                      "EVEN_I": intermediate % (config.block_cols * config.unroll) == 0}
-    constants |= {"CVT": config.cvt, "VECTOR_TILES": config.vector_tiles}
+    constants["CVT"] = config.cvt
     # every argument but K (= 2) is a multiple of 16 at real shapes, as the JIT would find
     hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name != "K"}
     signature |= {name: "constexpr" for name in constants}
@@ -109,13 +107,13 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'vector_tiles':>12} {'regs':>5} {'BAR':>4} {'in loops':>8} "
+    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'regs':>5} {'BAR':>4} {'in loops':>8} "
           f"{'STS':>4} {'LDG.128 (weights)':>17}")
     for row in rows:
         config = row["config"]
         shape = f"{config['block_rows']} x {config['block_cols']}"
         print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
-              f"{str(config['vector_tiles']):>12} {row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
+              f"{row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
               f"{row['shared_stores']:>4} {row['weight_loads_128']:>17}")
 
 

@@ -19,9 +19,7 @@ decode (P <= config.decode_max_pairs): two launches over all routed pairs of the
        turn, scaled and weighted, summed in registers and written once into out [T, H]: no
        atomics, deterministic, every output element written.
     Each launch comes as a CUDA-core GEMV (`_gate_up_gemv`, `_down_gemv`: fp32 FMAs, INT8
-    converted by integer tricks instead of the quarter-rate int-to-float unit; the activation
-    vector read once and broadcast, or read as whole tiles in the weights' layout, which keeps
-    shared memory and barriers out of the loop: `GemvConfig.vector_tiles`) or on the tensor
+    converted by integer tricks instead of the quarter-rate int-to-float unit) or on the tensor
     cores (`_gate_up_gemv_mma`, `_down_gemv_mma`: the token padded to 16 columns, weight loads
     pipelined); the tuned configuration picks one per launch and shape.
 prefill (larger P): the routed pairs are grouped by expert on the device (`group_by_expert`:
@@ -98,7 +96,7 @@ def _gate_up_gemv(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
     H, I, K, S_IN_OFF,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_H: tl.constexpr, CVT: tl.constexpr, VECTOR_TILES: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, block of I rows) -> act[pair, rows]."""
     pair = tl.program_id(0)
@@ -117,24 +115,21 @@ def _gate_up_gemv(
     acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H * UNROLL):
-        for u in tl.static_range(UNROLL):
+        for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
             offs_h = tl.max_contiguous(tl.multiple_of(h0 + u * BLOCK_H + tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
-            # VECTOR_TILES: x and s read as [BLOCK_I, BLOCK_H] tiles in the weights' layout; else as
-            # [BLOCK_H] vectors, broadcast below (which goes through shared memory, with barriers)
-            cols = offs_i[:, None] * 0 + offs_h[None, :] if VECTOR_TILES else offs_h
             if EVEN_H:
-                x = tl.load(x_row + cols).to(tl.float32)
+                x = tl.load(x_row + offs_h).to(tl.float32)
                 w_mask = row_mask[:, None]
             else:
                 in_h = offs_h < H
-                x = tl.load(x_row + cols, mask=cols < H, other=0.0).to(tl.float32)
+                x = tl.load(x_row + offs_h, mask=in_h, other=0.0).to(tl.float32)
                 w_mask = row_mask[:, None] & in_h[None, :]
             if SCHEME == 0:  # int8-shared: W13q diag(s) x = W13q (s * x)
-                x = x * tl.load(s_in + cols, mask=cols < h_limit, other=0.0).to(tl.float32)
+                x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
             wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
             wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            acc_g += _int8_to_f32(wg, CVT) * (x if VECTOR_TILES else x[None, :])
-            acc_u += _int8_to_f32(wu, CVT) * (x if VECTOR_TILES else x[None, :])
+            acc_g += _int8_to_f32(wg, CVT) * x[None, :]
+            acc_u += _int8_to_f32(wu, CVT) * x[None, :]
     g = tl.sum(acc_g, axis=1)  # [BLOCK_I]
     u = tl.sum(acc_u, axis=1)
     if SCHEME == 1:  # int8-row: one scale per output row
@@ -150,7 +145,7 @@ def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     H, I, K, W2_OFF, S_OUT_OFF,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_I: tl.constexpr, CVT: tl.constexpr, VECTOR_TILES: tl.constexpr,
+    EVEN_I: tl.constexpr, CVT: tl.constexpr,
 ):
     """Decode launch 2 on the CUDA cores: program (token, block of H rows) -> out[token, rows],
     the token's K experts summed in registers."""
@@ -172,18 +167,15 @@ def _down_gemv(
         for i0 in range(0, I, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
-                # VECTOR_TILES: act read as a [BLOCK_H, BLOCK_I] tile in the weights' layout; else as a
-                # [BLOCK_I] vector, broadcast below (through shared memory)
-                cols = offs_h[:, None] * 0 + offs_i[None, :] if VECTOR_TILES else offs_i
                 if EVEN_I:
-                    a = tl.load(act_row + cols)
+                    a = tl.load(act_row + offs_i)
                     w_mask = row_mask[:, None]
                 else:
                     in_i = offs_i < I
-                    a = tl.load(act_row + cols, mask=cols < I, other=0.0)
+                    a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
                     w_mask = row_mask[:, None] & in_i[None, :]
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-                acc += _int8_to_f32(w, CVT) * (a if VECTOR_TILES else a[None, :])
+                acc += _int8_to_f32(w, CVT) * a[None, :]
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
         total += tl.where(present, y, float("nan")) * weight
     tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
@@ -559,8 +551,7 @@ class TritonMoEFFN:
         else:
             _gate_up_gemv[grid](
                 *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VECTOR_TILES=up.vector_tiles,
-                **launch,
+                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
         args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off)
@@ -573,8 +564,7 @@ class TritonMoEFFN:
         else:
             _down_gemv[grid](
                 *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll,
-                EVEN_I=I % (down.block_cols * down.unroll) == 0, CVT=self._cvt(down), VECTOR_TILES=down.vector_tiles,
-                **launch,
+                EVEN_I=I % (down.block_cols * down.unroll) == 0, CVT=self._cvt(down), **launch,
             )
 
     def _dot_types(self, dtype: torch.dtype):

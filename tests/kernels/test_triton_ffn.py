@@ -58,11 +58,6 @@ DECODE_CONFIGS = {
     # chunks x unroll divide H and I exactly (unmasked loads); the byte-permute conversion
     "gemv-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="prmt", num_warps=1),
                               down_gemv=GemvConfig(16, 8, unroll=5, cvt="bits", num_warps=1)),
-    # the activation vectors read as whole tiles (vector_tiles), ragged and exact chunks
-    "gemv-tiles-masked": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=2, cvt="bits", vector_tiles=True),
-                                      down_gemv=GemvConfig(8, 32, unroll=1, cvt="native", vector_tiles=True)),
-    "gemv-tiles-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="prmt", num_warps=1, vector_tiles=True),
-                                    down_gemv=GemvConfig(16, 8, unroll=5, cvt="bits", num_warps=1, vector_tiles=True)),
     "mma": KernelConfig(gate_up_gemv=GemvConfig(16, 32, mma=True, num_stages=2),
                         down_gemv=GemvConfig(16, 16, mma=True, num_stages=2)),
 }

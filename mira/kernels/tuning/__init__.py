@@ -36,10 +36,6 @@ class GemvConfig:
         per weight, inline PTX; the interpreter uses "bits" instead).
     mma: run the product on the tensor cores instead, the routed token padded to 16 columns
         (block_rows >= 16; unroll and cvt unused; num_stages pipelines the weight loads).
-    vector_tiles: how the activation vector meets a weight tile on the CUDA cores. False: loaded
-        once per chunk as a vector and broadcast, which Triton does through shared memory with
-        barriers inside the loop; True: loaded as a whole tile in the weights' layout (the repeats
-        hit L1), no shared memory and no barrier, so more weight loads can be in flight.
     """
 
     block_rows: int = 16
@@ -49,7 +45,6 @@ class GemvConfig:
     num_stages: int = 1
     cvt: str = "bits"
     mma: bool = False
-    vector_tiles: bool = False
 
 
 @dataclass(frozen=True)
