@@ -43,12 +43,12 @@ from mira.runtime.experts import MiraExperts
 from mira.store.files import write_json_atomic
 
 MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
-    "mira+p": ("mira", "auto", "auto", True),
-    "mira+gate": ("mira", "gate", "auto", True),
-    "mira": ("mira", "off", "auto", True),  # inline under a budget (auto: the mira policy admits misses)
+    "mira+p": ("mira", "auto", "inline", True),  # staging needs every layer's routing on the host
+    "mira+gate": ("mira", "gate", "auto", True),  # inline: a predictor is named
+    "mira": ("mira", "off", "auto", True),  # lagged for small experts on CUDA, else inline (mira.runtime.residency)
     "mira-lagged": ("mira", "off", "lagged", True),
     "mira-eager": ("mira", "off", "inline", False),  # every step eager, also with every expert resident
-    "lru": ("lru", "off", "auto", True),  # inline: mixtral-offloading's way
+    "lru": ("lru", "off", "inline", True),  # mixtral-offloading's way
     "lru-lagged": ("lru", "off", "lagged", True),
     "static": ("static", "off", "auto", True),  # lagged: it never admits a miss
 }

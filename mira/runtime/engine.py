@@ -17,10 +17,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
-from mira.cache.policy import Policy, make_policy
+from mira.cache.policy import make_policy
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
-from mira.config import PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
+from mira.config import PREFETCH, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.loader import MoESite, build_model, read_config
@@ -29,6 +29,7 @@ from mira.predict.baselines import GateSpeculation, Predictor
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graphs import DecodeGraphs
+from mira.runtime.residency import lags
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
 from mira.store.manifest import Manifest, is_store
@@ -152,32 +153,6 @@ class MiraModel:
         }
 
 
-def _lagged(residency: str, predictor: Predictor | None, placement: Policy, under_budget: bool,
-            device: torch.device, ffn) -> bool:
-    """Whether decode layers run under lagged residency (mira.cache.lagged; `load`'s `residency`).
-
-    Lagged, no layer syncs with the host, so a decode step can be a CUDA graph; the price is that
-    an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then copied
-    into its slot). Measured: on the H200 at 24 GiB with random routing (benchmarks/results/
-    bench-mixtral-8x7b*.json) lagged LRU decoded 0.61x as fast as inline and lagged mira 0.89x,
-    while static placement, which admits nothing, was the fastest configuration; on the bundled
-    model's real routing (lagged-traffic-tiny.json) lagged mira moves 1.09-1.31x the blobs of
-    inline and LRU 1.9x. So "auto" is lagged only for policies that never admit a miss, and never
-    with a predictor, which stages from each layer's routing on the host. Nothing lags when every
-    expert fits (the layers are fixed and never sync) and, on CUDA, without the fused kernels,
-    which read experts that have no slot from the pinned host store.
-    """
-    if residency not in RESIDENCY:
-        raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
-    if residency == "lagged" and predictor is not None:
-        raise MiraError("--residency lagged cannot stage predicted experts, which needs every layer's routing on "
-                        "the host; pass --prefetch off or --residency inline")
-    possible = predictor is None and under_budget and (device.type == "cpu" or hasattr(ffn, "forward_bases"))
-    if residency == "auto":
-        return possible and not placement.admits_misses
-    return possible and residency == "lagged"
-
-
 def _one_sequence(input_ids: torch.Tensor, kwargs: dict, defaults) -> bool:
     """A generate call that decodes one sequence in its own KV cache (`defaults`: the model's
     GenerationConfig, for what the call leaves out)."""
@@ -227,7 +202,9 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
             (one host sync per MoE layer: the policy places each routed expert before the kernel
             runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
-            miss, static and on-demand, where it moves no more bytes; inline otherwise).
+            miss, static and on-demand, where it moves no more bytes; on CUDA also when one expert
+            crosses PCIe in under 1 ms and no predictor is named in `prefetch`, where it measured
+            3.6-6.7x faster; inline otherwise: mira.runtime.residency). A lagged model stages nothing.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -283,8 +260,13 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                         Telemetry(store.num_layers, store.num_experts))
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store, torch_device, heads) if placement.stage_slots else None
-    lagged = _lagged(residency, predictor, placement, capacity < total_experts, torch_device, ffn)
+    if prefetch not in PREFETCH:
+        raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
+    lagged = lags(residency, prefetch, admits_misses=placement.admits_misses, stage_slots=placement.stage_slots,
+                  under_budget=capacity < total_experts, device=torch_device,
+                  fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
+    stages = placement.stage_slots and not lagged
+    predictor = _predictor(prefetch, routers, store, torch_device, heads) if stages else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=lagged))
@@ -335,8 +317,6 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
 
 def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device,
                heads: str | os.PathLike | None = None) -> Predictor | None:
-    if prefetch not in PREFETCH:
-        raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
     if prefetch == "off":
         return None
     if heads is not None and prefetch in ("auto", "trained"):

@@ -1,0 +1,69 @@
+"""Whether decode layers under a budget run lagged or inline (`load`'s `residency`; mira.cache.lagged).
+
+Lagged, no MoE layer syncs with the host, so a decode step can be replayed as a CUDA graph; the
+price is that an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then
+copied into its slot), and that nothing can be staged ahead, since staging needs each layer's
+routing on the host. Inline, every MoE layer costs one host sync and the host's policy work, and a
+miss crosses once. Which is faster depends on how long one expert takes to cross PCIe against the
+host's time per layer. Measured on the H200 (mira bench, random routing for the synthetic shape):
+
+- Qwen3-30B-A3B shape, 4.7 MB blobs (86 us at 55 GB/s), 64 in / 256 out,
+  bench-qwen3-30b-a3b-lagged.json: lagged mira 65.4 tokens/s at 24 GiB against 10.9 inline (6.0x);
+  lagged LRU 72.3 against 12.1 at 8 GiB (6.0x) and 78.5 against 11.8 at 24 GiB (6.7x).
+- The bundled model's real routing, bench-mira-tiny-moe-lagged.json: lagged mira 254 tokens/s at
+  25% against 43.1 inline (5.9x); lagged LRU 163 against 45.4 at 10% (3.6x), 253 against 45.8 at
+  25% (5.5x). (Each run's first row under a budget, inline mira at the smallest budget, was slower
+  than the same configuration elsewhere, for a reason not yet found; its ratios, 7.8x and 15.9x,
+  are left out.)
+- Mixtral-8x7B shape, 176 MB blobs (3.2 ms), at 24 GiB (bench at cfa322e, since replaced): lagged
+  mira 0.89x inline, lagged LRU 0.61x.
+
+So "auto" lags on CUDA when one blob crosses PCIe in at most `LAG_BELOW_S`, unless a predictor
+was asked for by name; it always lags policies that never admit a miss (static, on-demand), which
+lose nothing by it; on the CPU, where there is no PCIe and no measurement, only those. Nothing lags
+when every expert fits (those layers never sync anyway), nor on CUDA without the fused kernels,
+which read unslotted experts from the pinned store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mira.config import RESIDENCY
+from mira.errors import MiraError
+
+PINNED_BYTES_PER_S = 55e9  # pinned host-to-device copy on the H200 (DESIGN.md 3)
+LAG_BELOW_S = 1e-3  # between the measured wins (86 us) and losses (3.2 ms) above
+NAMED_PREDICTORS = ("trained", "gate")
+
+
+def lags(residency: str, prefetch: str, *, admits_misses: bool, stage_slots: int, under_budget: bool,
+         device: torch.device, fused_kernels: bool, blob_bytes: int) -> bool:
+    """Whether decode layers run lagged.
+
+    Args:
+        residency: "auto", "lagged" or "inline".
+        prefetch: as asked ("auto", "trained", "gate" or "off"); a lagged model stages nothing.
+        admits_misses, stage_slots: the residency policy's (mira.cache.policy.Policy).
+        under_budget: whether some expert has no slot.
+        device: where the model runs.
+        fused_kernels: whether the expert FFN reads blobs by address (TritonMoEFFN).
+        blob_bytes: one expert's blob.
+
+    Raises:
+        MiraError: an unknown residency, or "lagged" with a predictor asked for by name.
+    """
+    if residency not in RESIDENCY:
+        raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
+    staging = prefetch in NAMED_PREDICTORS and stage_slots > 0
+    if residency == "lagged" and staging:
+        raise MiraError("--residency lagged cannot stage predicted experts, which needs every layer's routing on "
+                        "the host; pass --prefetch off or --residency inline")
+    possible = under_budget and (device.type == "cpu" or fused_kernels)
+    if not possible or residency == "inline":
+        return False
+    if residency == "lagged" or not admits_misses:
+        return True
+    if staging or device.type != "cuda":
+        return False
+    return blob_bytes / PINNED_BYTES_PER_S <= LAG_BELOW_S
