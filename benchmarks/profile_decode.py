@@ -1,9 +1,11 @@
 """Where a decode step's time goes, on the host and on the device (torch.profiler).
 
 Loads the bundled model, or a synthetic one at real shapes (`--synthetic mixtral-8x7b`), at one
-budget; feeds a prompt, then profiles `--steps` greedy decode steps (one token each, the model
-called directly with its KV cache, as `generate` does without its own bookkeeping) and reports per
-step:
+budget, and profiles two greedy `generate` calls on one prompt: the prompt alone (one new token),
+and the prompt then `--steps` decode steps. Their difference over `--steps` is one decode step,
+free of the prompt's forward, whose expert kernels are grouped GEMMs that cost about ten decode
+layers each (before this subtraction, profile-decode-mixtral-8x7b-all.json at 31a53f5 counted
+them in). Reports per decode step:
 
 - wall time;
 - host time inside Mira's pieces (record_function ranges around them): MiraExperts.forward
@@ -79,6 +81,34 @@ def _device_kind(name: str) -> str:
     return "other kernels"
 
 
+def _profiled(model, ids: torch.Tensor, steps: int, device: torch.device) -> tuple:
+    """Profile one generate call of the prompt and `steps` decode steps: (wall s, host ms by range,
+    host ms blocked on the device, device ms by kind)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        _decode(model, ids, steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    host: dict[str, float] = {}
+    device_ms: dict[str, float] = defaultdict(float)
+    blocked = 0.0
+    for event in prof.key_averages():
+        if event.key in RANGES:
+            host[event.key] = event.cpu_time_total / 1e3
+        if event.key in SYNCS:
+            blocked += event.self_cpu_time_total / 1e3
+        device_time = getattr(event, "self_device_time_total", 0) or 0
+        if device_time and event.key not in RANGES:
+            device_ms[_device_kind(event.key)] += device_time / 1e3
+    return wall, host, blocked, dict(device_ms)
+
+
+def _per_step(whole: dict[str, float], prompt: dict[str, float], steps: int) -> dict[str, float]:
+    return {key: (value - prompt.get(key, 0.0)) / steps for key, value in whole.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory or store (default: the bundled model)")
@@ -112,27 +142,11 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(0)).to(device)
     _decode(model, ids, 4)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
     _instrument(model)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        _decode(model, ids, args.steps)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
-    steps = args.steps + 1  # the prompt's forward is one more call; its share is small at 16+ steps
-
-    host: dict[str, float] = {}
-    device_ms: dict[str, float] = defaultdict(float)
-    blocked = 0.0
-    for event in prof.key_averages():
-        if event.key in RANGES:
-            host[event.key] = event.cpu_time_total / 1e3 / steps
-        if event.key in SYNCS:
-            blocked += event.self_cpu_time_total / 1e3 / steps
-        device_time = getattr(event, "self_device_time_total", 0) or 0
-        if device_time and event.key not in RANGES:
-            device_ms[_device_kind(event.key)] += device_time / 1e3 / steps
-    figures = {"wall_ms_per_step": round(wall / steps * 1e3, 3),
+    prompt = _profiled(model, ids, 0, device)
+    whole = _profiled(model, ids, args.steps, device)
+    wall, blocked = ((whole[i] - prompt[i]) / args.steps for i in (0, 2))
+    host, device_ms = (_per_step(whole[i], prompt[i], args.steps) for i in (1, 3))
+    figures = {"wall_ms_per_step": round(wall * 1e3, 3),
                "host_ms_per_step": {k: round(v, 3) for k, v in host.items()},
                "host_blocked_on_device_ms_per_step": round(blocked, 3),
                "device_ms_per_step": {k: round(v, 3) for k, v in device_ms.items()},
