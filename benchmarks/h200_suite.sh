@@ -16,14 +16,13 @@
 #   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT (~2 min)
 #   bash benchmarks/h200_suite.sh qwen3     # mira bench, Qwen3-30B-A3B shape, 64 in / 256 out (~6 min)
 #   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out as issue #7 asks:
-#                                           # every budget, offload at each, beams of 256 tokens (~25 min:
-#                                           # three resumed calls; the committed 64 in / 128 out run is
-#                                           # the README's command)
+#                                           # every budget, offload at each, beams of 256 tokens (~22 min:
+#                                           # three resumed calls)
 #   bash benchmarks/h200_suite.sh lagged    # Qwen3 shape and the bundled model, mira and LRU lagged against
-#                                           # inline: should auto lag them for small experts? (~8 min)
+#                                           # inline: the measurement behind auto residency (~8 min)
 #   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes, and top-2 with the experts
-#                                           # spread over 40 GB (why an expert kernel is 1.5x slower in the
-#                                           # model); writes the tuning file too (~5 min)
+#                                           # spread over 40 GB as in a large model's slot pool; writes the
+#                                           # tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes: Mixtral shape replayed; the
 #                                           # bundled model at 10% with and without prefetching (~5 min)
 set -euo pipefail
@@ -57,7 +56,7 @@ case "${1:-}" in
       --out "$OUT/bench-mixtral-8x7b.json" --quiet --resume ;;
   lagged)
     timeout 330 python -m mira.cli bench --synthetic qwen3-30b-a3b --fixed 64x256 --budgets 8GiB,24GiB \
-      --configs mira,mira-lagged,lru,lru-lagged,static --out "$OUT/bench-qwen3-30b-a3b-lagged.json" --quiet --resume
+      --configs mira-inline,mira-lagged,lru,lru-lagged,static --out "$OUT/bench-qwen3-30b-a3b-lagged.json" --quiet --resume
     timeout 200 python -m mira.cli bench --prompts .carry/bench/sharegpt-heldout.jsonl --num-prompts 2 \
       --budgets 10%,25% --configs mira,mira-lagged,lru,lru-lagged,static \
       --profile benchmarks/results/traces/profile-train.npz --out "$OUT/bench-mira-tiny-moe-lagged.json" --quiet \

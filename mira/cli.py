@@ -109,7 +109,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
                              "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
                              "(the default: trained when the store has heads, else gate) or off. Acts where the "
-                             "policy has STAGE slots")
+                             "policy has STAGE slots and layers run inline (auto gives way to --residency auto, "
+                             "which lags small experts on CUDA)")
     parser.add_argument("--residency", choices=RESIDENCY, default="auto",
                         help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
                              "graphs: missed experts are read from pinned host memory inside the kernel and the "

@@ -46,6 +46,7 @@ MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
     "mira+p": ("mira", "auto", "inline", True),  # staging needs every layer's routing on the host
     "mira+gate": ("mira", "gate", "auto", True),  # inline: a predictor is named
     "mira": ("mira", "off", "auto", True),  # lagged for small experts on CUDA, else inline (mira.runtime.residency)
+    "mira-inline": ("mira", "off", "inline", True),
     "mira-lagged": ("mira", "off", "lagged", True),
     "mira-eager": ("mira", "off", "inline", False),  # every step eager, also with every expert resident
     "lru": ("lru", "off", "inline", True),  # mixtral-offloading's way

@@ -191,7 +191,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         prefetch: predictive staging into STAGE (paper IV-E): "trained" (the heads `mira
             train-predictor` saved beside the store), "gate" (layer i+2's router applied to layer
             i's input; needs no training), "auto" (trained when the store has heads, else gate) or
-            "off". It acts only where the policy has STAGE slots (the mira policy under a budget).
+            "off". It acts only where the policy has STAGE slots (the mira policy under a budget)
+            and the layers run inline: "auto" lets `residency` "auto" lag small experts instead.
         progress: show progress bars.
         heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
             of the store's own.
