@@ -113,6 +113,7 @@ def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path
     first = json.loads(out.read_text())
     assert [(r["config"], r["budget"]) for r in first["runs"]] == [("mira+p", "25%"), ("mira", "25%")]
     assert set(first["goals"]["prefetch_gain_by_budget"]["value"]) == {"25%"}
+    assert [w["budget"] for w in first["warm_up_under_budget"]] == ["25%"]  # before the first run under it
 
     assert main([*common, "--budgets", "25%,all", "--configs", "mira+p,mira,static", "--resume"]) == 0
     resumed = json.loads(out.read_text())
@@ -123,6 +124,7 @@ def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path
     assert resumed["segments"][0]["command"] == first["command"]
     assert resumed["segments"][1]["command"].startswith("mira bench") and "--resume" in resumed["segments"][1]["command"]
     assert set(resumed["goals"]["prefetch_gain_by_budget"]["value"]) == {"25%", "all"}  # over every run
+    assert [w["budget"] for w in resumed["warm_up_under_budget"]] == ["25%", "25%"]  # static at 25% was pending
 
     capsys.readouterr()
     assert main([*common[:2], "8x4", *common[3:], "--budgets", "25%", "--configs", "mira", "--resume"]) == 1
