@@ -13,8 +13,10 @@
 #   bash benchmarks/h200_suite.sh tests     # every GPU test (~1.5 min)
 #   bash benchmarks/h200_suite.sh pipeline  # copies overlapped with compute, zero-copy misses (3 shapes),
 #                                           # store open of 8 GB (~3 min)
-#   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT (~2 min)
-#   bash benchmarks/h200_suite.sh qwen3     # mira bench, Qwen3-30B-A3B shape, 64 in / 256 out (~6 min)
+#   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT, offload at each
+#                                           # budget, beams of 64 in / 256 out (~4 min)
+#   bash benchmarks/h200_suite.sh qwen3     # mira bench, Qwen3-30B-A3B shape, 64 in / 256 out, offload at
+#                                           # every budget, beams of 256 tokens (~12 min: two resumed calls)
 #   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out as issue #7 asks:
 #                                           # every budget, offload at each, beams of 256 tokens (~22 min:
 #                                           # three resumed calls)
@@ -42,12 +44,12 @@ case "${1:-}" in
     timeout "$LIMIT" python -m mira.cli bench --prompts .carry/bench/sharegpt-heldout.jsonl --num-prompts 2 \
       --budgets 10%,25%,all --configs mira+p,mira+gate,mira,lru,static,hf-gpu,hf-offload \
       --heads benchmarks/results/predictor-tiny-heads.safetensors --profile benchmarks/results/traces/profile-train.npz \
-      --beams 1,2,4,8 --beam-budget 25% --beam-new-tokens 64 --offload-prompts 2 --offload-new-tokens 64 \
+      --beams 1,2,4,8 --beam-budget 25% --beam-new-tokens 256 --offload-prompts 2 --offload-new-tokens 64 \
       --out "$OUT/bench-mira-tiny-moe.json" --quiet --resume ;;
   qwen3)
     timeout "$LIMIT" python -m mira.cli bench --synthetic qwen3-30b-a3b --fixed 64x256 \
-      --budgets 8GiB,12GiB,24GiB,all --configs mira+p,mira,lru,static,hf-gpu,hf-offload --offload-budgets 12GiB \
-      --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 12GiB --beam-new-tokens 64 \
+      --budgets 8GiB,12GiB,24GiB,all --configs mira+p,mira,lru,static,hf-gpu,hf-offload \
+      --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 12GiB --beam-new-tokens 256 \
       --out "$OUT/bench-qwen3-30b-a3b.json" --quiet --resume ;;
   mixtral)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x256 \

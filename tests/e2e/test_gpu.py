@@ -19,8 +19,10 @@ def _prompt():
     return torch.randint(2, 320, (1, 16), generator=torch.Generator().manual_seed(5))
 
 
+@pytest.mark.parametrize("residency", ["auto", "inline"])
 @pytest.mark.parametrize(("dtype", "reference_device"), [("float32", "cpu"), ("bfloat16", "cuda")])
-def test_cuda_under_an_evicting_budget_generates_the_reference_text(mixtral_store, dtype, reference_device):
+def test_cuda_under_an_evicting_budget_generates_the_reference_text(mixtral_store, dtype, reference_device, residency):
+    """auto: the test store's experts are small, so its layers run lagged (mira.runtime.residency)."""
     everything = mira.load(mixtral_store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
     assert everything.cache.pool.num_slots == 24
     reference = everything if reference_device == "cuda" else mira.load(mixtral_store, device="cpu", dtype=dtype,
@@ -28,9 +30,11 @@ def test_cuda_under_an_evicting_budget_generates_the_reference_text(mixtral_stor
     expected = reference.generate(_prompt(), **GREEDY).cpu()
     budget = everything.plan.reserve_bytes + 10 * everything.store.blob_bytes  # 10 of 24 experts fit
     del everything, reference
-    model = mira.load(mixtral_store, device="cuda", dtype=dtype, vram_budget=budget, progress=False)
+    model = mira.load(mixtral_store, device="cuda", dtype=dtype, vram_budget=budget, residency=residency,
+                      progress=False)
     assert model.cache.pool.num_slots == 10
     assert model.store.data.is_pinned()
+    assert model.stats()["residency"] == ("lagged" if residency == "auto" else "inline")
     got = model.generate(_prompt(), **GREEDY).cpu()
     stats = model.stats()["cache"]
     print(f"\n{dtype}: {stats}")
