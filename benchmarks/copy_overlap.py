@@ -253,8 +253,11 @@ def print_table(result: dict) -> None:
         print("  ".join(f"{c:>14}" for c in cells))
     for name, f in result["shapes"].items():
         for variant, v in f.get("zero_copy_variants", {}).items():
-            figure = v["error"] if "error" in v else f"{v['zero_copy_GBps']:.1f} GB/s, {v['zero_copy_over_copy_alone']:.2f} of the copy"
-            print(f"  zero-copy {name}, {variant}: {figure}")
+            if "error" in v:
+                print(f"  zero-copy {name}, {variant}: {v['error']}")
+            else:
+                print(f"  zero-copy {name}, {variant}: {v['zero_copy_GBps']:.1f} GB/s, "
+                      f"{v['zero_copy_over_copy_alone']:.2f} of the copy")
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ def _warm_under_budget(source: Source, setup: BenchSetup, budgets: dict[str, int
         return
     start = time.perf_counter()
     time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
+    seconds = round(time.perf_counter() - start, 2)
     result.setdefault("warm_up_under_budget", []).append(
-        {"budget": label, "config": "mira+p, inline", "prompts": len(CALIBRATION), "seconds": round(time.perf_counter() - start, 2)})
+        {"budget": label, "config": "mira+p, inline", "prompts": len(CALIBRATION), "seconds": seconds})
     del warm
     _free(device)
 

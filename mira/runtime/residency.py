@@ -17,6 +17,8 @@ host's time per layer. Measured on the H200 (mira bench, random routing for the 
   are left out.)
 - Mixtral-8x7B shape, 176 MB blobs (3.2 ms), at 24 GiB (bench at cfa322e, since replaced): lagged
   mira 0.89x inline, lagged LRU 0.61x.
+- In bytes (lagged-traffic-tiny.json, the bundled model's real routing): lagged mira moves
+  1.09-1.31x the blobs of inline, lagged LRU 1.9x.
 
 So "auto" lags on CUDA when one blob crosses PCIe in at most `LAG_BELOW_S`, unless a predictor
 was asked for by name; it always lags policies that never admit a miss (static, on-demand), which
