@@ -27,6 +27,9 @@
 #                                           # tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes: Mixtral shape replayed; the
 #                                           # bundled model at 10% with and without prefetching (~5 min)
+#   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
+#                                           # GPU 1, each result's context saying so; GPU 0's output in
+#                                           # $OUT/gpu0.log
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MIRA_CACHE=${MIRA_CACHE:-/tmp/mira-cache}
@@ -74,6 +77,16 @@ case "${1:-}" in
         --heads benchmarks/results/predictor-tiny-heads.safetensors
     done
     cp benchmarks/results/profile-decode-*.json "$OUT/" 2>/dev/null || true ;;
+  pair)
+    [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
+    first=$2; shift 2
+    CUDA_VISIBLE_DEVICES=0 MIRA_RUN_CONTEXT="GPU 0 of two; GPU 1 ran the parts $* of h200_suite.sh meanwhile" \
+      bash "$0" "$first" > "$OUT/gpu0.log" 2>&1 &
+    for part in "$@"; do
+      CUDA_VISIBLE_DEVICES=1 MIRA_RUN_CONTEXT="GPU 1 of two; GPU 0 ran the part $first of h200_suite.sh meanwhile" \
+        bash "$0" "$part" || true
+    done
+    wait ;;
   *)
-    sed -n 2,25p "$0"; exit 2 ;;
+    sed -n 2,32p "$0"; exit 2 ;;
 esac
