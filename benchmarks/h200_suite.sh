@@ -29,7 +29,9 @@
 #                                           # bundled model at 10% with and without prefetching (~5 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
-#                                           # $OUT/gpu0.log
+#                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
+#                                           # a host-heavy part beside them: pair a bench with kernels or
+#                                           # tests where that matters
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MIRA_CACHE=${MIRA_CACHE:-/tmp/mira-cache}
