@@ -36,11 +36,14 @@ class RandomContinuation(LogitsProcessor):
     """Greedy decoding that emits pseudo-random ids instead of the model's choice: the token at each
     position is drawn from (seed, position), so every configuration decodes the same ids.
 
-    For synthetic models: a random model's own greedy output soon repeats one token, and with it
-    routes to the same experts at every step (the Qwen3-shaped run in bench-qwen3-30b-a3b.json missed
-    almost only in its prompt), which makes the VRAM budget irrelevant; random ids keep the routing
-    as random as the prompt's. It overrides every other processor's scores, the minimum-length one's
-    included: the synthetic presets have no end-of-sequence id, so no drawn id ends a run early.
+    For synthetic models, whose own greedy output soon repeats one token: every configuration then
+    decodes the same varied sequence. It was meant to keep decode routing varied too, and does not
+    on the Qwen3-30B-A3B preset: its routing collapses with depth whatever the ids (in
+    bench-qwen3-30b-a3b-random-ids.json, as without random ids, about 1,300 expert lookups missed
+    per run, and Belady's bound finds no decode miss): every token's residual stream fills with one
+    shared vector, which the routers follow (synthetic-routing-cpu.json). It overrides every other
+    processor's scores, the minimum-length one's included: the synthetic presets have no
+    end-of-sequence id, so no drawn id ends a run early.
     """
 
     def __init__(self, vocab_size: int, seed: int):
