@@ -14,9 +14,9 @@ host's time per layer. Measured on the H200 (mira bench, random routing for the 
   after the prompt: they measure the host path more than the cost of a miss.
 - The bundled model's real routing (61-100% of routed tokens missed),
   bench-mira-tiny-moe-lagged.json: lagged mira 254 tokens/s at 25% against 43.1 inline (5.9x);
-  lagged LRU 163 against 45.4 at 10% (3.6x), 253 against 45.8 at 25% (5.5x). (Each run's first row under a budget, inline mira at the smallest budget, was slower
-  than the same configuration elsewhere, for a reason not yet found; its ratios, 7.8x and 15.9x,
-  are left out.)
+  lagged LRU 163 against 45.4 at 10% (3.6x), 253 against 45.8 at 25% (5.5x). (Each run's first
+  row under a budget, inline mira at the smallest budget, was slower than the same configuration
+  elsewhere, for a reason not yet found; its ratios, 7.8x and 15.9x, are left out.)
 - Mixtral-8x7B shape, 176 MB blobs (3.2 ms), at 24 GiB (bench at cfa322e, since replaced): lagged
   mira 0.89x inline, lagged LRU 0.61x.
 - In bytes (lagged-traffic-tiny.json, the bundled model's real routing): lagged mira moves
