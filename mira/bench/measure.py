@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from mira.bench.bound import decode_bound
+from mira.bench.variety import decode_route_changes
 from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
 from mira.models.registry import adapter_for
 from mira.runtime.engine import MiraModel
@@ -127,9 +128,11 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
         timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device,
                                  on_prompt=recorder.next_sequence, random_continuation=random_continuation)
     result = {**timing.summary(), **_cache_figures(model)}
-    bound = decode_bound(recorder.trace(), model.cache.pool.num_slots, model.store.blob_bytes,
+    trace = recorder.trace()
+    bound = decode_bound(trace, model.cache.pool.num_slots, model.store.blob_bytes,
                          _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model))
     result["bound"] = bound
+    result["decode_route_changes"] = decode_route_changes(trace)
     if timing.decode_s:
         result["achieved_over_bound"] = round(timing.decode_s / timing.decode_tokens / bound["bound_s_per_step"], 3)
     return result

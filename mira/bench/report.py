@@ -27,6 +27,12 @@ def format_table(result: dict) -> str:
     title = f"{result['model']}, {result['routing']} routing, prompts: {result['prompt_set']}, {result['machine']}"
     body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
     goals = [f"{name}: {goal}" for name, goal in result.get("goals", {}).items()]
+    steady = [row for row in result["runs"] if row.get("decode_route_changes", {}).get("low")]
+    if steady:
+        changes = steady[0]["decode_route_changes"]
+        body.append(f"note: in {len(steady)} run(s) decode routing barely changes from step to step ({changes['value']} "
+                    f"of layer-steps change their experts, {changes['uniform']} under uniform routing): their budgets "
+                    "hardly matter (mira.bench.variety)")
     return "\n".join([title, *body, "", "goals:", *goals])
 
 

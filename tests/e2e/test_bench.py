@@ -93,6 +93,8 @@ def test_a_bench_run_reports_every_configuration_goals_and_a_chart(tmp_path):
             served = row["tokens_served"]
             assert sum(served.values()) == row["prompts"] * (8 + 4 - 1) * 12 * 2  # every routed token, every layer
             assert row["bound"]["decode_steps"] == 3
+            changes = row["decode_route_changes"]  # 8 experts, top 2: 28 possible sets
+            assert 0 <= changes["value"] <= 1 and changes["uniform"] == round(1 - 1 / 28, 3)
             if budget == "all":
                 assert served["miss"] == 0 and row["slots"] == 96
     assert rows["mira+p", "25%"]["prefetcher"] == "GateSpeculation" and rows["mira", "25%"]["prefetcher"] is None
