@@ -46,9 +46,9 @@ SHAPES = {  # hidden, intermediate, experts per layer, routed per token
     "deepseek-v2-lite": (2048, 1408, 64, 6),
     "qwen3-30b-a3b": (2048, 768, 128, 8),
 }
-ZERO_COPY_VARIANTS = {  # name -> changes to both decode launches' tuned GemvConfig
-    "unroll 4": dict(unroll=4),
-    "half the rows per program": "half_rows",
+ZERO_COPY_VARIANTS = {  # name -> the variant of a decode launch's tuned GemvConfig (both launches)
+    "unroll 4": lambda gemv: dataclasses.replace(gemv, unroll=4),
+    "half the rows per program": lambda gemv: dataclasses.replace(gemv, block_rows=max(2, gemv.block_rows // 2)),
 }
 RESIDENT_BYTES = 512 << 20  # resident blobs the compute rotates over: well past the 60 MB L2
 GRAPH_CALLS = 32
@@ -102,11 +102,7 @@ class ShapeRun:
         tuned launches' first)."""
         tuned, results = self.ffn, {}
         expected = self.decode(0, self.host_tables[0]).clone()
-        for name, change in ZERO_COPY_VARIANTS.items():
-            def vary(gemv):
-                if change == "half_rows":
-                    return dataclasses.replace(gemv, block_rows=max(2, gemv.block_rows // 2))
-                return dataclasses.replace(gemv, **change)
+        for name, vary in ZERO_COPY_VARIANTS.items():
             config = dataclasses.replace(tuned.config, gate_up_gemv=vary(tuned.config.gate_up_gemv),
                                          down_gemv=vary(tuned.config.down_gemv))
             self.ffn = TritonMoEFFN(self.layout, self.device, config=config, num_experts=self.tables[0].numel())

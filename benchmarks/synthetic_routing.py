@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import result_header  # noqa: E402
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_skeleton, synthetic_store  # noqa: E402
-from mira.models.registry import adapter_for  # noqa: E402
 from mira.runtime.engine import assemble  # noqa: E402
 from mira.runtime.tracing import RoutingRecorder  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
@@ -69,7 +68,7 @@ def measure(preset: str, layers: int | None, experts: int | None, prompt: int, t
         rows.append({"layer": position, "experts_used": len(set(routed[:, position].reshape(-1).tolist())),
                      "shared": round(shared, 3)})
     return {"preset": preset, "moe_layers": len(sites), "experts_per_layer": E, "top_k": K,
-            "hidden": config.hidden_size, "model_type": adapter_for(config).__class__.__name__,
+            "hidden": config.hidden_size, "model_type": config.model_type,
             "prompt_tokens": prompt, "tokens": tokens, "uniform_experts_used": round(uniform, 1), "layers": rows}
 
 
