@@ -29,8 +29,10 @@
 #   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes, and top-2 with the experts
 #                                           # spread over 40 GB as in a large model's slot pool; writes the
 #                                           # tuning file too (~5 min)
-#   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes: Mixtral shape replayed; the
-#                                           # bundled model at 10% with and without prefetching (~5 min)
+#   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes, mira+p / mira / lru / static:
+#                                           # Mixtral shape, every expert resident and 24 GiB (~5 min)
+#   bash benchmarks/h200_suite.sh profile-small  # the same for the DeepSeek-V2-Lite shape at 8 GiB and
+#                                           # all, and the bundled model at 10% and all (~5 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -82,12 +84,13 @@ case "${1:-}" in
     timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --tuning-dir "$OUT" \
       --out "$OUT/kernels-h200.json" 2>&1 | tee "$OUT/kernels-h200-autotune.log" ;;
   profile)
-    timeout 200 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budget all --prefetch off
-    for prefetch in off trained; do
-      timeout 100 python benchmarks/profile_decode.py --budget 10% --prefetch "$prefetch" \
-        --heads benchmarks/results/predictor-tiny-heads.safetensors
-    done
-    cp benchmarks/results/profile-decode-*.json "$OUT/" 2>/dev/null || true ;;
+    timeout 330 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets all,24GiB \
+      --configs mira+p,mira,lru,static --out "$OUT/profile-decode-mixtral-8x7b.json" ;;
+  profile-small)
+    timeout 330 python benchmarks/profile_decode.py --synthetic deepseek-v2-lite --budgets 8GiB,all \
+      --configs mira+p,mira,lru,static --out "$OUT/profile-decode-deepseek-v2-lite.json"
+    timeout 150 python benchmarks/profile_decode.py --budgets 10%,all --configs mira+p,mira,lru,static \
+      --heads benchmarks/results/predictor-tiny-heads.safetensors --out "$OUT/profile-decode-mira-tiny-moe.json" ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2
