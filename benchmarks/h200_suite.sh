@@ -30,9 +30,9 @@
 #                                           # spread over 40 GB as in a large model's slot pool; writes the
 #                                           # tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes, mira+p / mira / lru / static:
-#                                           # Mixtral shape, every expert resident and 24 GiB (~5 min)
-#   bash benchmarks/h200_suite.sh profile-small  # the same for the DeepSeek-V2-Lite shape at 8 GiB and
-#                                           # all, and the bundled model at 10% and all (~5 min)
+#                                           # Mixtral shape at 24 GiB (~4 min)
+#   bash benchmarks/h200_suite.sh profile-small  # the same for the DeepSeek-V2-Lite shape at 8 GiB, and
+#                                           # the bundled model at 10% and all (~4 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -84,10 +84,10 @@ case "${1:-}" in
     timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --tuning-dir "$OUT" \
       --out "$OUT/kernels-h200.json" 2>&1 | tee "$OUT/kernels-h200-autotune.log" ;;
   profile)
-    timeout 330 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets all,24GiB \
+    timeout 330 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets 24GiB \
       --configs mira+p,mira,lru,static --out "$OUT/profile-decode-mixtral-8x7b.json" ;;
   profile-small)
-    timeout 330 python benchmarks/profile_decode.py --synthetic deepseek-v2-lite --budgets 8GiB,all \
+    timeout 330 python benchmarks/profile_decode.py --synthetic deepseek-v2-lite --budgets 8GiB \
       --configs mira+p,mira,lru,static --out "$OUT/profile-decode-deepseek-v2-lite.json"
     timeout 150 python benchmarks/profile_decode.py --budgets 10%,all --configs mira+p,mira,lru,static \
       --heads benchmarks/results/predictor-tiny-heads.safetensors --out "$OUT/profile-decode-mira-tiny-moe.json" ;;
