@@ -34,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LogitsProcessorList
 
@@ -105,13 +106,14 @@ def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device
     device_ms: dict[str, float] = defaultdict(float)
     blocked = 0.0
     for event in prof.key_averages():
-        if event.key in RANGES:
-            host[event.key] = event.cpu_time_total / 1e3
-        if event.key in SYNCS:
-            blocked += event.self_cpu_time_total / 1e3
-        device_time = getattr(event, "self_device_time_total", 0) or 0
-        if device_time and event.key not in RANGES:
-            device_ms[_device_kind(event.key)] += device_time / 1e3
+        if event.device_type == DeviceType.CPU:  # host ops and ranges
+            if event.key in RANGES:
+                host[event.key] = event.cpu_time_total / 1e3
+            if event.key in SYNCS:
+                blocked += event.self_cpu_time_total / 1e3
+        elif event.key not in RANGES:  # kernels and copies; not a host op's time on the device, which counts
+            # its kernels again, nor a range's span on the device's timeline
+            device_ms[_device_kind(event.key)] += event.self_device_time_total / 1e3
     return wall, host, blocked, dict(device_ms)
 
 
