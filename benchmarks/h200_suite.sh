@@ -20,7 +20,7 @@
 #   bash benchmarks/h200_suite.sh deepseek  # mira bench, DeepSeek-V2-Lite shape, 64 in / 256 out, what issue #7
 #                                           # asks; its synthetic routing stays varied, the Qwen3 and OLMoE
 #                                           # presets' does not (synthetic-routing-cpu.json); 24 and 48 GiB
-#                                           # hold every expert (14.4 GB), so 8 and 12 GiB (never run yet)
+#                                           # hold every expert (14.4 GB), so 8 and 12 GiB (~7 min)
 #   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out as issue #7 asks:
 #                                           # every budget, offload at each, beams of 256 tokens (~22 min:
 #                                           # three resumed calls)
