@@ -26,6 +26,9 @@
 #                                           # three resumed calls)
 #   bash benchmarks/h200_suite.sh lagged    # Qwen3 shape and the bundled model, mira and LRU lagged against
 #                                           # inline: the measurement behind auto residency (~8 min)
+#   bash benchmarks/h200_suite.sh staging   # prefetching staged on the device under lagged residency
+#                                           # (mira+p-lagged) against inline Mira+P and lagged Mira: the
+#                                           # DeepSeek-V2-Lite shape at 8 / 12 GiB, the bundled model at 10 / 25% (~5 min)
 #   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes, and top-2 with the experts
 #                                           # spread over 40 GB as in a large model's slot pool; writes the
 #                                           # tuning file too (~5 min)
@@ -79,6 +82,12 @@ case "${1:-}" in
       --budgets 10%,25% --configs mira,mira-lagged,lru,lru-lagged,static \
       --profile benchmarks/results/traces/profile-train.npz --out "$OUT/bench-mira-tiny-moe-lagged.json" --quiet \
       --resume ;;
+  staging)
+    timeout 220 python -m mira.cli bench --synthetic deepseek-v2-lite --fixed 64x256 --budgets 8GiB,12GiB \
+      --configs mira+p-lagged,mira+p,mira --out "$OUT/bench-deepseek-v2-lite-staging.json" --quiet --resume
+    timeout 100 python -m mira.cli bench --prompts .carry/bench/sharegpt-heldout.jsonl --num-prompts 2 \
+      --budgets 10%,25% --configs mira+p-lagged,mira+p,mira --heads benchmarks/results/predictor-tiny-heads.safetensors \
+      --out "$OUT/bench-mira-tiny-moe-staging.json" --quiet --resume ;;
   kernels)
     # the tuning goes to $OUT, not into mira/kernels/tuning, which a bench on another GPU may be reading
     timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --tuning-dir "$OUT" \

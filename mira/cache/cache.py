@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mira.cache.lagged import LaggedResidency
+from mira.cache.staging import ISSUED, ROWS, UID, USED, LaggedStaging
 from mira.cache.policy import Access, Policy, Static, Tier
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
@@ -40,6 +41,7 @@ class ExpertCache:
         self._slot_of: dict[int, int] = {}  # uid -> slot
         self._blobs: list[torch.Tensor | None] = [None] * store.num_experts  # reused by every call
         self.lagged: LaggedResidency | None = None  # made by the first lagged layer (`lagged_residency`)
+        self.staging: LaggedStaging | None = None  # made by the first lagged layer that predicts (`lagged_staging`)
         for uid in sorted(policy.resident()):  # a policy may start with a placement (static)
             self._copy_in(uid, self.pool.take(), prefetch=False)
 
@@ -81,6 +83,14 @@ class ExpertCache:
                 self.lagged.to_slot(uid, slot)
         return self.lagged
 
+    def lagged_staging(self) -> LaggedStaging:
+        """Prefetching under lagged residency (mira.cache.staging), made on the first call: it keeps
+        `ROWS` slots of the pool, which the policy's capacity must leave free."""
+        if self.staging is None:
+            rows = [self.pool.row(self.pool.take()) for _ in range(ROWS)]
+            self.staging = LaggedStaging(self.lagged_residency(), self.store, rows, self.transfer)
+        return self.staging
+
     def settle(self) -> None:
         """Ask the policy about the tokens lagged layers routed since the last settle; a no-op inline.
 
@@ -93,17 +103,24 @@ class ExpertCache:
         Telemetry records the tier the policy reports, as inline; what the kernels read may
         differ: an expert whose copy was still in flight when its layer ran was read zero-copy
         from the host store yet counts as a hit, and one evicted earlier in the same settle (by
-        another layer's admission) counts as a miss though its layer read it from its slot.
+        another layer's admission) counts as a miss though its layer read it from its slot. An
+        expert that lagged staging placed for its layer and the layer routed to counts as STAGE
+        where the policy reports a miss (the policy never sees stage rows; the same caveat about
+        late copies applies), and the copies staging issued count as prefetches.
         """
         if self.lagged is None:
             return
-        for layer_position, per_expert in enumerate(self.lagged.drain()):
+        counts, states = self.lagged.drain()
+        E = self.store.num_experts
+        for layer_position, (per_expert, state) in enumerate(zip(counts, states)):
+            staged = state[UID] - layer_position * E if state[USED] else None
+            self._count_staging(state[ISSUED], state[USED])
             experts = [e for e, count in enumerate(per_expert) if count]  # ascending ids
             if not experts:
                 continue
             self.policy.begin_group()
             for expert in experts:
-                self._access(layer_position, expert, per_expert[expert])
+                self._access(layer_position, expert, per_expert[expert], staged=expert == staged)
 
     def resident_for_good(self, layer_position: int) -> bool:
         """Whether every expert of the layer is resident for good (a static placement that holds them
@@ -143,14 +160,25 @@ class ExpertCache:
         for uid in [u for u in self._slot_of if u not in resident]:
             self.pool.give(self._vacate(uid))
 
-    def _access(self, layer_position: int, expert: int, tokens: int) -> tuple[int, Access]:
-        """Ask the policy about one routed expert, carry out an admission and record the tokens."""
+    def _access(self, layer_position: int, expert: int, tokens: int, staged: bool = False) -> tuple[int, Access]:
+        """Ask the policy about one routed expert, carry out an admission and record the tokens
+        (`staged`: lagged staging served them from a stage row)."""
         uid = layer_position * self.store.num_experts + expert
         access = self.policy.access(uid, tokens)
         if access.admit:
             self._copy_in(uid, self._slot_for(access), prefetch=False)
-        self.telemetry.record(layer_position, expert, tokens, access.tier)
+        tier = Tier.STAGE if staged and access.tier is Tier.MISS else access.tier
+        self.telemetry.record(layer_position, expert, tokens, tier)
         return uid, access
+
+    def _count_staging(self, issued: int, used: int) -> None:
+        """Lagged staging's copies of one target layer in one step, in the prefetch counts."""
+        counts = self.book.counts
+        counts.issued += issued
+        counts.used += used
+        counts.wasted += issued - used
+        for _ in range(issued):
+            self.telemetry.record_copy(self.store.blob_bytes, prefetch=True)
 
     def _slot_for(self, access: Access) -> int:
         return self._vacate(access.evict) if access.evict is not None else self.pool.take()

@@ -12,6 +12,9 @@ the policy sees the same accesses in the same order, a step later than the kerne
 This module holds the tables and counters and rewrites table entries without allocating or waiting:
 the addresses are constants (one per host blob, one per slot row) kept on the device, and an entry
 is rewritten by one small kernel that copies a constant into it, on the stream the caller picks.
+Prefetching under lagged residency (mira.cache.staging) also points entries at its stage rows for
+the span of one step, and keeps its per-layer state beside the counters, so one read-back serves
+both.
 
 L MoE layers, E experts per layer, S slots.
 """
@@ -23,6 +26,8 @@ import torch
 from mira.cache.slots import SlotPool
 from mira.store.store import ExpertStore
 
+STAGING_COLUMNS = 4  # mira.kernels.staging's state of a target layer
+
 
 class LaggedResidency:
     """Where every expert of every MoE layer can be read now, and the tokens routed since the last settle.
@@ -30,9 +35,13 @@ class LaggedResidency:
     Attributes:
         tables: int64 [L, E] on the device; `tables[l]` is layer l's address table for
             `TritonMoEFFN.forward_bases`: a slot row's address or the host blob's, never 0.
+        entries: the same, flat [L*E] (indexed by uid).
+        blob_addresses: int64 [L*E] on the device: every expert's host blob address.
         rows: L lists of E uint8 blobs, the same places as tensors, for the reference FFN (CPU).
             They change on the host at once, so they are valid only where copies are immediate.
         pending: int64 [L, E] on the device: tokens routed per expert since the last `drain`.
+        staging: int64 [L, 4] on the device: per target layer, staging's state since the last
+            `drain` (mira.kernels.staging: uid, placed, issued, used); zeros without staging.
 
     Args:
         store: the expert store (host blobs, pinned on CUDA).
@@ -46,14 +55,16 @@ class LaggedResidency:
         self._pool = pool
         self._experts = E
         blobs = [store.blob(*divmod(uid, E)).data_ptr() for uid in range(L * E)]
-        self._blob_addresses = torch.tensor(blobs, dtype=torch.int64, device=device)  # [L*E]
+        self.blob_addresses = torch.tensor(blobs, dtype=torch.int64, device=device)  # [L*E]
         self._row_addresses = torch.tensor([pool.row(s).data_ptr() for s in range(S)], dtype=torch.int64,
                                            device=device)  # [S]
         self._uids = torch.arange(L * E, device=device)  # [L*E], the index of one entry's write
-        self._entries = self._blob_addresses.clone()  # [L*E]
-        self.tables = self._entries.view(L, E)
+        self.entries = self.blob_addresses.clone()  # [L*E]
+        self.tables = self.entries.view(L, E)
         self.rows = [[store.blob(layer, expert) for expert in range(E)] for layer in range(L)]
-        self.pending = torch.zeros(L, E, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(L, E + STAGING_COLUMNS, dtype=torch.int64, device=device)  # one read-back
+        self.pending = self._counters[:, :E]  # [L, E]
+        self.staging = self._counters[:, E:]  # [L, 4]
 
     def to_slot(self, uid: int, slot: int) -> None:
         """Expert `uid`'s entry becomes slot `slot`'s row, on the current stream.
@@ -73,19 +84,21 @@ class LaggedResidency:
         Call it on the compute stream before anything may overwrite the slot it leaves: kernels
         enqueued after it read the host blob.
         """
-        self._write(uid, self._blob_addresses[uid : uid + 1])
+        self._write(uid, self.blob_addresses[uid : uid + 1])
         layer, expert = divmod(uid, self._experts)
         self.rows[layer][expert] = self._store.blob(layer, expert)
 
-    def drain(self) -> list[list[int]]:
-        """The tokens routed per expert since the last drain, [L][E], and zero the counters.
+    def drain(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The tokens routed per expert since the last drain, [L][E], and staging's state per target
+        layer, [L][4]; zero both.
 
         The one host sync of a settle: one read-back for all layers, on the current stream (the
         compute stream, after the step's kernels).
         """
-        counts = self.pending.tolist()
-        self.pending.zero_()
-        return counts
+        rows = self._counters.tolist()
+        self._counters.zero_()
+        E = self._experts
+        return [row[:E] for row in rows], [row[E:] for row in rows]
 
     def _write(self, uid: int, address: torch.Tensor) -> None:
-        self._entries.index_copy_(0, self._uids[uid : uid + 1], address)
+        self.entries.index_copy_(0, self._uids[uid : uid + 1], address)

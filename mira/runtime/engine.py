@@ -19,6 +19,7 @@ from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
 from mira.cache.policy import make_policy
 from mira.cache.slots import SlotPool
+from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.cache.telemetry import Telemetry
 from mira.config import PREFETCH, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
@@ -191,8 +192,10 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         prefetch: predictive staging into STAGE (paper IV-E): "trained" (the heads `mira
             train-predictor` saved beside the store), "gate" (layer i+2's router applied to layer
             i's input; needs no training), "auto" (trained when the store has heads, else gate) or
-            "off". It acts only where the policy has STAGE slots (the mira policy under a budget)
-            and the layers run inline: "auto" lets `residency` "auto" lag small experts instead.
+            "off". It acts only where the policy has STAGE slots (the mira policy under a budget):
+            inline through them, or with `residency` "lagged" on the device, one expert per layer
+            into three rows of the budget's slots (mira.cache.staging). "auto" lets `residency`
+            "auto" lag small experts without prefetching instead.
         progress: show progress bars.
         heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
             of the store's own.
@@ -205,7 +208,7 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
             miss, static and on-demand, where it moves no more bytes; on CUDA also when one expert
             crosses PCIe in under 1 ms and no predictor is named in `prefetch`, where it measured
-            3.6-6.7x faster; inline otherwise: mira.runtime.residency). A lagged model stages nothing.
+            3.6-6.7x faster; inline otherwise: mira.runtime.residency).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -253,25 +256,32 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if capacity >= total_experts:  # every expert fits: all resident from the start, nothing left to decide
         policy, profile_counts = "static", [1] * total_experts
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
-    try:
-        placement = make_policy(policy, capacity, total_experts, config.cache, profile=profile_counts)
-    except ValueError as error:
-        raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
-    cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
-                        Telemetry(store.num_layers, store.num_experts))
-    ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
-    routers = [site.parent.gate for site in sites]
     if prefetch not in PREFETCH:
         raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
+    ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
+    placement = _policy(policy, capacity, total_experts, config.cache, profile_counts)
     lagged = lags(residency, prefetch, admits_misses=placement.admits_misses, stage_slots=placement.stage_slots,
                   under_budget=capacity < total_experts, device=torch_device,
                   fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
-    stages = placement.stage_slots and not lagged
+    stages = placement.stage_slots > 0 and prefetch != "off" and (not lagged or residency == "lagged")
+    if stages and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
+        # experts: mira.cache.budget) apart from the policy's
+        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile_counts)
+    cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
+                        Telemetry(store.num_layers, store.num_experts))
+    routers = [site.parent.gate for site in sites]
     predictor = _predictor(prefetch, routers, store, torch_device, heads) if stages else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=lagged))
     return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
+
+
+def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile_counts: list[int] | None):
+    try:
+        return make_policy(name, capacity, total_experts, config, profile=profile_counts)
+    except ValueError as error:
+        raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
 
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:

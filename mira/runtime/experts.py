@@ -32,7 +32,8 @@ class MiraExperts(nn.Module):
     layer's decode call (mira.cache.lagged): it adds its routed tokens to the cache's counters on
     the device and computes from its address table, which always holds a readable address for
     every expert (slot row or pinned host blob); `ExpertCache.settle` takes the counts to the
-    policy after the step. The output is a view of this layer's own buffer, valid until this
+    policy after the step. A lagged layer with a predictor also stages its best prediction for
+    layer_position + 2 without the host (mira.cache.staging). The output is a view of this layer's own buffer, valid until this
     layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in
     5.x) add it to the residual or the shared experts' output, into a new tensor, at once, and one
     buffer per layer means no layer's call overwrites another layer's output. Larger calls
@@ -48,8 +49,7 @@ class MiraExperts(nn.Module):
         lagged: decode under lagged residency instead of asking the cache on every call.
 
     Raises:
-        ValueError: lagged with a predictor (staging decides on the host from every call's
-            routing), or lagged on CUDA with an FFN that cannot read the pinned host store (the
+        ValueError: lagged on CUDA with an FFN that cannot read the pinned host store (the
             reference FFN: only the fused kernels take an address table).
     """
 
@@ -78,10 +78,8 @@ class MiraExperts(nn.Module):
         self._fixed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (rows, address table [E])
         self._may_be_fixed = predictor is None  # a layer that stages for another keeps the host in the loop
         self._lagged = lagged
+        self._staging = None
         if lagged:
-            if predictor is not None:
-                raise ValueError("a lagged layer takes no predictor: staging decides on the host from every "
-                                 "call's routing; pass predictor=None or lagged=False")
             if self._device.type == "cuda" and self._table is None:
                 raise ValueError(f"lagged residency on CUDA needs the fused kernels, which read missed experts "
                                  f"from the pinned host store; {type(ffn).__name__} cannot: pass lagged=False")
@@ -89,6 +87,8 @@ class MiraExperts(nn.Module):
             self._pending = residency.pending[layer_position]  # [E], a view: settled for all layers at once
             self._bases = residency.tables[layer_position]  # [E]
             self._rows = residency.rows[layer_position]  # E blobs, rewritten in place by the cache
+            if predictor is not None:
+                self._staging = cache.lagged_staging()
 
     def _keep_router_logits(self, module, args, output) -> None:
         self._router_logits = output[0]  # [T, E]
@@ -165,12 +165,31 @@ class MiraExperts(nn.Module):
 
     def _forward_lagged(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Lagged residency: count on the device, compute from the table; no host sync, no cache call."""
+        """Lagged residency: count on the device, stage the prediction for two layers on, compute
+        from the table; no host sync, no cache call."""
         routed = top_k_index.reshape(-1)  # [T*K]
         self._pending.scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
+        if self._staging is not None:
+            self._stage(hidden, top_k_index)
         if self._table is not None:
-            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=self._output(hidden))
-        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=self._output(hidden))
+            out = self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=self._output(hidden))
+        else:
+            out = self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=self._output(hidden))
+        if self._staging is not None:
+            self._staging.after_layer(self.layer_position)
+        return out
+
+    def _stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Lagged staging before this layer's kernel: the predictor's best expert of layer_position + 2
+        (a device tensor, never read back) goes to the cache's LaggedStaging."""
+        p, E = self.layer_position, self._tokens.shape[0]
+        self.predictor.observe(p, top_k_index)
+        best = None
+        if self._predicts:
+            scores = self.predictor.scores(p, hidden, self._router_logits, top_k_index)  # [E] of layer p+2
+            best = self._readback[E : E + 1]  # [1], this layer's buffer
+            torch.topk(scores, 1, out=(self._staged_scores[:1], best))
+        self._staging.before_layer(p, best)
 
     def _compute_from_table(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             blobs: Sequence[torch.Tensor | None], experts: list[int]) -> torch.Tensor:

@@ -2,9 +2,10 @@
 
 Lagged, no MoE layer syncs with the host, so a decode step can be replayed as a CUDA graph; the
 price is that an expert the policy admits after a miss crosses PCIe twice (read by the kernel, then
-copied into its slot), and that nothing can be staged ahead, since staging needs each layer's
-routing on the host. Inline, every MoE layer costs one host sync and the host's policy work, and a
-miss crosses once. Which is faster depends on how long one expert takes to cross PCIe against the
+copied into its slot), and that staging ahead is decided on the device: one predicted expert per
+layer, into rows apart from the policy's (mira.cache.staging). Inline, every MoE layer costs one
+host sync and the host's policy work, a miss crosses once, and staging goes through the policy's
+STAGE slots. Which is faster depends on how long one expert takes to cross PCIe against the
 host's time per layer. Measured on the H200 (mira bench, random routing for the synthetic shape):
 
 - Qwen3-30B-A3B shape, 4.7 MB blobs (86 us at 55 GB/s), 64 in / 256 out,
@@ -23,10 +24,11 @@ host's time per layer. Measured on the H200 (mira bench, random routing for the 
   1.09-1.31x the blobs of inline, lagged LRU 1.9x.
 
 So "auto" lags on CUDA when one blob crosses PCIe in at most `LAG_BELOW_S`, unless a predictor
-was asked for by name; it always lags policies that never admit a miss (static, on-demand), which
-lose nothing by it; on the CPU, where there is no PCIe and no measurement, only those. Nothing lags
-when every expert fits (those layers never sync anyway), nor on CUDA without the fused kernels,
-which read unslotted experts from the pinned store.
+was asked for by name (lagged staging is not yet measured against inline staging: name
+`residency="lagged"` for it); it always lags policies that never admit a miss (static, on-demand),
+which lose nothing by it; on the CPU, where there is no PCIe and no measurement, only those.
+Nothing lags when every expert fits (those layers never sync anyway), nor on CUDA without the
+fused kernels, which read unslotted experts from the pinned store.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def lags(residency: str, prefetch: str, *, admits_misses: bool, stage_slots: int
 
     Args:
         residency: "auto", "lagged" or "inline".
-        prefetch: as asked ("auto", "trained", "gate" or "off"); a lagged model stages nothing.
+        prefetch: as asked ("auto", "trained", "gate" or "off").
         admits_misses, stage_slots: the residency policy's (mira.cache.policy.Policy).
         under_budget: whether some expert has no slot.
         device: where the model runs.
@@ -55,14 +57,11 @@ def lags(residency: str, prefetch: str, *, admits_misses: bool, stage_slots: int
         blob_bytes: one expert's blob.
 
     Raises:
-        MiraError: an unknown residency, or "lagged" with a predictor asked for by name.
+        MiraError: an unknown residency.
     """
     if residency not in RESIDENCY:
         raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
     staging = prefetch in NAMED_PREDICTORS and stage_slots > 0
-    if residency == "lagged" and staging:
-        raise MiraError("--residency lagged cannot stage predicted experts, which needs every layer's routing on "
-                        "the host; pass --prefetch off or --residency inline")
     possible = under_budget and (device.type == "cpu" or fused_kernels)
     if not possible or residency == "inline":
         return False

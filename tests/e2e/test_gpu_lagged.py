@@ -1,7 +1,9 @@
 """On CUDA, lagged residency (mira.cache.lagged) decodes under an evicting budget with no host sync
 and no allocation inside the experts modules, generates exactly what every expert resident
 generates, also when every copy lands late (kernels then read the pinned host blob, which holds
-the same bytes), and leaves every table entry at its expert's slot row or host blob.
+the same bytes), and leaves every table entry at its expert's slot row or host blob. The same
+holds with prefetching staged on the device (mira.cache.staging), whose decode steps are replayed
+from CUDA graphs.
 
 Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
 """
@@ -10,6 +12,8 @@ import pytest
 import torch
 
 import mira
+from mira.predict.baselines import GateSpeculation, model_routers
+from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.transfer import Transfer
 from gpu_counts import InsideModules, cuda_allocations, sync_warnings, syncs
@@ -25,16 +29,18 @@ def _prompt():
     return torch.randint(2, 320, (1, 16), generator=torch.Generator().manual_seed(5))
 
 
-def _lagged_model(store, dtype: str):
+def _lagged_model(store, dtype: str, policy: str = "lru", prefetch: str = "off"):
     everything = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, prefetch="off", progress=False)
     expected = everything.generate(_prompt(), **GREEDY).cpu()
-    budget = everything.plan.reserve_bytes + SLOTS * everything.store.blob_bytes
+    slots = SLOTS + (3 if prefetch != "off" else 0)  # lagged staging keeps three rows of the slots
+    budget = everything.plan.reserve_bytes + slots * everything.store.blob_bytes
     del everything
-    model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, policy="lru", prefetch="off",
+    model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, policy=policy, prefetch=prefetch,
                       residency="lagged", progress=False)
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     assert all(m._lagged and m.host_free and type(m.ffn).__name__ == "TritonMoEFFN" for m in layers)
-    assert model.cache.pool.num_slots == SLOTS and model.store.data.is_pinned()
+    assert model.cache.pool.num_slots == slots and model.store.data.is_pinned()
+    assert (model.cache.staging is not None) == (prefetch != "off")
     return model, expected
 
 
@@ -71,12 +77,32 @@ def test_cuda_lagged_residency_generates_the_all_resident_text(mixtral_store, mo
     _assert_tables_follow_the_slots(model.cache)
 
 
-def test_a_lagged_decode_step_neither_syncs_nor_allocates_inside_the_experts(mixtral_store):
+@pytest.mark.parametrize("prefetch", ["gate", "trained"])
+def test_cuda_lagged_staging_generates_the_all_resident_text_from_replayed_steps(mixtral_store, prefetch):
+    model, expected = _lagged_model(mixtral_store, "bfloat16", policy="mira", prefetch="gate")
+    if prefetch == "trained":  # untrained heads: right or wrong, staging must not change the text
+        config = HeadConfig(num_layers=3, num_experts=8, top_k=2, hidden_size=model.hf_model.config.hidden_size)
+        heads = PredictorHeads(config)
+        predictor = TrainedPredictor(heads, GateSpeculation(model_routers(model.hf_model), 8), "cuda")
+        for layer in [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]:
+            layer.predictor = predictor
+    got = model.generate(_prompt(), **GREEDY).cpu()
+    stats = model.stats()
+    print(f"\nlagged staging, {prefetch}: prefetch {stats['prefetch']}, replayed {stats['decode_steps_replayed']}, "
+          f"served {stats['cache']['tokens_served']}")
+    assert torch.equal(got, expected)
+    assert stats["decode_steps_replayed"] > 0
+    assert 0 < stats["prefetch"]["issued"] == stats["prefetch"]["used"] + stats["prefetch"]["wasted"]
+    _assert_tables_follow_the_slots(model.cache)
+
+
+@pytest.mark.parametrize(("policy", "prefetch"), [("lru", "off"), ("mira", "gate")])
+def test_a_lagged_decode_step_neither_syncs_nor_allocates_inside_the_experts(mixtral_store, policy, prefetch):
     """Host syncs (CUDA sync-debug warnings) and caching-allocator allocations inside Mira's experts
-    modules during decode steps (tests/gpu_counts.py): none; and the settle after
-    each step syncs once and allocates nothing, while it admits experts and rewrites their table
-    entries."""
-    model, _ = _lagged_model(mixtral_store, "bfloat16")
+    modules during decode steps (tests/gpu_counts.py): none, also while staging on the device; and
+    the settle after each step syncs once and allocates nothing, while it admits experts and
+    rewrites their table entries."""
+    model, _ = _lagged_model(mixtral_store, "bfloat16", policy, prefetch)
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
     with torch.no_grad():
         prefill = model(_prompt().cuda(), use_cache=True)

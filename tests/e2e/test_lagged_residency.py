@@ -280,13 +280,32 @@ def test_host_free_is_exact_for_fixed_lagged_inline_and_predicting_layers(stores
     assert [_layers(model)[0].host_free for model in (fixed, lagged, predicting, inline)] == [True, True, False, False]
 
 
-def test_residency_lagged_with_a_predictor_or_unknown_is_refused_with_the_fix(stores):
+def test_an_unknown_residency_is_refused_with_the_fix(stores):
     store = stores["mixtral", "int8-shared"]
-    with pytest.raises(MiraError, match="--prefetch off or --residency inline"):
-        mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency="lagged",
-                  progress=False)
     with pytest.raises(MiraError, match="choose one of auto, lagged, inline"):
         mira.load(store, device="cpu", vram_budget=_budget(store, 12), residency="late", progress=False)
+
+
+def test_lagged_staging_generates_the_all_resident_text_and_leaves_no_stage_row_in_the_tables(stores):
+    """Prefetching under lagged residency (mira.cache.staging): the same text as every expert
+    resident; every step's staged entries are back on their blobs or slots when the step ends; the
+    copies it issued are prefetches, each used or wasted, and the tokens it served are STAGE."""
+    store = stores["mixtral", "int8-shared"]
+    resident = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
+    expected = resident.generate(_prompt(), **GREEDY)
+    model = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency="lagged",
+                      progress=False)
+    layers = _layers(model)
+    assert all(layer._lagged and layer.host_free for layer in layers)
+    assert [layer._predicts for layer in layers] == [True] + [False] * (L - 1)  # only layer 0 has a layer 2 on
+    assert model.cache.policy.capacity == 12 - 3 and model.cache.pool.num_slots == 12
+    assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
+    _assert_tables_follow_the_slots(model.cache)
+    counts, stats = model.stats()["prefetch"], model.stats()["cache"]
+    decode_steps = GREEDY["max_new_tokens"] - 1
+    assert 0 < counts["issued"] <= decode_steps  # at most one per step: only layer 2 is a target
+    assert counts["used"] + counts["wasted"] == counts["issued"] == stats["prefetch_copies"]
+    assert counts["used"] > 0 and stats["tokens_served"]["stage"] >= counts["used"]
 
 
 def test_auto_residency_lags_only_policies_that_never_admit_a_miss_on_the_cpu(stores, tmp_path):

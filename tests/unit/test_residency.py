@@ -41,9 +41,9 @@ def test_nothing_lags_with_every_expert_resident_without_the_fused_kernels_or_wh
     assert not _lags(residency="inline", admits_misses=False)
 
 
-def test_lagged_when_told_drops_an_unnamed_predictor_and_refuses_a_named_one():
+def test_lagged_when_told_also_with_a_predictor_and_an_unknown_residency_is_refused():
     assert _lags(residency="lagged", blob_bytes=MIXTRAL)
-    with pytest.raises(MiraError, match="--prefetch off or --residency inline"):
-        _lags(residency="lagged", prefetch="gate")
+    assert _lags(residency="lagged", prefetch="gate", blob_bytes=MIXTRAL)  # staged on the device
+    assert not _lags(prefetch="gate")  # "auto" keeps a named predictor inline
     with pytest.raises(MiraError, match="choose one of auto, lagged, inline"):
         _lags(residency="late")
