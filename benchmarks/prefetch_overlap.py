@@ -1,6 +1,7 @@
 """Share of prefetch copy time that overlaps expert compute on the GPU (issue #6).
 
-Generates with the bundled model under a budget of a quarter of its experts, gate prefetching on.
+Generates with the bundled model under a budget of a quarter of its experts, gate prefetching on,
+inline residency (the staging this times goes through the policy's STAGE slots).
 CUDA events bracket every prefetch copy (on the prefetch stream) and every expert FFN call (on the
 compute stream); after the run, the share of copy time during which an FFN ran is the overlap.
 (Attention and the rest of the model also run while copies fly; only expert compute is counted,
@@ -42,7 +43,8 @@ def main() -> None:
     quarter = probe.store.num_layers * probe.store.num_experts // 4
     budget = probe.plan.reserve_bytes + quarter * probe.store.blob_bytes
     del probe
-    model = mira.load(device="cuda", vram_budget=budget, prefetch="gate", progress=False)
+    model = mira.load(device="cuda", vram_budget=budget, prefetch="gate", residency="inline",
+                      progress=False)  # prefetch copies through Transfer.load, which this times
     ids = encode_prompt(model, "How do I sort a list in Python?", raw=False)
     model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up: kernels compiled
 

@@ -109,17 +109,17 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
                              "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
                              "(the default: trained when the store has heads, else gate) or off. Acts where the "
-                             "policy has STAGE slots and layers run inline (auto gives way to --residency auto, "
-                             "which lags small experts on CUDA)")
+                             "policy has STAGE slots: inline through them; lagged on the device, one expert per "
+                             "layer into three of the budget's slots (auto stages lagged only with --residency "
+                             "lagged: small experts lagged by --residency auto decode faster without)")
     parser.add_argument("--residency", choices=RESIDENCY, default="auto",
                         help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
                              "graphs: missed experts are read from pinned host memory inside the kernel and the "
                              "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
                              "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
                              "or auto (the default: lagged for policies that never admit a miss, static and "
-                             "on-demand, and on CUDA when one expert crosses PCIe in under 1 ms and --prefetch "
-                             "names no predictor, where lagged measured 3.6-6.7x faster; inline otherwise). A lagged "
-                             "model stages nothing ahead")
+                             "on-demand, and on CUDA when one expert crosses PCIe in under 1 ms, where lagged measured "
+                             "3.6-6.7x faster without prefetching and 3.3-11.9x with; inline otherwise)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")

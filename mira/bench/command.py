@@ -25,7 +25,7 @@ def add_command(subparsers) -> None:
                     "trained heads when given or in the store, else gate speculation; inline, as staging needs each "
                     "layer's routing on the host), mira+p-lagged (the same prefetch staged on the device under lagged "
                     "residency: no host sync, steps replayed from CUDA graphs), mira+gate (prefetch by gate "
-                    "speculation), mira (no prefetch, "
+                    "speculation, inline), mira (no prefetch, "
                     "residency auto: on CUDA lagged for experts that cross PCIe in under 1 ms, else inline: one "
                     "host sync per MoE layer, each miss copied in once), mira-inline (always inline), mira-lagged (always "
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "

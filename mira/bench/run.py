@@ -47,7 +47,7 @@ from mira.store.files import write_json_atomic
 MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
     "mira+p": ("mira", "auto", "inline", True),  # staging through the policy's STAGE slots
     "mira+p-lagged": ("mira", "auto", "lagged", True),  # staging on the device (mira.cache.staging)
-    "mira+gate": ("mira", "gate", "auto", True),  # inline: a predictor is named
+    "mira+gate": ("mira", "gate", "inline", True),
     "mira": ("mira", "off", "auto", True),  # lagged for small experts on CUDA, else inline (mira.runtime.residency)
     "mira-inline": ("mira", "off", "inline", True),
     "mira-lagged": ("mira", "off", "lagged", True),

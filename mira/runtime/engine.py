@@ -30,7 +30,7 @@ from mira.predict.baselines import GateSpeculation, Predictor
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graphs import DecodeGraphs
-from mira.runtime.residency import lags
+from mira.runtime.residency import lags, stages
 from mira.runtime.transfer import Transfer
 from mira.store.convert import convert, source_fingerprint
 from mira.store.manifest import Manifest, is_store
@@ -193,9 +193,10 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             train-predictor` saved beside the store), "gate" (layer i+2's router applied to layer
             i's input; needs no training), "auto" (trained when the store has heads, else gate) or
             "off". It acts only where the policy has STAGE slots (the mira policy under a budget):
-            inline through them, or with `residency` "lagged" on the device, one expert per layer
-            into three rows of the budget's slots (mira.cache.staging). "auto" lets `residency`
-            "auto" lag small experts without prefetching instead.
+            inline through them, or lagged on the device, one expert per layer into three rows of
+            the budget's slots (mira.cache.staging). Lagged, "auto" stages only when `residency`
+            is "lagged" by name: under "auto" residency the small experts it lags decode faster
+            without prefetching (mira.runtime.residency).
         progress: show progress bars.
         heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
             of the store's own.
@@ -207,8 +208,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             (one host sync per MoE layer: the policy places each routed expert before the kernel
             runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
             miss, static and on-demand, where it moves no more bytes; on CUDA also when one expert
-            crosses PCIe in under 1 ms and no predictor is named in `prefetch`, where it measured
-            3.6-6.7x faster; inline otherwise: mira.runtime.residency).
+            crosses PCIe in under 1 ms, where it measured 3.6-6.7x faster without prefetching and
+            3.3-11.9x with; inline otherwise: mira.runtime.residency).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -260,17 +261,16 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
         raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     placement = _policy(policy, capacity, total_experts, config.cache, profile_counts)
-    lagged = lags(residency, prefetch, admits_misses=placement.admits_misses, stage_slots=placement.stage_slots,
-                  under_budget=capacity < total_experts, device=torch_device,
-                  fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
-    stages = placement.stage_slots > 0 and prefetch != "off" and (not lagged or residency == "lagged")
-    if stages and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
+    lagged = lags(residency, admits_misses=placement.admits_misses, under_budget=capacity < total_experts,
+                  device=torch_device, fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
+    staging = stages(prefetch, residency, lagged, placement.stage_slots)
+    if staging and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
         # experts: mira.cache.budget) apart from the policy's
         placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile_counts)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store, torch_device, heads) if stages else None
+    predictor = _predictor(prefetch, routers, store, torch_device, heads) if staging else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=lagged))

@@ -22,13 +22,22 @@ host's time per layer. Measured on the H200 (mira bench, random routing for the 
   mira 0.89x inline, lagged LRU 0.61x.
 - In bytes (lagged-traffic-tiny.json, the bundled model's real routing): lagged mira moves
   1.09-1.31x the blobs of inline, lagged LRU 1.9x.
+- With a predictor, staging on the device (lagged) against through the policy (inline), mira
+  bench at d5cb626: DeepSeek-V2-Lite shape (8.7 MB blobs, 157 us), gate speculation, 28.3 tokens/s
+  against 7.38 at 8 GiB (3.8x) and 53.4 against 16.4 at 12 GiB (3.3x),
+  bench-deepseek-v2-lite-staging.json; the bundled model, trained heads, 226 against 19.0 at 10%
+  (11.9x) and 261 against 38.9 at 25% (6.7x), bench-mira-tiny-moe-staging.json; Mixtral shape at
+  24 GiB, 6.39 against 5.84 (1.09x; one run, the lagged side measured first),
+  bench-mixtral-8x7b-staging.json. Staging gained nothing over lagged mira without it (DeepSeek
+  1.05x and 0.97x; the bundled model 0.61x and 0.73x, its trained heads' kernels in every step).
 
-So "auto" lags on CUDA when one blob crosses PCIe in at most `LAG_BELOW_S`, unless a predictor
-was asked for by name (lagged staging is not yet measured against inline staging: name
-`residency="lagged"` for it); it always lags policies that never admit a miss (static, on-demand),
-which lose nothing by it; on the CPU, where there is no PCIe and no measurement, only those.
-Nothing lags when every expert fits (those layers never sync anyway), nor on CUDA without the
-fused kernels, which read unslotted experts from the pinned store.
+So "auto" lags on CUDA when one blob crosses PCIe in at most `LAG_BELOW_S`, with or without a
+predictor; it always lags policies that never admit a miss (static, on-demand), which lose
+nothing by it; on the CPU, where there is no PCIe and no measurement, only those. Nothing lags
+when every expert fits (those layers never sync anyway), nor on CUDA without the fused kernels,
+which read unslotted experts from the pinned store. Whether a lagged model stages is the engine's
+`stages` (mira.runtime.engine.assemble): with a predictor named, or with residency "lagged" asked
+for, but not for `prefetch="auto"` under "auto" residency, where staging did not pay.
 """
 
 from __future__ import annotations
@@ -43,14 +52,13 @@ LAG_BELOW_S = 1e-3  # between the measured wins (86 us) and losses (3.2 ms) abov
 NAMED_PREDICTORS = ("trained", "gate")
 
 
-def lags(residency: str, prefetch: str, *, admits_misses: bool, stage_slots: int, under_budget: bool,
-         device: torch.device, fused_kernels: bool, blob_bytes: int) -> bool:
+def lags(residency: str, *, admits_misses: bool, under_budget: bool, device: torch.device, fused_kernels: bool,
+         blob_bytes: int) -> bool:
     """Whether decode layers run lagged.
 
     Args:
         residency: "auto", "lagged" or "inline".
-        prefetch: as asked ("auto", "trained", "gate" or "off").
-        admits_misses, stage_slots: the residency policy's (mira.cache.policy.Policy).
+        admits_misses: whether the residency policy ever admits a miss (mira.cache.policy.Policy).
         under_budget: whether some expert has no slot.
         device: where the model runs.
         fused_kernels: whether the expert FFN reads blobs by address (TritonMoEFFN).
@@ -61,12 +69,20 @@ def lags(residency: str, prefetch: str, *, admits_misses: bool, stage_slots: int
     """
     if residency not in RESIDENCY:
         raise MiraError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
-    staging = prefetch in NAMED_PREDICTORS and stage_slots > 0
     possible = under_budget and (device.type == "cpu" or fused_kernels)
     if not possible or residency == "inline":
         return False
     if residency == "lagged" or not admits_misses:
         return True
-    if staging or device.type != "cuda":
+    if device.type != "cuda":
         return False
     return blob_bytes / PINNED_BYTES_PER_S <= LAG_BELOW_S
+
+
+def stages(prefetch: str, residency: str, lagged: bool, stage_slots: int) -> bool:
+    """Whether the model stages predicted experts: where the policy has STAGE slots and a predictor
+    is asked for; under lagged residency (on the device, mira.cache.staging) only when the
+    predictor is named or lagged residency was, since "auto" for both measured faster without."""
+    if stage_slots == 0 or prefetch == "off":
+        return False
+    return not lagged or prefetch in NAMED_PREDICTORS or residency == "lagged"

@@ -58,7 +58,7 @@ def test_a_decode_step_syncs_once_per_moe_layer_inside_the_experts(mixtral_store
         budget = everything.plan.reserve_bytes + 12 * everything.store.blob_bytes
         del everything
         model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch,
-                          progress=False)
+                          residency="inline", progress=False)
         assert model.cache.policy.stage_slots > 0
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
 
@@ -107,7 +107,8 @@ def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(mixtral_store
         return load(self, src, dst, slot, prefetch, then)
 
     monkeypatch.setattr(Transfer, "load", slow_prefetch)
-    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate", progress=False)
+    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="gate",
+                      residency="inline", progress=False)
     model.cache.pool.buffer.fill_(0xFF)
     got = model.generate(_prompt(), **GREEDY).cpu()
     counts = model.stats()["prefetch"]

@@ -72,7 +72,8 @@ def _staged_generation(store, prefetch: str, monkeypatch, wait_for_prefetches: b
     probe = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off", progress=False)
     budget = probe.plan.reserve_bytes + SLOTS * probe.store.blob_bytes
     del probe
-    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch, progress=False)
+    model = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=prefetch,
+                      residency="inline", progress=False)  # staging through STAGE slots (lagged: test_gpu_lagged.py)
     assert model.cache.pool.num_slots == SLOTS and model.cache.policy.stage_slots > 0
     model.cache.pool.buffer.fill_(0xFF)
     E = model.store.num_experts

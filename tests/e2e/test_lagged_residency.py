@@ -328,5 +328,5 @@ def test_auto_residency_lags_only_policies_that_never_admit_a_miss_on_the_cpu(st
     assert lagged(policy="static", profile=trace) and lagged(policy="on-demand")
     assert not lagged(policy="mira", prefetch="off") and not lagged(policy="lru") and not lagged(policy="lfu")
     assert lagged(policy="mira", prefetch="off", residency="lagged") and lagged(policy="lru", residency="lagged")
-    assert not lagged(policy="mira", prefetch="gate")  # staging needs the routing on the host
+    assert not lagged(policy="mira", prefetch="gate")  # on the CPU "auto" lags no policy that admits misses
     assert not lagged(policy="static", profile=trace, residency="inline")
