@@ -41,7 +41,8 @@ class LaggedResidency:
             They change on the host at once, so they are valid only where copies are immediate.
         pending: int64 [L, E] on the device: tokens routed per expert since the last `drain`.
         staging: int64 [L, 4] on the device: per target layer, staging's state since the last
-            `drain` (mira.kernels.staging: uid, placed, issued, used); zeros without staging.
+            `drain` (mira.kernels.staging: uid, placed row address, issued, used); zeros without
+            staging.
 
     Args:
         store: the expert store (host blobs, pinned on CUDA).

@@ -19,7 +19,8 @@ back on its host blob or slot: the policy, which learns of the step a step late 
 never sees a stage row. Nothing syncs with the host, allocates, or depends on a host value that
 changes between steps, so a step with staging is captured and replayed like any lagged step.
 
-Each target layer keeps its state as 4 int64 (mira.kernels.staging: uid, placed, issued, used)
+Each target layer keeps its state as 4 int64 (mira.kernels.staging: uid, placed row address,
+issued, used)
 beside its routed-token counters, so `LaggedResidency.drain`'s one read-back per step returns
 both. On the CPU there are no streams and the same steps run at once, in PyTorch on the same
 tables, also keeping lagged residency's list of rows for the reference FFN: the reference of the
@@ -37,7 +38,7 @@ from mira.runtime.transfer import Transfer
 from mira.store.store import ExpertStore
 
 ROWS = 3  # target layers staged at once: i (being computed), i+1 and i+2
-UID, PLACED, ISSUED, USED = range(4)  # a target layer's state columns (mira.kernels.staging)
+UID, PLACED, ISSUED, USED = range(4)  # a target layer's state columns (mira.kernels.staging; PLACED: an address)
 
 
 class LaggedStaging:
@@ -119,13 +120,14 @@ class LaggedStaging:
         r, state = self._residency, self._residency.staging[target]
         uid = target * self._experts + expert
         placed = bool(r.entries[uid] == r.blob_addresses[uid])
+        address = self._row_addresses[target % ROWS] if placed else 0
         if placed:
             row = self._rows[target % ROWS]
             row.copy_(self._store.blob(target, expert))
-            r.entries[uid] = self._row_addresses[target % ROWS]
+            r.entries[uid] = address
             r.rows[target][expert] = row
         state[UID] = uid
-        state[PLACED] = int(placed)
+        state[PLACED] = address
         state[ISSUED] += int(placed)
 
     def _restore(self, layer: int) -> None:
@@ -135,7 +137,8 @@ class LaggedStaging:
             return
         uid = int(state[UID])
         expert = uid - layer * self._experts
-        r.entries[uid] = r.blob_addresses[uid]
-        r.rows[layer][expert] = self._store.blob(layer, expert)
+        if r.entries[uid] == state[PLACED]:  # nothing rewrote it since (on the CPU nothing can)
+            r.entries[uid] = r.blob_addresses[uid]
+            r.rows[layer][expert] = self._store.blob(layer, expert)
         state[USED] += int(r.pending[layer, expert] > 0)
         state[PLACED] = 0

@@ -9,15 +9,16 @@ blob, mira.cache.lagged) and the fixed table of host blob addresses:
    blob into a stage row: every program copies one chunk, reading the pinned host store over
    PCIe; otherwise copy nothing.
 2. `stage_commit` (one program, after the copy): under the same condition point the entry at the
-   stage row, and record in the target layer's state: the uid, whether it was placed, one more
-   copy issued.
+   stage row, and record in the target layer's state: the uid, the row's address if placed (else
+   0), one more copy issued.
 3. `stage_restore` (one program, after the target layer's kernel): if an expert was placed, point
-   its entry back at its host blob, count it used when its layer routed a token to it, and clear
-   the placed flag.
+   its entry back at its host blob unless something else has rewritten it since (an admission of
+   the same expert landing late on the demand stream writes its slot row), count it used when its
+   layer routed a token to it, and clear the placed address.
 
 Each entry is written by one 8-byte store, so a kernel reading the table meanwhile sees the old
-address or the new one, and both hold the expert's bytes. The state of a target layer is 4 int64:
-[uid, placed, issued, used]. The PyTorch reference of these kernels is the CPU path of
+address or the new one, and all of them hold the expert's bytes. The state of a target layer is 4
+int64: [uid, placed row address or 0, issued, used]. The PyTorch reference of these kernels is the CPU path of
 `mira.cache.staging.LaggedStaging`, which does the same on tensors; tests/kernels/test_staging.py
 runs both on the same tables.
 """
@@ -51,15 +52,17 @@ def _stage_commit(expert_ptr, entries_ptr, blobs_ptr, state_ptr, first_uid, row_
     placed = entry == tl.load(blobs_ptr + uid)
     tl.store(entries_ptr + uid, tl.where(placed, row_address, entry))
     tl.store(state_ptr + 0, uid)
-    tl.store(state_ptr + 1, placed.to(tl.int64))
+    tl.store(state_ptr + 1, tl.where(placed, row_address, 0))
     tl.store(state_ptr + 2, tl.load(state_ptr + 2) + placed.to(tl.int64))
 
 
 @triton.jit
 def _stage_restore(entries_ptr, blobs_ptr, state_ptr, pending_ptr, first_uid):
     uid = tl.load(state_ptr + 0)
-    if tl.load(state_ptr + 1) != 0:
-        tl.store(entries_ptr + uid, tl.load(blobs_ptr + uid))
+    placed = tl.load(state_ptr + 1)
+    if placed != 0:
+        entry = tl.load(entries_ptr + uid)
+        tl.store(entries_ptr + uid, tl.where(entry == placed, tl.load(blobs_ptr + uid), entry))
         routed = tl.load(pending_ptr + (uid - first_uid)) > 0
         tl.store(state_ptr + 3, tl.load(state_ptr + 3) + routed.to(tl.int64))
         tl.store(state_ptr + 1, 0)

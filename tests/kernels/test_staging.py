@@ -11,6 +11,8 @@ The sequence, on the tiny Mixtral store (3 MoE layers of 8 experts), expert (0, 
 - layer 1 predicts nothing; layer 2 routes expert 3 and computes; the last layer restores it:
   entry back on its blob, used 1.
 - a second step: layer 0 predicts (2, 3) again, but it now holds slot 1: nothing is copied or issued.
+- (2, 4) staged and, before its restore, its entry rewritten to a slot (an admission landing late
+  on another stream): the restore leaves the slot's entry.
 - a prediction that its layer does not route is restored with used 0.
 """
 
@@ -67,7 +69,7 @@ def test_staging_places_restores_and_counts(mixtral_store, staging_class):
     assert torch.equal(rows[2], store.blob(2, 3))  # copied into row (2 % 3)
     assert (rows[0] == SENTINEL).all() and (rows[1] == SENTINEL).all()
     assert residency.tables[2, 3] == rows[2].data_ptr()
-    assert residency.staging[2].tolist() == [2 * E + 3, 1, 1, 0]  # uid, placed, issued, used
+    assert residency.staging[2].tolist() == [2 * E + 3, rows[2].data_ptr(), 1, 0]  # uid, placed at, issued, used
     staging.after_layer(0)
     staging.before_layer(1, None)
     residency.pending[2, 3] += 1  # layer 2 routes expert 3
@@ -77,6 +79,18 @@ def test_staging_places_restores_and_counts(mixtral_store, staging_class):
     assert residency.tables[2, 3] == blob_of(2, 3)
     assert residency.staging[2].tolist() == [2 * E + 3, 0, 1, 1]
     assert residency.tables[0, 5] == pool.row(0).data_ptr()  # the slot's entry untouched
+
+    residency.drain()
+    staging.before_layer(0, torch.tensor([4]))  # (2, 4) staged, then admitted into a slot before its restore
+    assert residency.tables[2, 4] == rows[2].data_ptr()
+    admitted = pool.take()
+    residency.entries[2 * E + 4] = pool.row(admitted).data_ptr()  # as a late to_slot on the demand stream
+    staging.before_layer(1, None)
+    staging.before_layer(2, None)
+    staging.after_layer(2)
+    assert residency.tables[2, 4] == pool.row(admitted).data_ptr()  # the restore leaves the slot's entry
+    assert residency.staging[2].tolist() == [2 * E + 4, 0, 1, 0]
+    pool.give(admitted)
 
     residency.drain()
     slot = pool.take()
