@@ -20,7 +20,8 @@
 #   bash benchmarks/h200_suite.sh deepseek  # mira bench, DeepSeek-V2-Lite shape, 64 in / 256 out, what issue #7
 #                                           # asks; its synthetic routing stays varied, the Qwen3 and OLMoE
 #                                           # presets' does not (synthetic-routing-cpu.json); 24 and 48 GiB
-#                                           # hold every expert (14.4 GB), so 8 and 12 GiB (~7 min)
+#                                           # hold every expert (14.4 GB), so 8 and 12 GiB; with the lagged
+#                                           # Mira+P and LRU, which the goals take where faster (~9 min)
 #   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out as issue #7 asks:
 #                                           # every budget, offload at each, beams of 256 tokens (~22 min:
 #                                           # three resumed calls)
@@ -56,7 +57,7 @@ case "${1:-}" in
     cp benchmarks/results/store-open-h200.json "$OUT/" ;;
   tiny)
     timeout "$LIMIT" python -m mira.cli bench --prompts .carry/bench/sharegpt-heldout.jsonl --num-prompts 2 \
-      --budgets 10%,25%,all --configs mira+p,mira+gate,mira,lru,static,hf-gpu,hf-offload \
+      --budgets 10%,25%,all --configs mira+p,mira+p-lagged,mira+gate,mira,lru,lru-lagged,static,hf-gpu,hf-offload \
       --heads benchmarks/results/predictor-tiny-heads.safetensors --profile benchmarks/results/traces/profile-train.npz \
       --beams 1,2,4,8 --beam-budget 25% --beam-new-tokens 256 --offload-prompts 2 --offload-new-tokens 64 \
       --out "$OUT/bench-mira-tiny-moe.json" --quiet --resume ;;
@@ -67,7 +68,7 @@ case "${1:-}" in
       --out "$OUT/bench-qwen3-30b-a3b.json" --quiet --resume ;;
   deepseek)
     timeout "$LIMIT" python -m mira.cli bench --synthetic deepseek-v2-lite --fixed 64x256 \
-      --budgets 8GiB,12GiB,all --configs mira+p,mira,lru,static,hf-gpu,hf-offload \
+      --budgets 8GiB,12GiB,all --configs mira+p,mira+p-lagged,mira,lru,lru-lagged,static,hf-gpu,hf-offload \
       --offload-new-tokens 3 --beams 1,2,4,8 --beam-budget 8GiB --beam-new-tokens 256 \
       --out "$OUT/bench-deepseek-v2-lite.json" --quiet --resume ;;
   mixtral)
