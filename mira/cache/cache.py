@@ -10,7 +10,9 @@ where is the policy's business (mira.cache.policy); how bytes move is the transf
 Under lagged residency (mira.cache.lagged; DESIGN.md 2.8) decode calls skip the cache: they count
 their routing on the device and read every expert through the layer's address table, which this
 mechanism keeps in step with the slots. `settle`, once per forward step, asks the policy about the
-counted tokens exactly as `fetch` would have, a step late.
+counted tokens exactly as `fetch` would have, a step late. Prefetching then stages on the device,
+in rows of the pool kept from the policy (`lagged_staging`, mira.cache.staging), and `settle`
+books its copies with the step's counts.
 """
 
 from __future__ import annotations
