@@ -10,6 +10,17 @@ locality of a trained model: every result is labelled "synthetic routing".
 A blob's values are chosen so that activations stay finite through every layer: INT8 weights
 uniform in [-127, 127] with a scale of 0.02 / 73 (73 ~ the standard deviation of that uniform),
 i.e. the dequantized weights have the 0.02 standard deviation of transformers' own initialisation.
+
+Attention that normalizes its queries and keys (Qwen3-MoE's and OLMoE's q_norm / k_norm) gets those
+norms' gains multiplied by `QK_NORM_GAIN`. With transformers' unit gains every attention logit is
+about one in size, so each token attends nearly uniformly and receives the average of the
+sequence: layer after layer the residual streams fill with one shared vector, and the routers
+send every token to the same few experts (benchmarks/results/synthetic-routing-cpu.json at
+109028e: the Qwen3 preset used 8-20 of 32 experts per layer for 48 tokens). Gains of 4 make
+attention peaked, as in trained models, and routing varied: on the CPU (benchmarks/
+synthetic_routing.py) the Qwen3 preset with 32 experts per layer used 31-32 of them per layer, the
+OLMoE preset 53-64 of 64, with their residual streams 22-57% shared instead of 89-99%. The
+Mixtral and DeepSeek-V2-Lite presets have no such norms and route varied as they are.
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
         tie_word_embeddings=False),
 }
 WEIGHT_STD = 0.02  # of transformers' initialisation, and of the dequantized synthetic experts
+QK_NORM_GAIN = 4.0  # gain of attention's query and key norms, where a preset has them (see above)
+QK_NORMS = ("q_norm.weight", "k_norm.weight")
 _UNIFORM_INT8_STD = 73.3  # standard deviation of integers uniform in [-127, 127]
 
 
@@ -83,7 +96,8 @@ class _InitablePlaceholder(ExpertsPlaceholder):
 
 
 def synthetic_skeleton(config: PretrainedConfig, device: torch.device, seed: int = 0):
-    """The model without its routed experts, random weights (transformers' init), on `device`.
+    """The model without its routed experts, random weights (transformers' init; query and key norm
+    gains of QK_NORM_GAIN), on `device`.
 
     Returns:
         The model (eval mode; bf16 on CUDA, float32 on the CPU), its MoE sites and the seconds taken.
@@ -93,6 +107,10 @@ def synthetic_skeleton(config: PretrainedConfig, device: torch.device, seed: int
     torch.manual_seed(seed)
     with experts_swapped(adapter_for(config), _InitablePlaceholder), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(QK_NORMS):
+                parameter.mul_(QK_NORM_GAIN)
     model.eval()
     return model, moe_sites(model), time.perf_counter() - start
 
