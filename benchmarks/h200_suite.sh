@@ -16,10 +16,10 @@
 #   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT, offload at each
 #                                           # budget, beams of 64 in / 256 out (~4 min)
 #   bash benchmarks/h200_suite.sh qwen3     # mira bench, Qwen3-30B-A3B shape, 64 in / 256 out, offload at
-#                                           # every budget, beams of 256 tokens (~12 min: two resumed calls)
+#                                           # every budget, beams of 256 tokens (~12 min: two resumed calls);
+#                                           # its committed runs predate the preset's varied routing (2e51f91)
 #   bash benchmarks/h200_suite.sh deepseek  # mira bench, DeepSeek-V2-Lite shape, 64 in / 256 out, what issue #7
-#                                           # asks; its synthetic routing stays varied, the Qwen3 and OLMoE
-#                                           # presets' does not (synthetic-routing-cpu.json); 24 and 48 GiB
+#                                           # asks (synthetic-routing-cpu.json: its routing varies); 24 and 48 GiB
 #                                           # hold every expert (14.4 GB), so 8 and 12 GiB; with the lagged
 #                                           # Mira+P and LRU, which the goals take where faster (~9 min)
 #   bash benchmarks/h200_suite.sh mixtral   # mira bench, Mixtral-8x7B shape, 64 in / 256 out as issue #7 asks:

@@ -38,8 +38,7 @@ def add_command(subparsers) -> None:
     source.add_argument("--model", help="Hugging Face model directory or Mira store (default: the bundled model)")
     source.add_argument("--synthetic", choices=sorted(PRESETS),
                         help="a random model at a published model's shapes, built in memory (no disk, no download); "
-                             "its routing is random, and every output says 'synthetic routing' (the Qwen3 preset's "
-                             "routing narrows with depth to a few experts per layer). Its greedy runs decode "
+                             "its routing is random, and every output says 'synthetic routing'. Its greedy runs decode "
                              "pseudo-random ids, the same in every configuration, instead of its own output, which "
                              "repeats one token")
     bench.add_argument("--prompts", metavar="FILE.jsonl",

@@ -38,11 +38,12 @@ class RandomContinuation(LogitsProcessor):
     position is drawn from (seed, position), so every configuration decodes the same ids.
 
     For synthetic models, whose own greedy output soon repeats one token: every configuration then
-    decodes the same varied sequence. It was meant to keep decode routing varied too, and does not
-    on the Qwen3-30B-A3B preset: its routing collapses with depth whatever the ids (in
+    decodes the same varied sequence. It was meant to keep decode routing varied too, and did not
+    on the Qwen3-30B-A3B preset: its routing collapsed with depth whatever the ids (in
     bench-qwen3-30b-a3b-random-ids.json, as without random ids, about 1,300 expert lookups missed
-    per run, and Belady's bound finds no decode miss): every token's residual stream fills with one
-    shared vector, which the routers follow (synthetic-routing-cpu.json). It overrides every other
+    per run, and Belady's bound finds no decode miss), as nearly uniform attention filled every
+    token's residual stream with one shared vector; the presets' query/key norm gains now keep it
+    varied (mira.bench.synthetic.QK_NORM_GAIN). It overrides every other
     processor's scores, the minimum-length one's included: the synthetic presets have no
     end-of-sequence id, so no drawn id ends a run early.
     """

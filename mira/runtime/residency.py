@@ -11,8 +11,8 @@ host's time per layer. Measured on the H200 (mira bench, random routing for the 
 - Qwen3-30B-A3B shape, 4.7 MB blobs (86 us at 55 GB/s), 64 in / 256 out,
   bench-qwen3-30b-a3b-lagged.json: lagged mira 65.4 tokens/s at 24 GiB against 10.9 inline (6.0x);
   lagged LRU 72.3 against 12.1 at 8 GiB (6.0x) and 78.5 against 11.8 at 24 GiB (6.7x). This
-  preset's decode routing barely varies (synthetic-routing-cpu.json), so these runs had few misses
-  after the prompt: they measure the host path more than the cost of a miss.
+  preset's decode routing barely varied then (before 2e51f91, mira.bench.synthetic), so these runs
+  had few misses after the prompt: they measure the host path more than the cost of a miss.
 - The bundled model's real routing (61-100% of routed tokens missed),
   bench-mira-tiny-moe-lagged.json: lagged mira 254 tokens/s at 25% against 43.1 inline (5.9x);
   lagged LRU 163 against 45.4 at 10% (3.6x), 253 against 45.8 at 25% (5.5x). (Each run's first
