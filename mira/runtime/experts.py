@@ -33,11 +33,12 @@ class MiraExperts(nn.Module):
     the device and computes from its address table, which always holds a readable address for
     every expert (slot row or pinned host blob); `ExpertCache.settle` takes the counts to the
     policy after the step. A lagged layer with a predictor also stages its best prediction for
-    layer_position + 2 without the host (mira.cache.staging). The output is a view of this layer's own buffer, valid until this
-    layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in
-    5.x) add it to the residual or the shared experts' output, into a new tensor, at once, and one
-    buffer per layer means no layer's call overwrites another layer's output. Larger calls
-    (prefill) return a tensor of their own; a lagged layer serves them inline, after settling.
+    layer_position + 2 without the host (mira.cache.staging). The output is a view of this layer's
+    own buffer, valid until this layer's next call: transformers' MoE blocks (Mixtral,
+    Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 in 5.x) add it to the residual or the shared experts'
+    output, into a new tensor, at once, and one buffer per layer means no layer's call overwrites
+    another layer's output. Larger calls (prefill) return a tensor of their own; a lagged layer
+    serves them inline, after settling.
 
     Args:
         layer_position: this layer's index among MoE layers.
@@ -76,7 +77,7 @@ class MiraExperts(nn.Module):
         self._compute = self._compute_from_table if self._table is not None else self._compute_from_blobs
         self._device = torch.device(device)
         self._fixed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (rows, address table [E])
-        self._may_be_fixed = predictor is None  # a layer that stages for another keeps the host in the loop
+        self._may_be_fixed = predictor is None  # the fixed path does not stage
         self._lagged = lagged
         self._staging = None
         if lagged:
