@@ -28,7 +28,6 @@ the CPU the device columns are empty; run it on the GPU machine.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -40,7 +39,7 @@ from transformers import LogitsProcessorList
 
 from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
-from mira.bench.run import MIRA_CONFIGS, UNLIMITED, _budget_bytes
+from mira.bench.run import MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory
 from mira.bench.sources import open_source
 from mira.errors import MiraError
 from mira.runtime.engine import default_device
@@ -124,13 +123,10 @@ def _per_step(whole: dict[str, float], prompt: dict[str, float], steps: int) -> 
 def _profile_config(source, name: str, budget: int, total: int, context: int, ids: torch.Tensor, steps: int,
                     device: torch.device) -> dict:
     """One configuration's figures per decode step, or {"skipped": why}."""
-    policy, prefetch, residency, graphs = MIRA_CONFIGS[name]
     try:
-        model = source.mira(budget, policy, prefetch, [1] * total if policy == "static" else None, context, residency)
-    except MiraError as error:  # e.g. a budget too small for one layer's experts
+        model = config_model(source, name, budget, [1] * total, context)  # static: a uniform placement
+    except MiraError as error:
         return {"skipped": str(error)}
-    if not graphs and model.decode_graphs is not None:
-        model.use_cuda_graphs(False)
     forced = LogitsProcessorList([RandomContinuation(source.config.vocab_size, 0)]) if (
         source.routing == "synthetic") else None
     _decode(model, ids, 4, forced)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
@@ -147,9 +143,7 @@ def _profile_config(source, name: str, budget: int, total: int, context: int, id
                "residency": model.stats()["residency"],
                "decode_steps_replayed": model.decode_graphs.replays if model.decode_graphs else 0}
     del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return figures
 
 

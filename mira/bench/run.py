@@ -102,7 +102,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
     result["store"] = getattr(source.store, "timings", None)  # synthetic: fill and page-lock seconds
     del warm
-    _free(device)
+    free_memory(device)
 
     budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
                for label in setup.budgets}
@@ -121,7 +121,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
             save()
 
     source.release_store()
-    _free(device)
+    free_memory(device)
     if any(c in BASELINES for c in setup.configs):
         try:
             _baselines(source, setup, budgets, device, vocab, rows, save, done)
@@ -155,19 +155,29 @@ def _warm_under_budget(source: Source, setup: BenchSetup, budgets: dict[str, int
     result.setdefault("warm_up_under_budget", []).append(
         {"budget": label, "config": "mira+p, inline", "prompts": len(CALIBRATION), "seconds": seconds})
     del warm
-    _free(device)
+    free_memory(device)
+
+
+def config_model(source: Source, name: str, budget: int, profile_counts, max_context: int):
+    """The model of MIRA_CONFIGS[name] at `budget` bytes (`profile_counts` place the static policy).
+
+    Raises:
+        MiraError: the configuration cannot run at this budget (e.g. too small for one layer's experts).
+    """
+    policy, prefetch, residency, graphs = MIRA_CONFIGS[name]
+    model = source.mira(budget, policy, prefetch, list(map(int, profile_counts)), max_context, residency)
+    if not graphs and model.decode_graphs is not None:
+        model.use_cuda_graphs(False)
+    return model
 
 
 def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[BenchPrompt], max_context: int,
               profile_counts, vocab: int, num_beams: int = 1) -> dict:
-    policy, prefetch, residency, graphs = MIRA_CONFIGS[name]
     row = {"config": name, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
     try:
-        model = source.mira(budget, policy, prefetch, list(map(int, profile_counts)), max_context, residency)
-    except MiraError as error:  # e.g. a budget too small for one layer's experts
+        model = config_model(source, name, budget, profile_counts, max_context)
+    except MiraError as error:
         return {**row, "skipped": str(error)}
-    if not graphs and model.decode_graphs is not None:
-        model.use_cuda_graphs(False)
     row["prefetcher"] = _prefetcher(model)
     start = time.perf_counter()
     row.update(run_mira(model, prompts, vocab, num_beams, random_continuation=num_beams == 1 and
@@ -176,7 +186,7 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
     row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
     del model
-    _free(source.device)
+    free_memory(source.device)
     return row
 
 
@@ -224,7 +234,7 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
             rows.append({"config": "hf-offload", "budget": ALL, "skipped": "host memory too small for the model"})
             return
         model = model.to("cpu")
-        _free(device)
+        free_memory(device)
         prompts = [BenchPrompt(p.text, p.input_tokens, min(p.max_new_tokens, setup.offload_new_tokens))
                    for p in setup.prompts[: setup.offload_prompts]]
         for label in offload_budgets:
@@ -238,7 +248,7 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
             print(_brief(row), file=sys.stderr, flush=True)
             save()
     del model
-    _free(device)
+    free_memory(device)
 
 
 MIRA_P = ("mira+p", "mira+p-lagged")  # the goals take each system at its best at every budget
@@ -361,7 +371,8 @@ def _profile(path: str) -> np.ndarray:
     return RoutingTrace.load(path).expert_counts()
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
+    """Collect dropped models and return the device's cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
