@@ -7,7 +7,12 @@ expert in place, and reports per MoE layer, over the prompt's last `--tokens` to
 - experts used: distinct experts routed to, against what independent uniform routing would use,
   E * (1 - (1 - K/E)^T);
 - shared: the norm of the tokens' mean residual stream (the layer's input) over their mean norm:
-  0 when tokens share nothing, 1 when every token carries the same vector.
+  0 when tokens share nothing, 1 when every token carries the same vector;
+- after previous: the share of a token's routed experts that the token before it also routed
+  to, against K/E for independent uniform routing;
+- gate speculation: the share of a token's routed experts at this layer that its router picks
+  from the token's input two MoE layers before (mira.predict.baselines.RouterRule, as gate
+  speculation applies it); none for the first two layers.
 
 Prints a table and writes benchmarks/results/synthetic-routing-cpu.json (or --out), one entry per
 preset and size, added to what the file holds.
@@ -31,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import result_header  # noqa: E402
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_skeleton, synthetic_store  # noqa: E402
+from mira.predict.baselines import RouterRule, SpeculationWorkspace  # noqa: E402
 from mira.runtime.engine import assemble  # noqa: E402
 from mira.runtime.tracing import RoutingRecorder  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
@@ -66,10 +72,23 @@ def measure(preset: str, layers: int | None, experts: int | None, prompt: int, t
         x = inputs[position][-tokens:].float()  # [T, H]
         shared = (x.mean(0).norm() / x.norm(dim=1).mean()).item()
         rows.append({"layer": position, "experts_used": len(set(routed[:, position].reshape(-1).tolist())),
-                     "shared": round(shared, 3)})
+                     "shared": round(shared, 3),
+                     "after_previous": round(_overlap(routed[1:, position], routed[:-1, position]), 3),
+                     "gate_speculation": None})
+    for position in range(2, len(sites)):
+        rule = RouterRule(sites[position].parent.gate)
+        with torch.no_grad():
+            _, chosen = rule.route(inputs[position - 2][-tokens:], SpeculationWorkspace(rule, tokens, device))
+        rows[position]["gate_speculation"] = round(_overlap(chosen.numpy(), routed[:, position]), 3)
     return {"preset": preset, "moe_layers": len(sites), "experts_per_layer": E, "top_k": K,
-            "hidden": config.hidden_size, "model_type": config.model_type,
-            "prompt_tokens": prompt, "tokens": tokens, "uniform_experts_used": round(uniform, 1), "layers": rows}
+            "hidden": config.hidden_size, "model_type": config.model_type, "prompt_tokens": prompt,
+            "tokens": tokens, "uniform_experts_used": round(uniform, 1), "uniform_after_previous": round(K / E, 3),
+            "layers": rows}
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """The mean share of each row of `a` [T, K] found in the same row of `b` [T, K]."""
+    return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / len(x) for x, y in zip(a, b)]))
 
 
 def main() -> None:
@@ -90,10 +109,12 @@ def main() -> None:
     write_json_atomic(args.out, result)
     print(f"{args.preset}: {figures['moe_layers']} MoE layers, {figures['experts_per_layer']} experts, top "
           f"{figures['top_k']}; {args.tokens} tokens would use {figures['uniform_experts_used']} experts per layer "
-          "if routed uniformly")
-    print(f"{'layer':>6} {'experts used':>13} {'shared':>7}")
+          f"if routed uniformly, and share {figures['uniform_after_previous']} of them with the token before")
+    print(f"{'layer':>6} {'experts used':>13} {'shared':>7} {'after previous':>15} {'gate speculation':>17}")
     for row in figures["layers"]:
-        print(f"{row['layer']:>6} {row['experts_used']:>13} {row['shared']:>7.3f}")
+        gate = "" if row["gate_speculation"] is None else f"{row['gate_speculation']:.3f}"
+        print(f"{row['layer']:>6} {row['experts_used']:>13} {row['shared']:>7.3f} {row['after_previous']:>15.3f} "
+              f"{gate:>17}")
     print(f"wrote {args.out}")
 
 
