@@ -18,7 +18,7 @@ sequence: layer after layer the residual streams fill with one shared vector, an
 send every token to the same few experts (benchmarks/results/synthetic-routing-cpu.json at
 109028e: the Qwen3 preset used 8-20 of 32 experts per layer for 48 tokens). Gains of 4 make
 attention peaked, as in trained models, and routing varied: on the CPU (benchmarks/
-synthetic_routing.py, synthetic-routing-cpu.json at 2e51f91) the Qwen3 preset with 32 experts per
+synthetic_routing.py, synthetic-routing-cpu.json at 7796b45) the Qwen3 preset with 32 experts per
 layer used 26-32 of them per layer over its 48 layers, the OLMoE preset 53-64 of 64, with their
 residual streams 20-70% shared instead of 89-99%. The Mixtral and DeepSeek-V2-Lite presets have
 no such norms and route varied as they are.
