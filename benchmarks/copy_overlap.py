@@ -12,7 +12,8 @@ activations, one token routed top-k over a layer's experts, as in decode), on on
 - zero-copy misses: one decode launch whose k routed experts are all read from pinned host memory
   (what a layer whose routed experts all missed costs), in GB/s against the copy alone; with the
   tuned launch configuration, and with variants of it (`ZERO_COPY_VARIANTS`: reads over PCIe may
-  want more bytes in flight, or more programs, than reads from HBM).
+  want more bytes in flight, more programs, or fewer programs walking longer runs of rows than
+  reads from HBM).
 
 CUDA events time each stream; "span" is first event to last. Prints a table and writes
 benchmarks/results/copy-overlap-h200.json (or --out).
@@ -49,6 +50,8 @@ SHAPES = {  # hidden, intermediate, experts per layer, routed per token
 ZERO_COPY_VARIANTS = {  # name -> the variant of a decode launch's tuned GemvConfig (both launches)
     "unroll 4": lambda gemv: dataclasses.replace(gemv, unroll=4),
     "half the rows per program": lambda gemv: dataclasses.replace(gemv, block_rows=max(2, gemv.block_rows // 2)),
+    # gate/up: 4 programs per SM, each walking a contiguous run of a pair's rows (down ignores it)
+    "runs of rows": lambda gemv: dataclasses.replace(gemv, programs_per_sm=4),
 }
 RESIDENT_BYTES = 512 << 20  # resident blobs the compute rotates over: well past the 60 MB L2
 GRAPH_CALLS = 32

@@ -94,24 +94,38 @@ def _int8_to_f32(w, CVT: tl.constexpr):
 @triton.jit
 def _gate_up_gemv(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    H, I, K, S_IN_OFF,
+    H, I, K, S_IN_OFF, ROWS,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr,
 ):
-    """Decode launch 1 on the CUDA cores: program (pair, block of I rows) -> act[pair, rows]."""
+    """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
+    from g * ROWS (whole blocks of BLOCK_I, one after another)."""
     pair = tl.program_id(0)
-    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_start = tl.program_id(1) * ROWS
     token = pair // K
     base = tl.load(bases_ptr + tl.load(index_ptr + pair))
     present = base != 0  # an expert routed without a blob yields NaN, not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
     s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-    in_rows = offs_i < I
-    row_mask = offs_i < tl.where(present, I, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
+    row_end = tl.minimum(row_start + ROWS, I)
     h_limit = tl.where(present, H, 0)
+    x_row = hidden_ptr + token * stride_ht
+    for i0 in range(row_start, row_end, BLOCK_I):
+        _gate_up_rows(x_row, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present, h_limit,
+                      H, I, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
+
+
+@triton.jit
+def _gate_up_rows(
+    x_row, w13, s_in, act_row, offs_i, row_end, present, h_limit, H, I,
+    SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr,
+):
+    """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end."""
+    in_rows = offs_i < row_end
+    row_mask = offs_i < tl.where(present, row_end, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
     gate_rows = w13 + offs_i[:, None] * H  # [BLOCK_I, 1]
     up_rows = w13 + (offs_i[:, None] + I) * H
-    x_row = hidden_ptr + token * stride_ht
     acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H * UNROLL):
@@ -137,21 +151,29 @@ def _gate_up_gemv(
         u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
     act = g * tl.sigmoid(g) * u
     act = tl.where(present, act, float("nan"))
-    tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
+    tl.store(act_row + offs_i, act, mask=in_rows)
 
 
 @triton.jit
 def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
-    H, I, K, W2_OFF, S_OUT_OFF,
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr,
+    partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
+    H, I, K, W2_OFF, S_OUT_OFF, SPAN,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_I: tl.constexpr, CVT: tl.constexpr,
 ):
-    """Decode launch 2 on the CUDA cores: program (token, block of H rows) -> out[token, rows],
-    the token's K experts summed in registers."""
+    """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
+    experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
+    that sum is out[token, rows]. Split, each program writes its partial sum and counts itself
+    in; the last of a row block's SPLIT programs to arrive adds the partials in split order into
+    out and resets the count: deterministic, no second launch, more programs for a short H."""
     token = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_rows = offs_h < H
+    col_start = split * SPAN
+    col_end = tl.minimum(col_start + SPAN, I)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
@@ -164,21 +186,35 @@ def _down_gemv(
         rows = w2 + offs_h[:, None] * I  # [BLOCK_H, 1]
         act_row = act_ptr + pair * I
         acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I * UNROLL):
+        for i0 in range(col_start, col_end, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
                 if EVEN_I:
                     a = tl.load(act_row + offs_i)
                     w_mask = row_mask[:, None]
                 else:
-                    in_i = offs_i < I
+                    in_i = offs_i < col_end
                     a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
                     w_mask = row_mask[:, None] & in_i[None, :]
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
                 acc += _int8_to_f32(w, CVT) * a[None, :]
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
         total += tl.where(present, y, float("nan")) * weight
-    tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
+    out_row = out_ptr + token * stride_ot + offs_h
+    if SPLIT == 1:
+        tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
+    else:
+        row_block = token * tl.num_programs(1) + block
+        partials = partial_ptr + row_block * SPLIT * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(partials + split * BLOCK_H, total)
+        tl.debug_barrier()  # every thread's partial is stored before the count moves
+        arrived = tl.atomic_add(count_ptr + row_block, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
+            total = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for s in range(0, SPLIT):
+                total += tl.load(partials + s * BLOCK_H, cache_modifier=".cg")  # from L2, not a stale L1 line
+            tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
+            tl.atomic_xchg(count_ptr + row_block, 0)  # ready for the next call
 
 
 @triton.jit
@@ -429,6 +465,13 @@ class TritonMoEFFN:
         self._s_in_off = sections["scale" if self._scheme == _SHARED else "scale13"].offset
         self._s_out_off = sections["scale" if self._scheme == _SHARED else "scale2"].offset
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
+        down = config.down_gemv
+        splits = 1 if down.mma else self._split_span(down)[1]
+        row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
+        self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32, device=self.device)
+        self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
         self._bases = None if num_experts is None else torch.zeros(num_experts, dtype=torch.int64, device=self.device)
         self._prefill: dict[str, torch.Tensor] = {}
         if max_tokens is not None and top_k is not None:
@@ -549,8 +592,9 @@ class TritonMoEFFN:
                 EVEN_H=H % up.block_cols == 0, DOT_DTYPE=dot_dtype, PRECISION=precision, **launch,
             )
         else:
-            _gate_up_gemv[grid](
-                *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
+            rows = self._rows_per_program(T * K, up)
+            _gate_up_gemv[(T * K, triton.cdiv(I, rows))](
+                *args, rows, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
                 EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
@@ -562,10 +606,26 @@ class TritonMoEFFN:
                 EVEN_I=I % down.block_cols == 0, DOT_DTYPE=dot_dtype, PRECISION=precision, **launch,
             )
         else:
-            _down_gemv[grid](
-                *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll,
-                EVEN_I=I % (down.block_cols * down.unroll) == 0, CVT=self._cvt(down), **launch,
+            span, splits = self._split_span(down)
+            _down_gemv[(*grid, splits)](
+                *args[:6], self._split_partials, self._split_counts, *args[6:], span,
+                BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
+                EVEN_I=splits * span == I, CVT=self._cvt(down), **launch,
             )
+
+    def _rows_per_program(self, pairs: int, gemv: GemvConfig) -> int:
+        """Rows of one routed pair a gate/up program owns: one block, or with `programs_per_sm`
+        the pair's share of about that many programs per SM, in whole blocks."""
+        if gemv.programs_per_sm <= 0:
+            return gemv.block_rows
+        programs = max(1, self._sms * gemv.programs_per_sm // pairs)
+        return triton.cdiv(triton.cdiv(self.layout.intermediate, programs), gemv.block_rows) * gemv.block_rows
+
+    def _split_span(self, gemv: GemvConfig) -> tuple[int, int]:
+        """Columns of I per program of a split down launch (whole loop steps), and the split count."""
+        I, step = self.layout.intermediate, gemv.block_cols * gemv.unroll
+        span = triton.cdiv(triton.cdiv(I, gemv.split), step) * step
+        return span, triton.cdiv(I, span)
 
     def _dot_types(self, dtype: torch.dtype):
         """Operand dtype and precision of the tensor-core products: the hidden dtype on the GPU

@@ -60,6 +60,12 @@ DECODE_CONFIGS = {
                               down_gemv=GemvConfig(16, 8, unroll=5, cvt="bits", num_warps=1)),
     "mma": KernelConfig(gate_up_gemv=GemvConfig(16, 32, mma=True, num_stages=2),
                         down_gemv=GemvConfig(16, 16, mma=True, num_stages=2)),
+    # gate/up: runs of row blocks per program (the interpreter counts 4 SMs: 1 token's 2 pairs get
+    # 2 programs each, rows 0-31 and 32-39; 3 tokens' 6 pairs one program each, rows 0-39 in 3
+    # blocks, the last ragged); down: the reduction split in 3 (spans of 16, the last ragged), the
+    # last program to arrive adding the partials
+    "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="prmt"),
+                               down_gemv=GemvConfig(16, 8, unroll=2, split=3, cvt="bits")),
 }
 PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
     "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
@@ -113,6 +119,7 @@ def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype:
     """A kernel object whose workspaces are all NaN."""
     ffn = TritonMoEFFN(layout, DEVICE, config=config, num_experts=E, max_tokens=tokens, top_k=K, dtype=dtype)
     ffn._decode_act.fill_(float("nan"))
+    ffn._split_partials.fill_(float("nan"))
     for buffer in ffn._prefill.values():
         buffer.fill_(float("nan"))
     return ffn
@@ -142,6 +149,23 @@ def test_decode_matches_reference_fp32(small, tokens, config):
     assert relative_error(out, ref) < FP32_TOL
 
 
+def test_split_down_resets_its_counts(small):
+    """A split down launch's arrival counts are back at zero after a call, so the next call (other
+    tokens here) is summed again, in the same order: equal to a fresh object's result."""
+    layout, blobs = small
+    config = DECODE_CONFIGS["gemv-split"]
+    ffn = poisoned_ffn(layout, config, 3, torch.float32)
+    assert ffn._split_counts.numel() == config.decode_max_pairs * 6  # most tokens x row blocks (H 96 / 16)
+    first = torch.randn(3, H, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    second = torch.randn(2, H, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    index, weights = routing(3, E, K, seed=11)
+    run_poisoned(ffn, first, index, weights, blobs)
+    assert int(ffn._split_counts.count_nonzero()) == 0
+    again = run_poisoned(ffn, second, index[:2], weights[:2], blobs)
+    fresh = run_poisoned(poisoned_ffn(layout, config, 3, torch.float32), second, index[:2], weights[:2], blobs)
+    assert torch.equal(again, fresh)
+
+
 @pytest.mark.parametrize("config", PREFILL_CONFIGS)
 @pytest.mark.parametrize("tokens", [1, 3, 37])
 def test_prefill_matches_reference_fp32(small, tokens, config):
@@ -153,7 +177,8 @@ def test_prefill_matches_reference_fp32(small, tokens, config):
     assert relative_error(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize(("config", "tokens"), [("gemv-masked", 3), ("mma", 3), ("gemm-m16", 3), ("gemm-m16", 37)])
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-masked", 3), ("mma", 3), ("gemv-split", 3), ("gemm-m16", 3),
+                                               ("gemm-m16", 37)])
 def test_bf16_hidden_matches_float64_reference(small, tokens, config):
     layout, blobs = small
     cfg = {**DECODE_CONFIGS, **PREFILL_CONFIGS}[config]
@@ -166,7 +191,7 @@ def test_bf16_hidden_matches_float64_reference(small, tokens, config):
     assert relative_error(out, truth) < BF16_TOL
 
 
-@pytest.mark.parametrize(("config", "tokens"), [("gemv-even", 8), ("gemm-m16", 37)])
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-even", 8), ("gemv-split", 8), ("gemm-m16", 37)])
 def test_repeated_experts(small, config, tokens):
     """Every token routed to experts 3 and 5 (in either order); in the GEMM one expert's 37
     pairs span three blocks."""
@@ -388,3 +413,38 @@ def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, keep_table):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.gpu
+@gpu
+def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs):
+    """Runs of rows in gate/up and a split down launch, compiled, at a real shape: the last program
+    to arrive adds the partials in a fixed order and resets its count, so every call and every
+    replay of a captured call gives the same bits, and they match the reference."""
+    layout, blobs = real_blobs("int8-shared", "qwen3-30b-a3b")
+    config = KernelConfig(gate_up_gemv=GemvConfig(8, 256, unroll=2, programs_per_sm=4, cvt="prmt"),
+                          down_gemv=GemvConfig(8, 256, unroll=2, split=4, cvt="prmt"))
+    ffn = TritonMoEFFN(layout, "cuda", config=config, num_experts=E)
+    bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
+    hidden = torch.randn(2, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(2, E, K, seed=4, device="cuda")
+    weights = weights.bfloat16()
+    out = torch.empty_like(hidden)
+    first = ffn.forward_bases(hidden, index, weights, bases).clone()
+    truth = moe_ffn_reference(hidden.float(), index, weights.float(), blobs, layout, F.silu)
+    assert relative_error(first, truth) < 1e-2
+    for _ in range(20):
+        assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), first)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, first)
+    assert int(ffn._split_counts.count_nonzero()) == 0

@@ -36,6 +36,12 @@ class GemvConfig:
         per weight, inline PTX; the interpreter uses "bits" instead).
     mma: run the product on the tensor cores instead, the routed token padded to 16 columns
         (block_rows >= 16; unroll and cvt unused; num_stages pipelines the weight loads).
+    programs_per_sm: (the gate/up launch on the CUDA cores) spread a routed pair's rows over about
+        this many programs per SM (the device's SM count divided among the pairs), each walking a
+        contiguous run of row blocks; 0: one row block per program.
+    split: (the down launch on the CUDA cores) split each row's reduction over I between this
+        many programs, for more programs than H / block_rows; the last to finish adds the
+        partial sums, in a fixed order.
     """
 
     block_rows: int = 16
@@ -45,6 +51,8 @@ class GemvConfig:
     num_stages: int = 1
     cvt: str = "bits"
     mma: bool = False
+    programs_per_sm: int = 0
+    split: int = 1
 
 
 @dataclass(frozen=True)
