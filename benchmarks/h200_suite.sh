@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-machine runs of the open issues (#5, #7), in parts that each fit one device call (at most
-# 10 minutes). Run from the repository root on the GPU machine, after putting numpy on the path (see
-# the device README); results land in $OUT (default benchmarks/results). The bench parts resume:
+# 10 minutes). Run from the repository root on the GPU machine with the repository on PYTHONPATH
+# (the machine's image has torch, triton, transformers and numpy; a numpy carried in front of its own
+# broke transformers' imports there); results land in $OUT (default benchmarks/results). The bench parts resume:
 # rerun a part that ran out of time and it measures only what is missing from its JSON
 # (copy the JSON back into $OUT first when $OUT starts empty). The GPU machine's copy of .git keeps
 # the commit the session began at: export MIRA_COMMIT=<the commit whose tree travels> in the device

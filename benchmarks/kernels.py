@@ -21,7 +21,8 @@ L2 cache), replayed after warm-up; the figure is the median over replays of the 
 --autotune first times candidate launch configurations per shape (each checked against the
 reference) and writes the best into mira/kernels/tuning/<device>.json (or --tuning-dir). The
 decode launches are chosen by their time from HBM, except that among gate/up launches within
-ZERO_COPY_TOLERANCE of the fastest the one reading pinned (missed) experts fastest wins.
+ZERO_COPY_TOLERANCE of the fastest the one reading a layer's pinned (missed) experts fastest
+wins (one token routed to all 8 experts, as many pairs as top-6 / top-8 models route).
 
     python benchmarks/kernels.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
     python benchmarks/kernels.py --smoke     # tiny shapes, few repeats: checks the script runs
@@ -265,21 +266,21 @@ class ShapeBench:
         del pool, tables
         return seconds
 
-    def time_top2_zero_copy(self, ffn: TritonMoEFFN) -> float:
-        """time_top2 with both routed experts read from pinned host memory (a layer whose routed
-        experts all missed). The pinned copies are made on the first call and kept."""
+    def time_layer_zero_copy(self, ffn: TritonMoEFFN) -> float:
+        """One token routed to all EXPERTS experts of a layer, every one read from pinned host
+        memory: a decode layer whose routed experts all missed, with as many routed pairs as the
+        small-expert models have (top-6, top-8). The pinned copies are made on the first call."""
         if not hasattr(self, "_pinned_tables"):
-            count = min(64, max(2 * TOP_K, math.ceil(PINNED_BYTES / self.layout.nbytes)))
+            count = min(64, max(2 * EXPERTS, math.ceil(PINNED_BYTES / self.layout.nbytes)))
             self._pinned = torch.empty(count, self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
             for r in range(count):
                 self._pinned[r].copy_(self.slots[r % self.n_slots])
             self._pinned_tables = [torch.tensor([self._pinned[(EXPERTS * i + e) % count].data_ptr() for e in range(EXPERTS)],
-                                                dtype=torch.int64, device=self.device) for i in range(count // TOP_K)]
-
-        def call(i):
-            index, weight = self.top2[i % self.calls]
-            ffn.forward_bases(self.x1[i % self.calls], index, weight, self._pinned_tables[i], out=self.out1)
-        return self.timer.graph(call, len(self._pinned_tables))
+                                                dtype=torch.int64, device=self.device) for i in range(count // EXPERTS)]
+        index = torch.arange(EXPERTS, device=self.device).view(1, EXPERTS)
+        weight = torch.full((1, EXPERTS), 1 / EXPERTS, dtype=self.dtype, device=self.device)
+        return self.timer.graph(lambda i: ffn.forward_bases(self.x1[i % self.calls], index, weight, self._pinned_tables[i],
+                                                            out=self.out1), len(self._pinned_tables))
 
     def time_prefill(self, ffn: TritonMoEFFN, tokens: int | None = None) -> float:
         n = tokens or self.xp.shape[0]
@@ -408,14 +409,14 @@ def autotune(bench: ShapeBench, log, smoke: bool = False) -> KernelConfig:
     search("down_gemv", pick(GEMV_DOWN), score_decode)
     # Under a budget the misses of small experts are read over PCIe (zero-copy), and those reads
     # take most of a decode step: among the gate/up launches at most ZERO_COPY_TOLERANCE slower
-    # than the fastest from HBM, keep the one that reads a top-2 call's pinned experts fastest.
+    # than the fastest from HBM, keep the one that reads a layer's pinned experts fastest.
     fastest = min(t for t, _ in up_results)
     close = [c for t, c in up_results if t <= fastest * (1 + ZERO_COPY_TOLERANCE)]
     if len(close) > 1 and bench.device.type == "cuda":
         timed = []
         for candidate in close:
-            t = bench.time_top2_zero_copy(bench.ffn(dataclasses.replace(best, gate_up_gemv=candidate)))
-            log(f"  {bench.name} gate_up_gemv zero-copy top-2 {candidate}: {t * 1e6:.1f} us")
+            t = bench.time_layer_zero_copy(bench.ffn(dataclasses.replace(best, gate_up_gemv=candidate)))
+            log(f"  {bench.name} gate_up_gemv zero-copy, {EXPERTS} experts routed {candidate}: {t * 1e6:.1f} us")
             timed.append((t, candidate))
         best = dataclasses.replace(best, gate_up_gemv=min(timed, key=lambda r: r[0])[1])
 
