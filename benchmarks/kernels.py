@@ -5,7 +5,8 @@ random INT8 weights, int8-shared, bf16 activations), on one GPU:
 
 - one expert at batch 1: Mira's decode launches; achieved GB/s of blob bytes read against the
   design's 4.29 TB/s HBM figure (and the copy bandwidth measured in this run); torch bf16 FFN;
-  naive torch INT8 dequantize-then-matmul;
+  naive torch INT8 dequantize-then-matmul; the read ceiling: a plain read of the same bytes in
+  one launch and in two (`read_ceiling`);
 - top-2 of 8 experts at batch 1 (one MoE layer's decode), Mira and torch bf16; Mira again with the
   experts spread over a --spread-gb pool, as a large model's slot pool spreads them;
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), Mira's grouped GEMM
@@ -46,6 +47,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # --smoke on a CPU machine: the kernels run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -443,6 +446,42 @@ def autotune(bench: ShapeBench, log, smoke: bool = False) -> KernelConfig:
     return dataclasses.replace(best, decode_max_pairs=crossover)
 
 
+@triton.jit
+def _read_words(words_ptr, n_words, sink_ptr, BLOCK: tl.constexpr):
+    """The fastest plain read we know: each program strides over the buffer's int32 words a
+    block at a time and sums them (one store per program, so the loads are not dead)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        acc += tl.load(words_ptr + offs, mask=offs < n_words, other=0, eviction_policy="evict_first")
+    tl.store(sink_ptr + pid, tl.sum(acc))
+
+
+def read_ceiling(bench: ShapeBench) -> dict:
+    """How fast the GPU reads one expert's bytes from HBM with nothing else to do: the limit the
+    decode launches are measured against (DESIGN.md 4 counts 4.29 TB/s, a copy's reads plus
+    writes). In one launch, and split as the decode splits it (gate/up's 2I x H bytes, then the
+    rest), since a launch boundary costs a ramp-down and a ramp-up."""
+    programs = torch.cuda.get_device_properties(bench.device).multi_processor_count * 16
+    words = bench.slots.view(torch.int32)  # [N, nbytes / 4]
+    n_words, first = words.shape[1], 2 * bench.layout.intermediate * bench.layout.hidden // 4
+    sink = torch.empty(programs, dtype=torch.int32, device=bench.device)
+
+    def one(i):
+        _read_words[(programs,)](words[i % bench.n_slots], n_words, sink, BLOCK=4096, num_warps=4)
+
+    def two(i):
+        row = words[i % bench.n_slots]
+        _read_words[(programs,)](row, first, sink, BLOCK=4096, num_warps=4)
+        _read_words[(programs,)](row[first:], n_words - first, sink, BLOCK=4096, num_warps=4)
+    calls = min(bench.n_slots, 64)
+    t_one, t_two = bench.timer.graph(one, calls), bench.timer.graph(two, calls)
+    nbytes = bench.layout.nbytes
+    return {"read_one_expert_s": t_one, "read_one_expert_TBps": nbytes / t_one / 1e12,
+            "read_one_expert_two_launches_s": t_two, "read_one_expert_two_launches_TBps": nbytes / t_two / 1e12}
+
+
 def ceilings(device: torch.device, timer: Timer) -> dict:
     if device.type != "cuda":
         return {}
@@ -472,7 +511,6 @@ def main() -> None:
     shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
     timer = Timer(device, 2 if args.smoke else args.replays)
     log = lambda line: print(line, flush=True)  # noqa: E731
-    import triton
 
     result = {
         "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
@@ -516,6 +554,7 @@ def main() -> None:
             "torch_dequant_then_matmul_one_expert_s": bench.torch_dequant(),
             **{f"torch_bf16_{k}": v for k, v in bench.torch_bf16().items()},
             **bench.misses(ffn, args.smoke),
+            **(read_ceiling(bench) if device.type == "cuda" else {}),
         }
         figures["prefill_mira_over_torch_bf16"] = prefill / figures["torch_bf16_prefill_s"]
         result["shapes"][name] = {"hidden": hidden, "intermediate": intermediate, **figures}
@@ -536,12 +575,13 @@ def main() -> None:
 def print_table(result: dict) -> None:
     us = lambda s: f"{s * 1e6:9.1f}"  # noqa: E731
     print(f"\n{result['gpu']}  {result['date']}  ceilings: {result['ceilings']}")
-    header = ("shape", "blob MB", "1 exp us", "GB/s", "%4.29T", "bf16 us", "deq us", "top2 us", "spread us", "bf16 top2",
+    header = ("shape", "blob MB", "1 exp us", "GB/s", "%4.29T", "read us", "bf16 us", "deq us", "top2 us", "spread us", "bf16 top2",
               "eager us", "prefill us", "bf16 pre", "ratio", "copy GB/s", "cp+comp us", "zc us", "zc GB/s", "zc/cp")
     print(" ".join(f"{h:>10}" for h in header))
     for name, f in result["shapes"].items():
         row = (name[:10], f"{f['blob_bytes'] / 1e6:10.1f}", us(f["mira_one_expert_s"]), f"{f['mira_one_expert_GBps']:10.0f}",
-               f"{100 * f['mira_one_expert_fraction_of_4.29TBps']:9.0f}%", us(f["torch_bf16_one_expert_s"]),
+               f"{100 * f['mira_one_expert_fraction_of_4.29TBps']:9.0f}%",
+               us(f["read_one_expert_s"]) if "read_one_expert_s" in f else f"{'-':>9}", us(f["torch_bf16_one_expert_s"]),
                us(f["torch_dequant_then_matmul_one_expert_s"]), us(f["mira_top2_s"]),
                us(f["mira_top2_spread_s"]) if f.get("mira_top2_spread_s") is not None else f"{'-':>9}", us(f["torch_bf16_top2_s"]),
                us(f["mira_top2_eager_call_s"]), us(f["mira_prefill_s"]), us(f["torch_bf16_prefill_s"]),
