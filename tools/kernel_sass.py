@@ -34,8 +34,8 @@ from mira.kernels import triton_ffn
 from mira.kernels.tuning import GemvConfig
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
-    "gate_up": [GemvConfig(8, 256, unroll=2, cvt="prmt")],
-    "down": [GemvConfig(4, 512, unroll=2, cvt="prmt")],
+    "gate_up": [GemvConfig(8, 512, unroll=2, cvt="prmt")],
+    "down": [GemvConfig(32, 256, unroll=1, cvt="prmt", split=8)],
 }
 I32, DIV16 = "i32", [["tt.divisibility", 16]]
 
@@ -45,19 +45,26 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
     if launch == "gate_up":
         fn = triton_ffn._gate_up_gemv
         signature = {"hidden_ptr": "*bf16", "stride_ht": I32, "index_ptr": "*i64", "bases_ptr": "*i64",
-                     "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "S_IN_OFF": I32}
+                     "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "S_IN_OFF": I32, "ROWS": I32}
         constants = {"SCHEME": 0, "BLOCK_I": config.block_rows, "BLOCK_H": config.block_cols, "UNROLL": config.unroll,
                      "EVEN_H": hidden % (config.block_cols * config.unroll) == 0}
+        rows = config.block_rows  # one row block per program (programs_per_sm 0)
     else:
         fn = triton_ffn._down_gemv
         signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
-                     "out_ptr": "*bf16", "stride_ot": I32, "H": I32, "I": I32, "K": I32, "W2_OFF": I32,
-                     "S_OUT_OFF": I32}
+                     "out_ptr": "*bf16", "stride_ot": I32, "partial_ptr": "*fp32", "count_ptr": "*i32",
+                     "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "S_OUT_OFF": I32, "SPAN": I32}
+        step = config.block_cols * config.unroll
+        span = -(-(-(-intermediate // config.split)) // step) * step
+        splits = -(-intermediate // span)
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
-                     "EVEN_I": intermediate % (config.block_cols * config.unroll) == 0}
+                     "SPLIT": splits, "EVEN_I": splits * span == intermediate}
+        rows = None
     constants["CVT"] = config.cvt
-    # every argument but K (= 2) is a multiple of 16 at real shapes, as the JIT would find
-    hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name != "K"}
+    # every argument but K (= 2) and a row count below 16 is a multiple of 16 at real shapes, as
+    # the JIT would find
+    small = {"K"} | ({"ROWS"} if rows is not None and rows % 16 else set())
+    hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name not in small}
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn, signature=signature, constexprs=constants, attrs=hinted)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}

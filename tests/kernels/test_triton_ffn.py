@@ -37,6 +37,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(triton_language.zeros).__n
 
 from mira.kernels import ReferenceMoEFFN, is_silu, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels import triton_ffn  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN, group_by_expert  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     GemmConfig, GemvConfig, KernelConfig, default_config, device_key, load_config, save_configs,
@@ -260,7 +261,10 @@ def test_wrong_blob_size_is_refused(small):
         ffn(torch.zeros(1, H, device=DEVICE), index, weights, bad)
 
 
-def test_group_by_expert_places_every_pair_once_in_its_experts_blocks():
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "torch-sort"])
+def test_group_by_expert_places_every_pair_once_in_its_experts_blocks(one_program, monkeypatch):
+    if not one_program:  # every size takes the sorting path
+        monkeypatch.setattr(triton_ffn, "ONE_PROGRAM_GROUPING", 0)
     gen = torch.Generator().manual_seed(0)
     index = torch.randint(0, E, (53,), generator=gen)
     index[:20] = 6  # one expert over several blocks
