@@ -13,19 +13,23 @@ transient slot and no wait for a copy. The kernels never know about the cache.
 Two shapes, chosen per call from the number of routed pairs P = T * K (a host integer: no sync):
 
 decode (P <= config.decode_max_pairs): two launches over all routed pairs of the layer.
-    1. gate/up, grid (P, I / block_rows): per routed pair, the gate and up rows against the token,
-       SwiGLU, into the fp32 workspace act [P, I].
-    2. down, grid (T, H / block_rows): per token, the down projection of each of its K experts in
-       turn, scaled and weighted, summed in registers and written once into out [T, H]: no
-       atomics, deterministic, every output element written.
+    1. gate/up, grid (P, I / rows): per routed pair, the gate and up rows against the token,
+       SwiGLU, into the fp32 workspace act [P, I]; a program owns one block of block_rows rows,
+       or a run of blocks (`programs_per_sm`: fewer, longer-lived programs read pinned experts
+       over PCIe faster).
+    2. down, grid (T, H / block_rows, splits): per token, the down projection of each of its K
+       experts in turn, scaled and weighted, summed in registers and written once into out
+       [T, H]: no atomics in the sum, deterministic, every output element written. With `split`
+       the reduction over I is shared by several programs (more programs than H / block_rows
+       alone gives); the last of them to arrive adds their partial sums in a fixed order.
     Each launch comes as a CUDA-core GEMV (`_gate_up_gemv`, `_down_gemv`: fp32 FMAs, INT8
     converted by integer tricks instead of the quarter-rate int-to-float unit) or on the tensor
     cores (`_gate_up_gemv_mma`, `_down_gemv_mma`: the token padded to 16 columns, weight loads
     pipelined); the tuned configuration picks one per launch and shape.
 prefill (larger P): the routed pairs are grouped by expert on the device (`group_by_expert`:
     a counting sort in one program, or a torch sort for many pairs; padding to block_m; no host
-    sync), then two grouped tiled
-    GEMMs, each program one (expert, block_m pairs, block_n weight rows) tile:
+    sync), then two grouped tiled GEMMs, each program one (expert, block_m pairs, block_n weight
+    rows) tile:
     1. `_gate_up_gemm`: act [P, I] (hidden dtype) = SwiGLU of the pairs' tokens against w13.
     2. `_down_gemm`: y [P, H] = weight * (act @ w2^T), one row per pair; then out = the sum of each
        token's K rows (one deterministic torch reduction into `out`).
@@ -36,8 +40,8 @@ prefill (larger P): the routed pairs are grouped by expert on the device (`group
 s * y after the down product): no multiply per weight. `int8-row` multiplies each output row once
 after its reduction. Accumulation is fp32; hidden may be bf16 (the GPU path) or fp32.
 
-Allocation. Decode allocates no device memory after the first call: the fp32 decode workspace is
-made at construction, the address table on the first call (or at construction given
+Allocation. Decode allocates no device memory after the first call: the fp32 decode workspace
+and a split down launch's partial sums and arrival counts are made at construction, the address table on the first call (or at construction given
 `num_experts`), and the output goes into `out=` when given. Prefill allocates small index tensors
 (O(P + E)) through the caching allocator on every call, and its act/y workspaces unless
 `max_tokens` and `top_k` were given at construction (they grow when a larger call comes). No path
@@ -482,7 +486,7 @@ class TritonMoEFFN:
     def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
         """Device bytes of the workspaces one call of this size uses (for the memory budget)."""
         H, I, pairs = self.layout.hidden, self.layout.intermediate, tokens * top_k
-        decode = self.config.decode_max_pairs * I * 4
+        decode = self.config.decode_max_pairs * I * 4 + (self._split_partials.numel() + self._split_counts.numel()) * 4
         if pairs <= self.config.decode_max_pairs:
             return decode
         return decode + pairs * (I + H) * dtype.itemsize
