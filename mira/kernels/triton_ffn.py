@@ -30,7 +30,8 @@ prefill (larger P): the routed pairs are grouped by expert on the device (`group
     a counting sort in one program, or a torch sort for many pairs; padding to block_m; no host
     sync), then two grouped tiled GEMMs, each program one (expert, block_m pairs, block_n weight
     rows) tile:
-    1. `_gate_up_gemm`: act [P, I] (hidden dtype) = SwiGLU of the pairs' tokens against w13.
+    1. `_gate_up_gemm`: act [P, I] (hidden dtype) = SwiGLU of the pairs' tokens against w13
+       (int8-shared: of the pairs' tokens scaled once per pair beforehand, `_scale_pairs`).
     2. `_down_gemm`: y [P, H] = weight * (act @ w2^T), one row per pair; then out = the sum of each
        token's K rows (one deterministic torch reduction into `out`).
     The weight tile is the left operand of the dot (on Hopper the converted INT8 operand stays in
@@ -317,13 +318,34 @@ def _down_gemv_mma(
 
 
 @triton.jit
+def _scale_pairs(
+    hidden_ptr, stride_ht, index_ptr, bases_ptr, xs_ptr,  # [T, H], [P], [E] int64, [P, H] (hidden dtype)
+    H, K, S_IN_OFF,
+    BLOCK: tl.constexpr,
+):
+    """int8-shared prefill: xs[pair] = x[token] * s of the pair's expert, rounded to the hidden
+    dtype, once per pair, so that the gate/up GEMM reads its token operand straight from memory
+    (scaled inside its loop, the operand passes through registers and each step's tensor-core
+    product must finish before the next step's operand is stored: no overlap)."""
+    pair = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    x = tl.load(hidden_ptr + (pair // K) * stride_ht + offs, mask=offs < H, other=0.0).to(tl.float32)
+    s = tl.load(s_in + offs, mask=offs < tl.where(base != 0, H, 0), other=0.0).to(tl.float32)
+    tl.store(xs_ptr + pair * H + offs, (x * s).to(xs_ptr.dtype.element_ty), mask=offs < H)
+
+
+@triton.jit
 def _gate_up_gemm(
-    hidden_ptr, stride_ht, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
+    x_ptr, stride_xt, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
     P, H, I, K, S_IN_OFF,
     SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows."""
+    """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. The
+    pairs' token rows are x's rows pair // K: the hidden states (int8-row) or the pairs' scaled
+    rows from `_scale_pairs` (int8-shared, K = 1)."""
     pid_b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_b)
     if expert < 0:  # past the last padded block of this call
@@ -338,8 +360,7 @@ def _gate_up_gemm(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = offs_n < I
     row_mask = offs_n < tl.where(present, I, 0)
-    k_limit = tl.where(present, H, 0)
-    x_cols = hidden_ptr + tokens[None, :] * stride_ht  # [1, BM]
+    x_cols = x_ptr + tokens[None, :] * stride_xt  # [1, BM]
     gate_rows = w13 + offs_n[:, None] * H  # [BN, 1]
     up_rows = w13 + (offs_n[:, None] + I) * H
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -353,14 +374,9 @@ def _gate_up_gemm(
             in_k = offs_k < H
             x_mask = valid[None, :] & in_k[:, None]
             w_mask = row_mask[:, None] & in_k[None, :]
-        s_mask = offs_k < k_limit
-        x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)  # [BK, BM]
-        if SCHEME == 0:
-            s = tl.load(s_in + offs_k, mask=s_mask, other=0.0).to(tl.float32)
-            x_t = (x_t.to(tl.float32) * s[:, None]).to(hidden_ptr.dtype.element_ty)
+        x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0).to(DOT_DTYPE)  # [BK, BM]
         wg = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BN, BK]
         wu = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
-        x_t = x_t.to(DOT_DTYPE)
         acc_g = tl.dot(wg, x_t, acc_g, input_precision=PRECISION)  # [BN, BM]
         acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
     if SCHEME == 1:
@@ -665,9 +681,13 @@ class TritonMoEFFN:
         act, y = self._prefill_buffers(P, hidden.dtype)
         dot_dtype, precision = self._dot_types(hidden.dtype)
         n_blocks = block_expert.numel()
+        x, x_stride, x_k = hidden, hidden.stride(0), K  # the GEMM's token rows: pair // x_k of x
+        if self._scheme == _SHARED:  # the pairs' scaled rows, in y until the down launch writes it
+            _scale_pairs[(P, triton.cdiv(H, 1024))](hidden, hidden.stride(0), index, bases, y, H, K, self._s_in_off, BLOCK=1024)
+            x, x_stride, x_k = y, H, 1
         _gate_up_gemm[(n_blocks, triton.cdiv(I, g.block_n))](
-            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act,
-            P, H, I, K, self._s_in_off,
+            x, x_stride, sorted_pair, block_expert, bases, act,
+            P, H, I, x_k, self._s_in_off,
             SCHEME=self._scheme, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
             EVEN_K=H % g.block_k == 0, DOT_DTYPE=dot_dtype, PRECISION=precision,
             num_warps=g.num_warps, num_stages=g.num_stages,
