@@ -35,7 +35,7 @@ from mira.kernels.tuning import GemvConfig
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
     "gate_up": [GemvConfig(8, 512, unroll=2, cvt="prmt")],
-    "down": [GemvConfig(32, 256, unroll=1, cvt="prmt", split=8)],
+    "down": [GemvConfig(8, 256, unroll=2, cvt="prmt", split=4)],
 }
 I32, DIV16 = "i32", [["tt.divisibility", 16]]
 
