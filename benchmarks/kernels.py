@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import commit, context, utc_now  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels import triton_ffn  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, default_config, load_config, save_configs,
@@ -482,6 +483,27 @@ def read_ceiling(bench: ShapeBench) -> dict:
             "read_one_expert_two_launches_s": t_two, "read_one_expert_two_launches_TBps": nbytes / t_two / 1e12}
 
 
+GROUPING_SIZES = [(1024, 8, 128), (4096, 64, 128), (4096, 128, 64), (32768, 128, 64)]  # pairs, experts, block_m
+
+
+def grouping(device: torch.device, timer: Timer) -> list[dict]:
+    """Prefill's grouping of routed pairs by expert, one program against the torch sort, at a few
+    sizes (random top-8 routing: all 8 of 8 experts): the figures behind
+    `triton_ffn.ONE_PROGRAM_GROUPING`. The two must give the same blocks."""
+    rows = []
+    for pairs, experts, block_m in GROUPING_SIZES:
+        k = min(8, experts)
+        index = torch.stack([torch.randperm(experts, device=device)[:k] for _ in range(pairs // k)]).view(-1)
+        n_blocks = pairs // block_m + min(experts, pairs)
+        ours = triton_ffn._group_in_one_program(index, experts, block_m, n_blocks)
+        t_one = timer.graph(lambda i: triton_ffn._group_in_one_program(index, experts, block_m, n_blocks), 4)
+        theirs = triton_ffn._group_by_sorting(index, experts, block_m, n_blocks)
+        t_sort = timer.graph(lambda i: triton_ffn._group_by_sorting(index, experts, block_m, n_blocks), 4)
+        rows.append({"pairs": pairs, "experts": experts, "block_m": block_m, "one_program_s": t_one, "torch_sort_s": t_sort,
+                     "same_blocks": bool(torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]))})
+    return rows
+
+
 def ceilings(device: torch.device, timer: Timer) -> dict:
     if device.type != "cuda":
         return {}
@@ -523,9 +545,13 @@ def main() -> None:
                   "experts_per_layer": EXPERTS, "top_k": TOP_K, "prefill_tokens": PREFILL_TOKENS,
                   "routing": "random (not a trained router)", "timing": "CUDA graphs over rotating inputs, median of replays"},
         "ceilings": ceilings(device, timer),
+        "grouping": grouping(device, timer) if device.type == "cuda" else [],
         "shapes": {},
     }
     log(f"{gpu}; ceilings {result['ceilings']}")
+    for row in result["grouping"]:
+        log(f"  grouping {row['pairs']} pairs of {row['experts']} experts: one program {row['one_program_s'] * 1e6:.1f} us, "
+            f"torch sort {row['torch_sort_s'] * 1e6:.1f} us, same blocks {row['same_blocks']}")
     tuned = {}
     for name, (hidden, intermediate) in shapes.items():
         bench = ShapeBench(name, hidden, intermediate, device, timer, args.smoke)

@@ -717,11 +717,23 @@ def group_by_expert(index: torch.Tensor, num_experts: int, block_m: int) -> tupl
         block_expert [n_blocks] int32: the expert of each block; -1 past the last used block.
         n_blocks = P // block_m + min(E, P) bounds the blocks any routing can need.
     """
-    P, device = index.numel(), index.device
+    P = index.numel()
     n_blocks = P // block_m + min(num_experts, P)
-    experts = triton.next_power_of_2(num_experts)
-    if P * experts > ONE_PROGRAM_GROUPING:
+    if P * triton.next_power_of_2(num_experts) > ONE_PROGRAM_GROUPING:
         return _group_by_sorting(index, num_experts, block_m, n_blocks)
+    return _group_in_one_program(index, num_experts, block_m, n_blocks)
+
+
+# Pairs x experts (rounded up to a power of two) up to which group_by_expert runs as one program,
+# which walks every pair: much faster than the torch ops for a layer's prefill of a few hundred
+# tokens, slower for thousands of pairs over many experts (`grouping` in
+# benchmarks/results/kernels-h200.json).
+ONE_PROGRAM_GROUPING = 1 << 16
+
+
+def _group_in_one_program(index: torch.Tensor, num_experts: int, block_m: int, n_blocks: int):
+    """group_by_expert as one launch of `_group_pairs`."""
+    P, device, experts = index.numel(), index.device, triton.next_power_of_2(num_experts)
     sorted_pair = torch.empty(n_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=device)
     _group_pairs[(1,)](
@@ -729,12 +741,6 @@ def group_by_expert(index: torch.Tensor, num_experts: int, block_m: int) -> tupl
         BLOCK_M=block_m, EXPERTS=experts, CHUNK=max(16, 8192 // experts), num_warps=4,
     )
     return sorted_pair, block_expert
-
-
-# Pairs x experts (rounded up to a power of two) up to which group_by_expert runs as one program
-# (H200: 8 us against 74 us of torch ops at 1,024 pairs of 8 experts; even at 4,096 x 64; 2x
-# slower at 4,096 x 128, 13x at 32,768 x 128: one program walks every pair).
-ONE_PROGRAM_GROUPING = 1 << 16
 
 
 def _group_by_sorting(index: torch.Tensor, num_experts: int, block_m: int, n_blocks: int):

@@ -263,8 +263,7 @@ def test_wrong_blob_size_is_refused(small):
 
 @pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "torch-sort"])
 def test_group_by_expert_places_every_pair_once_in_its_experts_blocks(one_program, monkeypatch):
-    if not one_program:  # every size takes the sorting path
-        monkeypatch.setattr(triton_ffn, "ONE_PROGRAM_GROUPING", 0)
+    monkeypatch.setattr(triton_ffn, "ONE_PROGRAM_GROUPING", 1 << 62 if one_program else 0)  # one path for every size
     gen = torch.Generator().manual_seed(0)
     index = torch.randint(0, E, (53,), generator=gen)
     index[:20] = 6  # one expert over several blocks
