@@ -42,10 +42,12 @@ s * y after the down product): no multiply per weight. `int8-row` multiplies eac
 after its reduction. Accumulation is fp32; hidden may be bf16 (the GPU path) or fp32.
 
 Allocation. Decode allocates no device memory after the first call: the fp32 decode workspace
-and a split down launch's partial sums and arrival counts are made at construction, the address table on the first call (or at construction given
-`num_experts`), and the output goes into `out=` when given. Prefill allocates small index tensors
-(O(P + E)) through the caching allocator on every call, and its act/y workspaces unless
-`max_tokens` and `top_k` were given at construction (they grow when a larger call comes). No path
+and a split down launch's partial sums and arrival counts are made at construction, the address
+table on the first call (or at construction given `num_experts`), and the output goes into
+`out=` when given. Prefill allocates small index tensors (O(P + E)) through the caching
+allocator on every call, and its act/y workspaces unless `max_tokens` and `top_k` were given at
+construction (they grow when a larger call comes; int8-shared keeps its scaled token rows in y
+until the down launch overwrites it). No path
 synchronises with the host: the blob-list form stages the address table in pinned host memory and
 copies it without waiting (`forward_bases` takes a device table the caller keeps instead, which
 also makes a decode step capturable in a CUDA graph; the runtime fills one per layer with
@@ -703,8 +705,7 @@ class TritonMoEFFN:
 
 
 def group_by_expert(index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group routed pairs by expert, each group padded to whole blocks of `block_m` (one launch,
-    no host sync).
+    """Group routed pairs by expert, each group padded to whole blocks of `block_m` (no host sync).
 
     Args:
         index: [P] expert id of every routed pair (pair p = token p // K, slot p % K).
