@@ -21,5 +21,5 @@ def test_tuned_decode_launches_broadcast_through_shared_memory():
         broadcast = next(r for r in rows if r["launch"] == launch)
         # broadcast, the vector crosses shared memory in every loop step
         assert broadcast["barriers"] > 4 and broadcast["shared_stores"] > 1
-        assert broadcast["barriers_in_loops"] > 0
+        assert broadcast["barriers_in_loops"] > 4
         assert broadcast["weight_loads_128"] > 0  # the weights read as 16-byte vectors
