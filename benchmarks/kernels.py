@@ -271,15 +271,20 @@ class ShapeBench:
         del pool, tables
         return seconds
 
+    def host_copies(self, count: int) -> torch.Tensor:
+        """[count, nbytes] copies of the slots in host memory, pinned on a GPU machine."""
+        host = torch.empty(count, self.layout.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        for r in range(count):
+            host[r].copy_(self.slots[r % self.n_slots])
+        return host
+
     def time_layer_zero_copy(self, ffn: TritonMoEFFN) -> float:
         """One token routed to all EXPERTS experts of a layer, every one read from pinned host
         memory: a decode layer whose routed experts all missed, with as many routed pairs as the
         small-expert models have (top-6, top-8). The pinned copies are made on the first call."""
         if not hasattr(self, "_pinned_tables"):
             count = min(64, max(2 * EXPERTS, math.ceil(PINNED_BYTES / self.layout.nbytes)))
-            self._pinned = torch.empty(count, self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
-            for r in range(count):
-                self._pinned[r].copy_(self.slots[r % self.n_slots])
+            self._pinned = self.host_copies(count)
             self._pinned_tables = [torch.tensor([self._pinned[(EXPERTS * i + e) % count].data_ptr() for e in range(EXPERTS)],
                                                 dtype=torch.int64, device=self.device) for i in range(count // EXPERTS)]
         index = torch.arange(EXPERTS, device=self.device).view(1, EXPERTS)
@@ -354,12 +359,8 @@ class ShapeBench:
 
     def misses(self, ffn: TritonMoEFFN, smoke: bool) -> dict:
         nbytes = self.layout.nbytes
-        count = max(2, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes))
-        count = min(count, 64)
-        pin = self.device.type == "cuda"
-        host = torch.empty(count, nbytes, dtype=torch.uint8, pin_memory=pin)
-        for r in range(count):
-            host[r].copy_(self.slots[r % self.n_slots])
+        count = min(64, max(2, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes)))
+        host = self.host_copies(count)
         slot = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot_table = table([slot])
         host_tables = [torch.tensor([host[r].data_ptr()], dtype=torch.int64, device=self.device) for r in range(count)]

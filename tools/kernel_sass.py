@@ -48,22 +48,18 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
                      "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "S_IN_OFF": I32, "ROWS": I32}
         constants = {"SCHEME": 0, "BLOCK_I": config.block_rows, "BLOCK_H": config.block_cols, "UNROLL": config.unroll,
                      "EVEN_H": hidden % (config.block_cols * config.unroll) == 0}
-        rows = config.block_rows  # one row block per program (programs_per_sm 0)
     else:
         fn = triton_ffn._down_gemv
         signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
                      "out_ptr": "*bf16", "stride_ot": I32, "partial_ptr": "*fp32", "count_ptr": "*i32",
                      "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "S_OUT_OFF": I32, "SPAN": I32}
-        step = config.block_cols * config.unroll
-        span = -(-(-(-intermediate // config.split)) // step) * step
-        splits = -(-intermediate // span)
+        span, splits = triton_ffn.split_span(intermediate, config)
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
                      "SPLIT": splits, "EVEN_I": splits * span == intermediate}
-        rows = None
     constants["CVT"] = config.cvt
-    # every argument but K (= 2) and a row count below 16 is a multiple of 16 at real shapes, as
-    # the JIT would find
-    small = {"K"} | ({"ROWS"} if rows is not None and rows % 16 else set())
+    # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per
+    # program) is a multiple of 16 at real shapes, as the JIT would find
+    small = {"K"} | ({"ROWS"} if config.block_rows % 16 else set())
     hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name not in small}
     signature |= {name: "constexpr" for name in constants}
     source = ASTSource(fn, signature=signature, constexprs=constants, attrs=hinted)

@@ -435,6 +435,14 @@ def _down_gemm(
              mask=valid[None, :] & in_rows[:, None])
 
 
+def split_span(intermediate: int, gemv: GemvConfig) -> tuple[int, int]:
+    """Columns of I per program of a (split) down launch on the CUDA cores, in whole loop steps
+    of block_cols x unroll, and the number of programs sharing a row: (span, splits)."""
+    step = gemv.block_cols * gemv.unroll
+    span = triton.cdiv(triton.cdiv(intermediate, gemv.split), step) * step
+    return span, triton.cdiv(intermediate, span)
+
+
 class TritonMoEFFN:
     """The routed experts of one MoE layer from their INT8 blobs, on the fused Triton kernels.
 
@@ -491,7 +499,7 @@ class TritonMoEFFN:
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
         down = config.down_gemv
-        splits = 1 if down.mma else self._split_span(down)[1]
+        self._down_span, splits = (I, 1) if down.mma else split_span(I, down)
         row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
         self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32, device=self.device)
         self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
@@ -629,7 +637,8 @@ class TritonMoEFFN:
                 EVEN_I=I % down.block_cols == 0, DOT_DTYPE=dot_dtype, PRECISION=precision, **launch,
             )
         else:
-            span, splits = self._split_span(down)
+            span = self._down_span
+            splits = triton.cdiv(I, span)
             _down_gemv[(*grid, splits)](
                 *args[:6], self._split_partials, self._split_counts, *args[6:], span,
                 BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
@@ -643,12 +652,6 @@ class TritonMoEFFN:
             return gemv.block_rows
         programs = max(1, self._sms * gemv.programs_per_sm // pairs)
         return triton.cdiv(triton.cdiv(self.layout.intermediate, programs), gemv.block_rows) * gemv.block_rows
-
-    def _split_span(self, gemv: GemvConfig) -> tuple[int, int]:
-        """Columns of I per program of a split down launch (whole loop steps), and the split count."""
-        I, step = self.layout.intermediate, gemv.block_cols * gemv.unroll
-        span = triton.cdiv(triton.cdiv(I, gemv.split), step) * step
-        return span, triton.cdiv(I, span)
 
     def _dot_types(self, dtype: torch.dtype):
         """Operand dtype and precision of the tensor-core products: the hidden dtype on the GPU
