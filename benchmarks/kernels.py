@@ -78,7 +78,8 @@ GEMV_UP = [  # gate/up decode launch candidates
     GemvConfig(32, 256, num_stages=4, mma=True), GemvConfig(64, 128, num_stages=4, mma=True),
     GemvConfig(8, 256, unroll=2, cvt="prmt", programs_per_sm=4), GemvConfig(8, 256, unroll=2, cvt="prmt", programs_per_sm=8),
     GemvConfig(4, 512, unroll=2, cvt="prmt", programs_per_sm=4), GemvConfig(8, 512, unroll=2, cvt="prmt"),
-    GemvConfig(8, 256, unroll=2, num_warps=8, cvt="prmt"),
+    GemvConfig(8, 256, unroll=2, num_warps=8, cvt="prmt"), GemvConfig(4, 1024, unroll=2, cvt="prmt"),
+    GemvConfig(4, 1024, unroll=1, cvt="prmt"), GemvConfig(16, 256, unroll=2, cvt="prmt", programs_per_sm=4),
 ]
 GEMV_DOWN = [  # down decode launch candidates
     GemvConfig(8, 512, unroll=2, cvt="prmt"), GemvConfig(4, 512, unroll=2, cvt="prmt"),
@@ -88,6 +89,8 @@ GEMV_DOWN = [  # down decode launch candidates
     GemvConfig(8, 256, unroll=2, cvt="prmt", split=4), GemvConfig(8, 256, unroll=1, cvt="prmt", split=4),
     GemvConfig(32, 256, unroll=1, cvt="prmt", split=8), GemvConfig(8, 128, unroll=2, num_warps=2, cvt="prmt", split=8),
     GemvConfig(8, 512, unroll=2, cvt="prmt", split=2), GemvConfig(16, 256, unroll=2, cvt="prmt", split=4),
+    GemvConfig(16, 512, unroll=1, cvt="prmt", split=4), GemvConfig(32, 512, unroll=1, num_warps=8, cvt="prmt", split=4),
+    GemvConfig(16, 512, unroll=2, cvt="prmt", split=4), GemvConfig(32, 512, unroll=2, num_warps=8, cvt="prmt", split=3),
 ]
 GEMM = [
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),

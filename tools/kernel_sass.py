@@ -34,8 +34,8 @@ from mira.kernels import triton_ffn
 from mira.kernels.tuning import GemvConfig
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
-    "gate_up": [GemvConfig(8, 512, unroll=2, cvt="prmt")],
-    "down": [GemvConfig(8, 256, unroll=2, cvt="prmt", split=4)],
+    "gate_up": [GemvConfig(4, 1024, unroll=2, cvt="prmt")],
+    "down": [GemvConfig(16, 512, unroll=1, cvt="prmt", split=4)],
 }
 I32, DIV16 = "i32", [["tt.divisibility", 16]]
 
@@ -57,6 +57,7 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
                      "SPLIT": splits, "EVEN_I": splits * span == intermediate}
     constants["CVT"] = config.cvt
+    constants["VEC"] = min(triton_ffn.PARTIAL_SUM, config.block_cols)
     # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per
     # program) is a multiple of 16 at real shapes, as the JIT would find
     small = {"K"} | ({"ROWS"} if config.block_rows % 16 else set())

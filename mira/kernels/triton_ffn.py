@@ -69,6 +69,12 @@ from mira.kernels.tuning import GemvConfig, KernelConfig, load_config
 from mira.store.layout import ExpertLayout
 
 _SHARED, _ROW = 0, 1
+# Adjacent products a thread of a CUDA-core GEMV adds up before accumulating: the 16 weights of
+# one 16-byte load (one thread's run in the compiler's layout, so the sum stays in registers).
+# Against whole-tile accumulators: 66 registers instead of 128 for Mixtral's tuned gate/up
+# launch, and 58.6 -> about 51 us for one expert on the H200 with retuned launches (exploration
+# probe; benchmarks/results/kernels-h200.json holds the committed figure).
+PARTIAL_SUM = 16
 _SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -104,7 +110,7 @@ def _gate_up_gemv(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
     H, I, K, S_IN_OFF, ROWS,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_H: tl.constexpr, CVT: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
     from g * ROWS (whole blocks of BLOCK_I, one after another)."""
@@ -120,22 +126,24 @@ def _gate_up_gemv(
     x_row = hidden_ptr + token * stride_ht
     for i0 in range(row_start, row_end, BLOCK_I):
         _gate_up_rows(x_row, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present, h_limit,
-                      H, I, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
+                      H, I, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC)
 
 
 @triton.jit
 def _gate_up_rows(
     x_row, w13, s_in, act_row, offs_i, row_end, present, h_limit, H, I,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_H: tl.constexpr, CVT: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
 ):
-    """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end."""
+    """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end. Each thread
+    sums its VEC adjacent products of a row before accumulating, so the accumulators are
+    [BLOCK_I, BLOCK_H / VEC], not a whole tile: fewer registers, more programs per SM."""
     in_rows = offs_i < row_end
     row_mask = offs_i < tl.where(present, row_end, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
     gate_rows = w13 + offs_i[:, None] * H  # [BLOCK_I, 1]
     up_rows = w13 + (offs_i[:, None] + I) * H
-    acc_g = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_I, BLOCK_H // VEC], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, BLOCK_H // VEC], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H * UNROLL):
         for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
             offs_h = tl.max_contiguous(tl.multiple_of(h0 + u * BLOCK_H + tl.arange(0, BLOCK_H), BLOCK_H), BLOCK_H)
@@ -150,8 +158,8 @@ def _gate_up_rows(
                 x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
             wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
             wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            acc_g += _int8_to_f32(wg, CVT) * x[None, :]
-            acc_u += _int8_to_f32(wu, CVT) * x[None, :]
+            acc_g += tl.sum(tl.reshape(_int8_to_f32(wg, CVT) * x[None, :], [BLOCK_I, BLOCK_H // VEC, VEC]), axis=2)
+            acc_u += tl.sum(tl.reshape(_int8_to_f32(wu, CVT) * x[None, :], [BLOCK_I, BLOCK_H // VEC, VEC]), axis=2)
     g = tl.sum(acc_g, axis=1)  # [BLOCK_I]
     u = tl.sum(acc_u, axis=1)
     if SCHEME == 1:  # int8-row: one scale per output row
@@ -168,13 +176,14 @@ def _down_gemv(
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
     H, I, K, W2_OFF, S_OUT_OFF, SPAN,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_I: tl.constexpr, CVT: tl.constexpr,
+    EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
 ):
     """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
     experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
     that sum is out[token, rows]. Split, each program writes its partial sum and counts itself
     in; the last of a row block's SPLIT programs to arrive adds the partials in split order into
-    out and resets the count: deterministic, no second launch, more programs for a short H."""
+    out and resets the count: deterministic, no second launch, more programs for a short H.
+    Partial sums of VEC adjacent products per thread, as in _gate_up_rows."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,7 +202,7 @@ def _down_gemv(
         row_mask = offs_h < tl.where(present, H, 0)
         rows = w2 + offs_h[:, None] * I  # [BLOCK_H, 1]
         act_row = act_ptr + pair * I
-        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_I // VEC], dtype=tl.float32)
         for i0 in range(col_start, col_end, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
@@ -205,7 +214,7 @@ def _down_gemv(
                     a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
                     w_mask = row_mask[:, None] & in_i[None, :]
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-                acc += _int8_to_f32(w, CVT) * a[None, :]
+                acc += tl.sum(tl.reshape(_int8_to_f32(w, CVT) * a[None, :], [BLOCK_H, BLOCK_I // VEC, VEC]), axis=2)
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
         total += tl.where(present, y, float("nan")) * weight
     out_row = out_ptr + token * stride_ot + offs_h
@@ -626,7 +635,7 @@ class TritonMoEFFN:
             rows = self._rows_per_program(T * K, up)
             _gate_up_gemv[(T * K, triton.cdiv(I, rows))](
                 *args, rows, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **launch,
+                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VEC=min(PARTIAL_SUM, up.block_cols), **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
         args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off)
@@ -642,7 +651,7 @@ class TritonMoEFFN:
             _down_gemv[(*grid, splits)](
                 *args[:6], self._split_partials, self._split_counts, *args[6:], span,
                 BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
-                EVEN_I=splits * span == I, CVT=self._cvt(down), **launch,
+                EVEN_I=splits * span == I, CVT=self._cvt(down), VEC=min(PARTIAL_SUM, down.block_cols), **launch,
             )
 
     def _rows_per_program(self, pairs: int, gemv: GemvConfig) -> int:
