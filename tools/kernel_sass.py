@@ -34,7 +34,7 @@ from mira.kernels import triton_ffn
 from mira.kernels.tuning import GemvConfig
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
-    "gate_up": [GemvConfig(4, 1024, unroll=2, cvt="prmt")],
+    "gate_up": [GemvConfig(16, 256, unroll=2, cvt="prmt")],
     "down": [GemvConfig(16, 512, unroll=1, cvt="prmt", split=4)],
 }
 I32, DIV16 = "i32", [["tt.divisibility", 16]]

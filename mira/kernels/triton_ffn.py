@@ -71,9 +71,10 @@ from mira.store.layout import ExpertLayout
 _SHARED, _ROW = 0, 1
 # Adjacent products a thread of a CUDA-core GEMV adds up before accumulating: the 16 weights of
 # one 16-byte load (one thread's run in the compiler's layout, so the sum stays in registers).
-# Against whole-tile accumulators: 66 registers instead of 128 for Mixtral's tuned gate/up
-# launch, and 58.6 -> about 51 us for one expert on the H200 with retuned launches (exploration
-# probe; benchmarks/results/kernels-h200.json holds the committed figure).
+# Against whole-tile accumulators they shrink 16x: Mixtral's tuned launches compile to 80 and 56
+# registers instead of 134 and 120 (sm_90, tools/kernel_sass.py with PARTIAL_SUM 16 and 1), more
+# programs fit per SM, and one Mixtral expert at batch 1 took 47.6 us on the H200 with retuned
+# launches instead of 58.6 (benchmarks/results/kernels-h200.json).
 PARTIAL_SUM = 16
 _SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
