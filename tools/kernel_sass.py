@@ -57,7 +57,7 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
                      "SPLIT": splits, "EVEN_I": splits * span == intermediate}
     constants["CVT"] = config.cvt
-    constants["VEC"] = min(triton_ffn.PARTIAL_SUM, config.block_cols)
+    constants["VEC"] = triton_ffn.partial_sum(config)
     # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per
     # program) is a multiple of 16 at real shapes, as the JIT would find
     small = {"K"} | ({"ROWS"} if config.block_rows % 16 else set())

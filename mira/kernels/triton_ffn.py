@@ -446,6 +446,12 @@ def _down_gemm(
              mask=valid[None, :] & in_rows[:, None])
 
 
+def partial_sum(gemv: GemvConfig) -> int:
+    """Adjacent products a thread of this CUDA-core GEMV launch adds up before accumulating
+    (PARTIAL_SUM, or the tile's width when narrower)."""
+    return min(PARTIAL_SUM, gemv.block_cols)
+
+
 def split_span(intermediate: int, gemv: GemvConfig) -> tuple[int, int]:
     """Columns of I per program of a (split) down launch on the CUDA cores, in whole loop steps
     of block_cols x unroll, and the number of programs sharing a row: (span, splits)."""
@@ -637,7 +643,7 @@ class TritonMoEFFN:
             rows = self._rows_per_program(T * K, up)
             _gate_up_gemv[(T * K, triton.cdiv(I, rows))](
                 *args, rows, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VEC=min(PARTIAL_SUM, up.block_cols), **launch,
+                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VEC=partial_sum(up), **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
         args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off)
@@ -653,7 +659,7 @@ class TritonMoEFFN:
             _down_gemv[(*grid, splits)](
                 *args[:6], self._split_partials, self._split_counts, *args[6:], span,
                 BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
-                EVEN_I=splits * span == I, CVT=self._cvt(down), VEC=min(PARTIAL_SUM, down.block_cols), **launch,
+                EVEN_I=splits * span == I, CVT=self._cvt(down), VEC=partial_sum(down), **launch,
             )
 
     def _rows_per_program(self, pairs: int, gemv: GemvConfig) -> int:
