@@ -38,6 +38,10 @@
 #                                           # Mixtral shape at 24 GiB (~4 min)
 #   bash benchmarks/h200_suite.sh profile-small  # the same for the DeepSeek-V2-Lite shape at 8 GiB, and
 #                                           # the bundled model at 10% and all (~4 min)
+#   bash benchmarks/h200_suite.sh replay    # mira bench, Mixtral-8x7B shape replaying the recorded Mixtral-8x7B-
+#                                           # Instruct decode routing (results/traces), 64 in / 64 out, mira
+#                                           # (auto residency), mira-lagged, LRU and static, 3 timed repeats
+#                                           # each; BUDGETS=25% then BUDGETS=50% (~8 min each, resumed)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -102,6 +106,10 @@ case "${1:-}" in
       --configs mira+p,mira,lru,static --out "$OUT/profile-decode-deepseek-v2-lite.json"
     timeout 150 python benchmarks/profile_decode.py --budgets 10%,all --configs mira+p,mira,lru,static \
       --heads benchmarks/results/predictor-tiny-heads.safetensors --out "$OUT/profile-decode-mira-tiny-moe.json" ;;
+  replay)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-25%,50%}" \
+      --configs mira,mira-lagged,lru,static --repeats 3 --out "$OUT/bench-mixtral-8x7b-replay.json" --quiet --resume ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2

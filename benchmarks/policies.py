@@ -1,16 +1,20 @@
-"""Expert-cache policies on the bundled model's real routing (issue #4; paper IV-C, IV-D).
+"""Expert-cache policies on real routing: the mira policy against LRU, LFU, static and Belady (paper IV-C, IV-D).
 
-1. Records routing traces of mira-tiny-moe (greedy, CPU): held-out ShareGPT prompts (the first
-   user message of the first held-out conversations, in file order) and, as the static policy's
-   profile, prompts from the training split (so static's placement is not an oracle).
-2. Replays the held-out trace through every policy and Belady's optimum at 25% and 50% of all
-   experts as slots (shared by all layers), and a sweep of slot counts (PNG).
-3. Tunes the mira policy's configuration (rebalance interval, swap bound, heat decay, STAGE
-   fraction) on the TRAINING-split trace (at both sizes, misses over Belady's), so the held-out
-   figures of step 2, made with CacheConfig's defaults, are not tuned on themselves.
+1. Records routing traces of the bundled mira-tiny-moe (greedy, CPU) if they are not there yet:
+   held-out ShareGPT prompts (the first user message of the first held-out conversations, in
+   file order) and training-split prompts, the profile (the static placement and mira's prior).
+2. Tunes the mira policy's heat decay and prior weight on the TRAINING-split trace alone: its
+   first half of sequences is the profile, its second half is replayed (lagged residency, at 10%,
+   25% and 50% of the experts, PCIe bytes over the best baseline's).
+3. Replays the held-out traces, none of them used for tuning, through every policy at 10%, 25%
+   and 50% of the experts as slots (shared by all layers): the bundled model's held-out prompts
+   (profile: the training trace) and the recorded Mixtral-8x7B-Instruct decode routing in
+   results/traces (its first quarter of tokens is the calibration, the rest is replayed; and, for
+   reference, the whole trace with itself as an oracle profile). mira runs lagged (an admission
+   crosses PCIe twice, as in graph-replayed decoding) and inline; the baselines inline, their
+   cheaper residency (static never admits, so it moves the same either way).
 
-Writes benchmarks/results/policies-tiny.json, policies-tiny.png and the traces under
-benchmarks/results/traces/. Routing is the trained router's (real), on a 12-layer x 8-expert model.
+Writes benchmarks/results/policies-real.json and a markdown table beside it (policies-real.md).
 
     python benchmarks/policies.py [--prompts 48 --profile-prompts 24 --max-new-tokens 64]
 """
@@ -24,95 +28,142 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
-import mira
-from mira.cache.simulate import format_table, plot_sweep, simulate
+from mira.bench.provenance import result_header
+from mira.cache.simulate import MIXTRAL_EXPERT_BYTES, simulate
 from mira.config import CacheConfig
 from mira.predict.trace import RoutingTrace
-from mira.runtime.tracing import record_trace
-from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
-sys.path.insert(0, str(ROOT / "tools"))
-from sharegpt_data import first_user_messages  # noqa: E402  (tools/: the benchmarks' ShareGPT prompts)
+TRACES = RESULTS / "traces"
+SHARES = (0.10, 0.25, 0.50)
+BASELINES = ("lru", "lfu", "static")
+MIXTRAL_TRACE = TRACES / "mixtral-8x7b-instruct-decode.npz"
+TINY_EXPERT_BYTES = 393_728  # the bundled model's int8-shared blob (mira.store.layout)
 
 
-def _trace(model, prompts: list[str], max_new_tokens: int, path: Path) -> RoutingTrace:
-    if path.is_file():
-        return RoutingTrace.load(path)
-    trace = record_trace(model, prompts, max_new_tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    trace.save(path)
-    return trace
+def _record(prompts: int, profile_prompts: int, max_new_tokens: int) -> None:
+    """Record the bundled model's traces (CPU, greedy), unless they exist."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from sharegpt_data import first_user_messages  # tools/: the benchmarks' ShareGPT prompts
+
+    import mira
+    from mira.runtime.tracing import record_trace
+
+    model = mira.load(device="cpu", progress=False)
+    for name, held_out, count in (("heldout", True, prompts), ("profile-train", False, profile_prompts)):
+        path = TRACES / f"{name}.npz"
+        if not path.is_file():
+            record_trace(model, first_user_messages(held_out, count), max_new_tokens).save(path)
+
+
+def _halves(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
+    """The trace split between sequences, at the first sequence start past half its tokens."""
+    starts = np.flatnonzero(np.diff(trace.seq_id)) + 1
+    cut = int(starts[np.searchsorted(starts, trace.num_tokens // 2)])
+    return trace.tokens(0, cut), trace.tokens(cut, trace.num_tokens)
+
+
+def _row(trace: RoutingTrace, profile: RoutingTrace, slots: int, expert_bytes: int, config: CacheConfig) -> dict:
+    """Every policy at one slot count: PCIe bytes, misses, admissions; mira against the baselines and Belady."""
+    runs = {f"mira-{residency}": simulate(trace, "mira", slots, expert_bytes=expert_bytes, profile=profile,
+                                          config=config, residency=residency) for residency in ("lagged", "inline")}
+    runs.update({name: simulate(trace, name, slots, expert_bytes=expert_bytes, profile=profile)
+                 for name in BASELINES})
+    runs["belady"] = simulate(trace, "belady", slots, expert_bytes=expert_bytes)
+    copies = {name: run["copies"] for name, run in runs.items()}
+    best_baseline = min(copies[name] for name in BASELINES)
+    return {
+        "slots": slots,
+        "copies": copies,
+        "misses": {name: run["misses"] for name, run in runs.items()},
+        "admissions": {name: run.get("admissions") for name, run in runs.items()},
+        "pcie_gb": {name: round(run["pcie_bytes"] / 1e9, 3) for name, run in runs.items()},
+        "mira_lagged_over_best_baseline": round(copies["mira-lagged"] / best_baseline, 4),
+        "mira_lagged_over_belady": round(copies["mira-lagged"] / copies["belady"], 3),
+        "mira_inline_over_belady": round(copies["mira-inline"] / copies["belady"], 3),
+    }
+
+
+def _tune(training: RoutingTrace) -> list[dict]:
+    profile, replayed = _halves(training)
+    configs = []
+    for decay, weight in itertools.product((0.9, 0.95, 0.97, 0.99), (3, 10, 30, 100, 300)):
+        config = CacheConfig(heat_decay=decay, prior_weight=weight)
+        ratios = []
+        for share in SHARES:
+            slots = round(share * training.num_uids)
+            mira = simulate(replayed, "mira", slots, profile=profile, config=config, residency="lagged")["copies"]
+            best = min(simulate(replayed, name, slots, profile=profile)["copies"] for name in BASELINES)
+            ratios.append(mira / best)
+        configs.append({"heat_decay": decay, "prior_weight": weight, "over_best_baseline": ratios,
+                        "worst": max(ratios)})
+    return sorted(configs, key=lambda c: (c["worst"], sum(c["over_best_baseline"])))
+
+
+def _table(cases: list[dict]) -> str:
+    lines = ["| trace | slots | mira lagged | mira inline | LRU | LFU | static | Belady | mira lagged / best baseline "
+             "| mira lagged / Belady |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for case in cases:
+        for row in case["rows"]:
+            gb = row["pcie_gb"]
+            lines.append(f"| {case['name']} | {row['slots']} | " + " | ".join(
+                f"{gb[name]:,.1f}" for name in ("mira-lagged", "mira-inline", "lru", "lfu", "static", "belady"))
+                + f" | {row['mira_lagged_over_best_baseline']:.3f} | {row['mira_lagged_over_belady']:.2f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=48, help="held-out prompts traced")
-    parser.add_argument("--profile-prompts", type=int, default=24, help="training prompts traced for static")
+    parser.add_argument("--profile-prompts", type=int, default=24, help="training prompts traced (the profile)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
+    _record(args.prompts, args.profile_prompts, args.max_new_tokens)
+    training = RoutingTrace.load(TRACES / "profile-train.npz")
+    held_out = RoutingTrace.load(TRACES / "heldout.npz")
+    mixtral = RoutingTrace.load(MIXTRAL_TRACE)
 
-    model = mira.load(device="cpu", progress=False)
-    held_out = _trace(model, first_user_messages(True, args.prompts), args.max_new_tokens,
-                      RESULTS / "traces" / "heldout.npz")
-    profile = _trace(model, first_user_messages(False, args.profile_prompts), args.max_new_tokens,
-                     RESULTS / "traces" / "profile-train.npz")
-    decode_tokens = int((~held_out.is_prefill).sum())
-    total = held_out.num_uids
-    expert_bytes = model.store.blob_bytes
-    print(f"held-out trace (replayed with CacheConfig's defaults): {held_out.num_tokens} tokens ({decode_tokens} generated) from {args.prompts} prompts; "
-          f"profile: {profile.num_tokens} tokens; {total} experts")
+    tuning = _tune(training)
+    chosen = CacheConfig()
+    print("tuning on the training trace (mira lagged / best baseline at 10, 25, 50%), best 5:")
+    for c in tuning[:5]:
+        print(f"  decay {c['heat_decay']:.2f}  prior weight {c['prior_weight']:>4}: "
+              + ", ".join(f"{r:.3f}" for r in c["over_best_baseline"]))
+    print(f"CacheConfig's defaults: decay {chosen.heat_decay}, prior weight {chosen.prior_weight}")
 
-    sizes = {"25%": total // 4, "50%": total // 2}
-    main_results = [simulate(held_out, policy, slots, expert_bytes=expert_bytes, profile=profile)
-                    for slots in sizes.values() for policy in POLICIES]
-    print(format_table(main_results))
-
-    sweep_slots = [12, 24, 36, 48, 60, 72, 84]
-    sweep = [simulate(held_out, policy, slots, expert_bytes=expert_bytes, profile=profile)
-             for slots in sweep_slots for policy in POLICIES]
-    plot_sweep(sweep, str(RESULTS / "policies-tiny.png"),
-               title=f"mira-tiny-moe, held-out ShareGPT routing ({held_out.num_tokens} tokens)")
-
-    belady = {slots: simulate(profile, "belady", slots)["misses"] for slots in sizes.values()}
-    grid = itertools.product([1, 2, 4, 8, 16, 32], [1, 4, 16], [0.5, 0.8, 0.9, 0.97, 0.99], [0.25, 0.5])
-    configs = []
-    for interval, swaps, decay, stage in grid:
-        config = CacheConfig(rebalance_interval=interval, max_swaps=swaps, heat_decay=decay,
-                             stage_fraction_large=stage)
-        ratios = {name: simulate(profile, "mira", slots, config=config)["misses"] / belady[slots]
-                  for name, slots in sizes.items()}
-        configs.append({"rebalance_interval": interval, "max_swaps": swaps, "heat_decay": decay,
-                        "stage_fraction_large": stage, "misses_over_belady": ratios,
-                        "mean": sum(ratios.values()) / len(ratios)})
-    configs.sort(key=lambda c: c["mean"])
-    print("\nmira configurations on the training-split trace, misses / Belady's (best 10 of", len(configs), "):")
-    for c in configs[:10]:
-        print(f"  interval {c['rebalance_interval']:3d}  swaps {c['max_swaps']:3d}  decay {c['heat_decay']:.2f}  "
-              f"stage {c['stage_fraction_large']:.2f}  25%: {c['misses_over_belady']['25%']:.3f}  "
-              f"50%: {c['misses_over_belady']['50%']:.3f}")
-    defaults = dataclasses.asdict(CacheConfig())
-    print("defaults:", {k: defaults[k] for k in ("rebalance_interval", "max_swaps", "heat_decay",
-                                                 "stage_fraction_large")})
+    calibration = mixtral.num_tokens // 4
+    cases = [
+        ("mira-tiny-moe held-out (profile: training trace)", held_out, training, TINY_EXPERT_BYTES),
+        ("Mixtral-8x7B-Instruct, last 3/4 (calibration: first 1/4)", mixtral.tokens(calibration, mixtral.num_tokens),
+         mixtral.tokens(0, calibration), MIXTRAL_EXPERT_BYTES),
+        ("Mixtral-8x7B-Instruct, whole (oracle profile: itself)", mixtral, mixtral, MIXTRAL_EXPERT_BYTES),
+    ]
+    results = []
+    for name, trace, profile, expert_bytes in cases:
+        rows = [_row(trace, profile, round(share * trace.num_uids), expert_bytes, chosen) for share in SHARES]
+        results.append({"name": name, "tokens": trace.num_tokens, "profile_tokens": profile.num_tokens,
+                        "experts": trace.num_uids, "expert_bytes": expert_bytes, "rows": rows})
+    table = _table(results)
+    print("\nPCIe GB moved (misses, plus admissions when lagged):\n" + table)
 
     result = {
         **result_header(" ".join(["python", "benchmarks/policies.py", *sys.argv[1:]])),
-        "setup": {"model": "mira-tiny-moe (bundled; real learned routing)", "routing": "real",
-                  "held_out_tokens": held_out.num_tokens, "held_out_decode_tokens": decode_tokens,
-                  "profile_tokens": profile.num_tokens, "experts": total, "expert_bytes": expert_bytes,
-                  "slots": sizes, "cache_config": defaults, **vars(args)},
-        "results": main_results,
-        "sweep": sweep,
-        "mira_configurations_on_training_trace": configs,
+        "setup": {"shares_of_experts": SHARES, "cache_config": dataclasses.asdict(chosen),
+                  "tuned_on": "traces/profile-train.npz (first half of sequences as profile, second half replayed)",
+                  "held_out": ["traces/heldout.npz", "traces/mixtral-8x7b-instruct-decode.npz"], **vars(args)},
+        "cases": results,
+        "tuning": tuning,
     }
-    out = RESULTS / "policies-tiny.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    (RESULTS / "policies-real.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / "policies-real.md").write_text(
+        "PCIe GB moved replaying real routing (`python benchmarks/policies.py`, from policies-real.json).\n\n"
+        + table + "\n")
+    print("wrote benchmarks/results/policies-real.json and policies-real.md")
 
 
 if __name__ == "__main__":

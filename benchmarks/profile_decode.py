@@ -41,6 +41,7 @@ from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
 from mira.bench.run import MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory
 from mira.bench.sources import open_source
+from mira.cache.policy import Popularity
 from mira.errors import MiraError
 from mira.runtime.engine import default_device
 from mira.runtime.experts import MiraExperts
@@ -124,11 +125,11 @@ def _profile_config(source, name: str, budget: int, total: int, context: int, id
                     device: torch.device) -> dict:
     """One configuration's figures per decode step, or {"skipped": why}."""
     try:
-        model = config_model(source, name, budget, [1] * total, context)  # static: a uniform placement
+        model = config_model(source, name, budget, Popularity((1,) * total, 1), context)  # a uniform placement
     except MiraError as error:
         return {"skipped": str(error)}
     forced = LogitsProcessorList([RandomContinuation(source.config.vocab_size, 0)]) if (
-        source.routing == "synthetic") else None
+        source.synthetic) else None
     _decode(model, ids, 4, forced)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
     _instrument(model)
     prompt = _profiled(model, ids, 0, forced, device)

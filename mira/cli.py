@@ -10,6 +10,7 @@ from mira.bench.command import add_command as add_bench_command
 from mira.cache.budget import parse_size
 from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
+from mira.cache.simulate import RESIDENCY as SIMULATED_RESIDENCY
 from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
@@ -66,11 +67,16 @@ def _simulate(args: argparse.Namespace) -> None:
 
     trace = RoutingTrace.load(args.trace)
     profile = RoutingTrace.load(args.profile) if args.profile else None
+    if args.calibrate:
+        if args.profile or not 0 < args.calibrate < trace.num_tokens:
+            raise MiraError(f"--calibrate takes a token count between 1 and {trace.num_tokens - 1} (the trace has "
+                            f"{trace.num_tokens}), and no --profile")
+        profile, trace = trace.tokens(0, args.calibrate), trace.tokens(args.calibrate, trace.num_tokens)
     slot_counts = args.sweep or [args.slots]
     policies = args.policy or SIMULATED_POLICIES
     predictions = load_predictions(args.predictions, trace, args.heads, profile) if args.predictions else None
     options = dict(stage_slots=args.stage_slots, expert_bytes=args.expert_bytes, bandwidth_gbps=args.bandwidth,
-                   profile=profile, predictions=predictions)
+                   profile=profile, predictions=predictions, residency=args.residency)
     try:
         results = [simulate(trace, policy, slots, **options) for slots in slot_counts for policy in policies]
     except ValueError as error:
@@ -214,9 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes of one expert, the PCIe cost of a miss (default: a Mixtral-8x7B int8-shared expert)")
     sim.add_argument("--bandwidth", type=float, default=BANDWIDTH_GBPS, metavar="GBPS",
                      help="host-to-device bandwidth in GB/s (default 55, PCIe 5 x16 as measured)")
-    sim.add_argument("--profile", metavar="TRACE", help="trace placing the static policy's experts (default: the "
-                                                       "replayed trace itself, an oracle profile) and ranking "
-                                                       "--predictions popularity")
+    sim.add_argument("--profile", metavar="TRACE", help="trace placing the static policy's experts and giving the "
+                                                       "mira policy its prior (default: the replayed trace itself, an "
+                                                       "oracle profile) and ranking --predictions popularity")
+    sim.add_argument("--calibrate", type=int, metavar="N",
+                     help="use the trace's first N tokens as the profile (as calibration prompts would be) and "
+                          "replay the tokens after them")
+    sim.add_argument("--residency", choices=SIMULATED_RESIDENCY, default="inline",
+                     help="when the policies act: inline (before each layer: an admitted miss crosses PCIe once, "
+                          "the default) or lagged (after each step, as in graph-replayed decoding: an admitted miss "
+                          "crosses twice, and the mira policy weighs that)")
     sim.add_argument("--predictions", metavar="PREDICTOR|FILE.npz",
                      help="replay prefetching into STAGE (mira policy; the best prediction per target layer is "
                           "staged, as at run time): gate, trained (needs --heads), previous, popularity (needs "

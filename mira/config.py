@@ -28,12 +28,12 @@ class CacheConfig:
     heat_decay: per token step, an expert's heat (its decayed routed-token count, the
         "frequency" of IV-D) is multiplied by this, so old popularity fades, which keeps the
         rebalancer free of LFU's pollution; in (0, 1].
-    victim_weights / candidate_weights: score weights of the mira rebalancer (volume, recency,
-        frequency) and (volume, CPU-served count).
+    prior_weight: how many token steps of evidence the profile's popularity is worth in the mira
+        policy's estimate of an expert's reuse, against its decayed heat.
 
-    The mira policy's interval, swap bound, heat decay and large-VRAM STAGE fraction were chosen by
-    the sweep of `benchmarks/policies.py` on a training-split routing trace of the bundled model
-    (results: benchmarks/results/policies-tiny.json). The small-VRAM STAGE fraction is 0.5 because
+    The mira policy's heat decay and prior weight were chosen by the sweep of `benchmarks/policies.py`
+    on the training-split routing trace of the bundled model alone (its `tuning` in
+    benchmarks/results/policies-real.json). The small-VRAM STAGE fraction is 0.5 because
     predicted experts need room: in a one-off comparison at 10 and 12 of 96 slots (under earlier
     staging rules, which let misses displace staged experts), gate prefetching removed no misses
     with 0.125 and the most with 0.5 of 0.125, 0.34 and 0.5;
@@ -47,8 +47,7 @@ class CacheConfig:
     rebalance_interval: int = 1
     max_swaps: int = 16
     heat_decay: float = 0.97
-    victim_weights: tuple[float, float, float] = (1.0, 0.5, 0.25)
-    candidate_weights: tuple[float, float] = (1.0, 1.0)
+    prior_weight: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +56,8 @@ class CacheConfig:
             raise ValueError("rebalance_interval must be >= 1 and max_swaps >= 0")
         if not 0 < self.heat_decay <= 1:
             raise ValueError(f"heat_decay must be in (0, 1], got {self.heat_decay}")
+        if self.prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,17 @@ def add_command(subparsers) -> None:
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--model", help="Hugging Face model directory or Mira store (default: the bundled model)")
-    source.add_argument("--synthetic", choices=sorted(PRESETS),
-                        help="a random model at a published model's shapes, built in memory (no disk, no download); "
-                             "its routing is random, and every output says 'synthetic routing'. Its greedy runs decode "
-                             "pseudo-random ids, the same in every configuration, instead of its own output, which "
-                             "repeats one token")
+    source.add_argument("--synthetic", metavar="PRESET|CONFIG.json",
+                        help=f"a random model at a published model's shapes, built in memory (no disk, no download): "
+                             f"a preset ({', '.join(sorted(PRESETS))}) or any Hugging Face config.json of a supported "
+                             f"family. Its routing is random (every output says 'synthetic routing') unless --routing "
+                             f"replays a trace. Its greedy runs decode pseudo-random ids, the same in every "
+                             f"configuration, instead of its own output, which repeats one token")
+    bench.add_argument("--routing", metavar="TRACE.npz",
+                       help="route every MoE layer as this recorded trace did (real routing at the model's shapes): "
+                            "the calibration prompts replay its first rows, every measured prompt the rows after "
+                            "them. Its layer, expert and top-k counts must be the model's. Predictors that read "
+                            "hidden states (gate speculation, trained heads) cannot be judged in a replay")
     bench.add_argument("--prompts", metavar="FILE.jsonl",
                        help="prompt set: JSON lines with prompt, input_tokens and max_new_tokens (write one from "
                             "held-out ShareGPT with `python tools/bench_prompts.py`); default: the fixed setting")
@@ -60,6 +66,9 @@ def add_command(subparsers) -> None:
     bench.add_argument("--profile", metavar="TRACE",
                        help="routing trace placing the static policy's experts (default: routing counts of "
                             "calibration prompts run first)")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="timed runs of every configuration after one untimed warm-up run; figures are their "
+                            "median and range (default 3)")
     bench.add_argument("--beams", default="", metavar="W,W,...",
                        help="also run beam search at these widths with mira+p (e.g. 1,2,4,8)")
     bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs (default 24GiB)")
@@ -91,6 +100,8 @@ def _bench(args: argparse.Namespace) -> None:
     from mira.errors import MiraError
     from mira.runtime.engine import default_device
 
+    if args.repeats < 1:
+        raise MiraError(f"--repeats must be at least 1, got {args.repeats}")
     configs = _names(args.configs)
     unknown = [c for c in configs if c not in MIRA_CONFIGS and c not in BASELINES]
     if unknown:
@@ -111,9 +122,9 @@ def _bench(args: argparse.Namespace) -> None:
                        beam_new_tokens=args.beam_new_tokens, offload_prompts=args.offload_prompts,
                        offload_new_tokens=args.offload_new_tokens,
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
-                       profile=args.profile)
+                       profile=args.profile, repeats=args.repeats)
     device = torch.device(args.device or default_device())
-    source = open_source(args.model, args.synthetic, device, progress=not args.quiet)
+    source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing)
     source.heads = args.heads
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)

@@ -1,10 +1,15 @@
 """Timing one configuration over a prompt set: TTFT, decode and end-to-end tokens/s, and for Mira
 the cache's figures (tokens served by tier, PCIe bytes, prefetch precision and recall) and the
-bound of DESIGN.md 4 for the routing the run had."""
+bound of DESIGN.md 4 for the routing the run had.
+
+A configuration runs its whole prompt set once untimed (kernels compile, CUDA graphs are captured,
+the cache fills), then `repeats` times timed: the figures are the repeats' medians with their
+ranges, and the cache figures and bound are the last repeat's (each repeat routes the same)."""
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,25 +123,75 @@ def time_generation(generate: Callable, prompts: list[BenchPrompt], tokenizer, v
     return timing
 
 
+TIMED = ("ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s", "total_s")
+
+
+def repeated(run: Callable[[], Timing], repeats: int) -> dict:
+    """`run` once untimed, then `repeats` times: the last run's summary with each timed figure
+    replaced by the median over the repeats, its range beside it (`<figure>_range`), and every
+    repeat's figures under `repeats`."""
+    run()
+    summaries = [run().summary() for _ in range(repeats)]
+    result = dict(summaries[-1])
+    for key in TIMED:
+        values = [s[key] for s in summaries if s[key] is not None]
+        if values:
+            result[key] = round(statistics.median(values), 4)
+            result[f"{key}_range"] = [min(values), max(values)]
+    result["repeats"] = [{key: s[key] for key in TIMED} for s in summaries]
+    return result
+
+
 def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1,
-             random_continuation: bool = False) -> dict:
-    """Time `model` over `prompts` and report its cache figures and the bound (batch 1 runs only);
-    `random_continuation` as for time_generation (greedy runs only)."""
-    if num_beams > 1:
-        timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams)
-        return {**timing.summary(), "num_beams": num_beams, **_cache_figures(model)}
-    with RoutingRecorder(model) as recorder:
-        timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device,
-                                 on_prompt=recorder.next_sequence, random_continuation=random_continuation)
-    result = {**timing.summary(), **_cache_figures(model)}
+             random_continuation: bool = False, repeats: int = 3) -> dict:
+    """Time `model` over `prompts` (`repeated`) and report its cache figures and the bound (batch 1
+    runs only) of the last repeat; `random_continuation` as for time_generation (greedy only)."""
+    before: dict = {}
+    recorder = RoutingRecorder(model) if num_beams == 1 else None
+
+    def run() -> Timing:
+        before.update(_cache_figures(model))
+        if recorder is not None:
+            recorder.reset()
+        return time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams,
+                               on_prompt=recorder.next_sequence if recorder is not None else None,
+                               random_continuation=random_continuation and num_beams == 1)
+
+    if recorder is None:
+        timing = repeated(run, repeats)
+        return {**timing, "num_beams": num_beams, **_difference(_cache_figures(model), before)}
+    with recorder:
+        timing = repeated(run, repeats)
+    result = {**timing, **_difference(_cache_figures(model), before)}
     trace = recorder.trace()
     bound = decode_bound(trace, model.cache.pool.num_slots, model.store.blob_bytes,
                          _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model))
     result["bound"] = bound
     result["decode_route_changes"] = decode_route_changes(trace)
-    if timing.decode_s:
-        result["achieved_over_bound"] = round(timing.decode_s / timing.decode_tokens / bound["bound_s_per_step"], 3)
+    if timing.get("decode_tokens_per_s"):
+        result["achieved_over_bound"] = round(1 / timing["decode_tokens_per_s"] / bound["bound_s_per_step"], 3)
     return result
+
+
+def _difference(after: dict, before: dict) -> dict:
+    """The cache figures of one run: counters after it less those before (ratios recomputed)."""
+    out = {}
+    for key, value in after.items():
+        if isinstance(value, dict):
+            out[key] = _difference(value, before.get(key, {}))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _RATIOS:
+            out[key] = round(value - before.get(key, 0), 3) if isinstance(value, float) else value - before.get(key, 0)
+        else:
+            out[key] = value
+    prefetch = out.get("prefetch")
+    if prefetch is not None and "lookups" in out:
+        issued, used, misses = prefetch["issued"], prefetch["used"], out["lookups"]["miss"]
+        out["prefetch_precision"] = round(used / issued, 4) if issued else None
+        out["prefetch_recall"] = round(used / (used + misses), 4) if issued else None
+    return out
+
+
+_RATIOS = ("slots", "hit_rate", "prefetch_precision", "prefetch_recall")
 
 
 def _cache_figures(model: MiraModel) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def format_table(result: dict) -> str:
     """One line per run: budget, configuration, speed, where tokens were served, PCIe, the bound."""
-    header = ["budget", "config", "beams", "slots", "TTFT s", "decode tok/s", "e2e tok/s", "hot/stage/miss %",
+    header = ["budget", "config", "beams", "slots", "TTFT s", "decode tok/s (range)", "e2e tok/s", "hot/stage/miss %",
               "PCIe GB", "prefetch P/R", "bound tok/s", "achieved/bound"]
     lines = [header]
     for row in result["runs"]:
@@ -19,7 +19,7 @@ def format_table(result: dict) -> str:
         bound = row.get("bound", {})
         lines.append([
             row["budget"], row["config"], str(row.get("num_beams", 1)), str(row.get("slots", "")),
-            _num(row.get("ttft_s")), _num(row.get("decode_tokens_per_s")), _num(row.get("e2e_tokens_per_s")), share,
+            _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")), share,
             _num(row.get("pcie_gb")), f"{precision:.2f}/{recall:.2f}" if precision is not None else "",
             _num(bound.get("bound_tokens_per_s")), _num(row.get("achieved_over_bound")),
         ])
@@ -36,25 +36,43 @@ def format_table(result: dict) -> str:
     return "\n".join([title, *body, "", "goals:", *goals])
 
 
+CONFIG_ORDER = ("mira", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline", "mira-lagged", "mira-eager", "lru",
+                "lru-lagged", "static", "hf-gpu", "hf-offload")  # one colour each, the same in every chart
+
+
 def plot(result: dict, path: str) -> None:
-    """Decode tokens/s and TTFT per budget, one line per configuration (bf16 all-on-GPU as a level)."""
+    """Decode tokens/s and TTFT per budget (ascending), one colour per configuration in every chart,
+    the repeats' range as error bars, the decode bound drawn, bf16 all-on-GPU as a level."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
     runs = [r for r in result["runs"] if not r.get("skipped") and not r.get("beam_search")]
-    budgets = [b for b in result["budgets"] if any(r["budget"] == b for r in runs)]
+    size = {r["budget"]: r.get("budget_bytes", 0) for r in runs if r["config"] != "hf-gpu"}
+    budgets = sorted((b for b in result["budgets"] if b in size), key=size.get)
+    colours = pyplot.get_cmap("tab20").colors
+    colour = {name: colours[i % len(colours)] for i, name in enumerate(CONFIG_ORDER)}
     figure, axes = pyplot.subplots(1, 2, figsize=(12, 4.5))
     for axis, key, label in ((axes[0], "decode_tokens_per_s", "decode tokens/s"), (axes[1], "ttft_s", "TTFT (s)")):
-        for config in dict.fromkeys(r["config"] for r in runs):
-            points = [(budgets.index(r["budget"]), r[key]) for r in runs
-                      if r["config"] == config and r["budget"] in budgets and r.get(key)]
-            if config == "hf-gpu" and points:
-                axis.axhline(points[0][1], linestyle="--", color="gray", label="hf-gpu (bf16, all on GPU)")
+        for config in sorted(dict.fromkeys(r["config"] for r in runs), key=_config_rank):
+            chosen = [r for r in runs if r["config"] == config and r.get(key)]
+            if config == "hf-gpu" and chosen:
+                axis.axhline(chosen[0][key], linestyle="--", color=colour["hf-gpu"], label="hf-gpu (bf16, all on GPU)")
                 continue
+            chosen = sorted((r for r in chosen if r["budget"] in budgets), key=lambda r: budgets.index(r["budget"]))
+            if not chosen:
+                continue
+            x = [budgets.index(r["budget"]) for r in chosen]
+            y = [r[key] for r in chosen]
+            spread = [[v - r.get(f"{key}_range", [v, v])[0] for v, r in zip(y, chosen)],
+                      [r.get(f"{key}_range", [v, v])[1] - v for v, r in zip(y, chosen)]]
+            axis.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=config, color=colour.get(config))
+        if key == "decode_tokens_per_s":
+            bound = {r["budget"]: r["bound"]["bound_tokens_per_s"] for r in runs if r.get("bound")}
+            points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
             if points:
-                axis.plot(*zip(*points), marker="o", label=config)
+                axis.plot(*zip(*points), linestyle=":", color="black", marker="_", label="bound (DESIGN.md 4)")
         axis.set_xticks(range(len(budgets)), budgets)
         axis.set_xlabel("VRAM budget")
         axis.set_ylabel(label)
@@ -66,6 +84,17 @@ def plot(result: dict, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     pyplot.close(figure)
+
+
+def _config_rank(name: str) -> int:
+    return CONFIG_ORDER.index(name) if name in CONFIG_ORDER else len(CONFIG_ORDER)
+
+
+def _median_range(row: dict, key: str) -> str:
+    """A median with the range of its repeats, when it has one."""
+    low_high = row.get(f"{key}_range")
+    median = _num(row.get(key))
+    return f"{median} ({_num(low_high[0])}-{_num(low_high[1])})" if low_high and median else median
 
 
 def _num(value) -> str:

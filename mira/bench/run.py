@@ -5,11 +5,10 @@ Order of a run (the expert store is opened once):
 1. warm-up at the all-experts budget on calibration prompts (random ids, not the measured
    prompts): compiles the kernels, gives the slot plan's reserve, and, for the static policy
    without a --profile, the routing counts that place its experts (Fiddler-style offline
-   popularity, from other prompts than the measured ones);
-   then, before the first run under a budget, the calibration prompts once more, untimed, through
-   Mira+P inline at the smallest budget (`_warm_under_budget`);
+   popularity, from other prompts than the measured ones, and the mira policy's prior);
 2. per budget, the Mira configurations: Mira+P (prefetch: trained heads if the store has them,
-   else gate speculation), Mira without prefetch, LRU on demand, static popularity;
+   else gate speculation), Mira without prefetch, LRU on demand, static popularity; each runs the
+   prompt set once untimed and then `repeats` times (mira.bench.measure.repeated);
 3. beam search at widths --beams with Mira+P at --beam-budget;
 4. the baselines, after the store is released: transformers all on the GPU (where it fits), then
    transformers + accelerate offload at each budget.
@@ -30,15 +29,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mira.bench import hf
-from mira.bench.measure import run_mira, time_generation
+from mira.bench.measure import repeated, run_mira, time_generation
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
 from mira.bench.sources import Source
 from mira.cache.budget import format_size, parse_size
+from mira.cache.policy import Popularity
 from mira.errors import MiraError
 from mira.predict.trace import RoutingTrace
 from mira.runtime.experts import MiraExperts
@@ -60,6 +59,7 @@ BASELINES = ("hf-gpu", "hf-offload")
 ALL = "all"
 UNLIMITED = 1 << 50  # a budget no model reaches: every expert gets a slot
 CALIBRATION = fixed_prompts(2, input_tokens=64, new_tokens=8)
+CALIBRATION_ROWS = max(p.input_tokens + p.max_new_tokens for p in CALIBRATION)  # of a replayed trace
 
 
 @dataclass
@@ -74,7 +74,8 @@ class BenchSetup:
     offload_prompts: int = 1
     offload_new_tokens: int = 4
     offload_budgets: list[str] | None = None  # None: every budget but "all"
-    profile: str | None = None  # a routing trace for the static policy
+    profile: str | None = None  # a routing trace for the static policy and the mira policy's prior
+    repeats: int = 3  # timed runs of every configuration, after one untimed
 
 
 def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path, command: str,
@@ -83,6 +84,12 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
         [p.max_new_tokens for p in every] + [setup.beam_new_tokens])
     vocab = source.config.vocab_size
+    if source.trace is not None:
+        needed = CALIBRATION_ROWS + max(_input_tokens(source, p) + p.max_new_tokens for p in setup.prompts)
+        if needed > source.trace.num_tokens:
+            raise MiraError(f"the trace {source.trace.source} has {source.trace.num_tokens} tokens; the calibration "
+                            f"({CALIBRATION_ROWS}) and the longest prompt with its new tokens need {needed}: replay "
+                            "a longer trace or shorten --fixed")
     result = _header(source, setup, device, command)
     if resume and out.exists():
         result = _resumed(out, result)
@@ -92,12 +99,14 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     def save() -> None:
         _write_json(out, result)
 
+    source.replay_from = 0  # with a routing trace: calibration replays its first rows, measured runs the next
     warm = source.mira(UNLIMITED, "mira", "auto", None, max_context)
     time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
     all_bytes = reserve + total_experts * warm.store.blob_bytes
-    profile_counts = _profile(setup.profile) if setup.profile else warm.cache.telemetry.counts[:, :, 0].reshape(-1)
+    profile = (Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else Popularity.of_routing(
+        warm.cache.telemetry.counts[:, :, 0].reshape(-1), source.config.num_experts_per_tok, warm.store.num_layers))
     result["reserve_bytes"], result["all_experts_bytes"] = reserve, all_bytes
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
     result["store"] = getattr(source.store, "timings", None)  # synthetic: fill and page-lock seconds
@@ -106,17 +115,19 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
 
     budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
                for label in setup.budgets}
-    _warm_under_budget(source, setup, budgets, all_bytes, done, max_context, vocab, device, result)
+    source.replay_from = CALIBRATION_ROWS
     for label, budget in budgets.items():
         for name in [c for c in setup.configs if c in MIRA_CONFIGS and (c, label, 1, False) not in done]:
-            rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile_counts, vocab))
+            rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,
+                                  repeats=setup.repeats))
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     if setup.beams and setup.beam_budget in budgets:
         beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
         for width in [w for w in setup.beams if ("mira+p", setup.beam_budget, w, True) not in done]:
             rows.append(_mira_row(source, "mira+p", setup.beam_budget, budgets[setup.beam_budget], beam_prompts,
-                                  max_context, profile_counts, vocab, num_beams=width) | {"beam_search": True})
+                                  max_context, profile, vocab, num_beams=width, repeats=setup.repeats)
+                        | {"beam_search": True})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
 
@@ -133,55 +144,31 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     return result
 
 
-def _warm_under_budget(source: Source, setup: BenchSetup, budgets: dict[str, int], all_bytes: int, done: set,
-                       max_context: int, vocab: int, device: torch.device, result: dict) -> None:
-    """Before the first measured run under a budget, the calibration prompts once through Mira+P
-    inline at the smallest budget, untimed. In every H200 run so far, the first configuration
-    measured under a budget in a process decoded 20-58% slower than the same configuration measured
-    later (README, Benchmarks, note (a)); if that is a one-time cost of the eager inline path, this
-    takes it out of the measured rows. Recorded in the result's `warm_up_under_budget`."""
-    pending = [label for label in budgets if budgets[label] < all_bytes and any(
-        c in MIRA_CONFIGS and (c, label, 1, False) not in done for c in setup.configs)]
-    if not pending:
-        return
-    label = min(pending, key=budgets.get)
-    try:
-        warm = source.mira(budgets[label], "mira", "auto", None, max_context, "inline")
-    except MiraError:  # the smallest budget holds no layer's experts: its rows will say so
-        return
-    start = time.perf_counter()
-    time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
-    seconds = round(time.perf_counter() - start, 2)
-    result.setdefault("warm_up_under_budget", []).append(
-        {"budget": label, "config": "mira+p, inline", "prompts": len(CALIBRATION), "seconds": seconds})
-    del warm
-    free_memory(device)
-
-
-def config_model(source: Source, name: str, budget: int, profile_counts, max_context: int):
-    """The model of MIRA_CONFIGS[name] at `budget` bytes (`profile_counts` place the static policy).
+def config_model(source: Source, name: str, budget: int, profile: Popularity, max_context: int):
+    """The model of MIRA_CONFIGS[name] at `budget` bytes (`profile` places the static policy and is
+    the mira policy's prior).
 
     Raises:
         MiraError: the configuration cannot run at this budget (e.g. too small for one layer's experts).
     """
     policy, prefetch, residency, graphs = MIRA_CONFIGS[name]
-    model = source.mira(budget, policy, prefetch, list(map(int, profile_counts)), max_context, residency)
+    model = source.mira(budget, policy, prefetch, profile, max_context, residency)
     if not graphs and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
 
 
 def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[BenchPrompt], max_context: int,
-              profile_counts, vocab: int, num_beams: int = 1) -> dict:
+              profile: Popularity, vocab: int, num_beams: int = 1, repeats: int = 3) -> dict:
     row = {"config": name, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
     try:
-        model = config_model(source, name, budget, profile_counts, max_context)
+        model = config_model(source, name, budget, profile, max_context)
     except MiraError as error:
         return {**row, "skipped": str(error)}
     row["prefetcher"] = _prefetcher(model)
     start = time.perf_counter()
     row.update(run_mira(model, prompts, vocab, num_beams, random_continuation=num_beams == 1 and
-                        _random_continuation(source)))
+                        _random_continuation(source), repeats=repeats))
     row["wall_s"] = round(time.perf_counter() - start, 2)
     row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
@@ -217,8 +204,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
     if run_gpu:
         row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes}
         if on_device:
-            row.update(time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device,
-                                       random_continuation=_random_continuation(source)).summary())
+            row.update(repeated(lambda: time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device,
+                                random_continuation=_random_continuation(source)), setup.repeats))
         else:
             row["skipped"] = f"the {format_size(nbytes)} bf16 model does not fit in device memory"
         rows.append(row)
@@ -242,8 +229,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
             row = {"config": "hf-offload", "budget": label, "budget_bytes": budget}
             with hf.offloaded(model, budget, device) as dispatched:
                 row["parameters_by_device"] = hf.device_map_summary(dispatched)
-                row.update(time_generation(dispatched.generate, prompts, source.tokenizer, vocab, device,
-                                           random_continuation=_random_continuation(source)).summary())
+                row.update(repeated(lambda: time_generation(dispatched.generate, prompts, source.tokenizer, vocab,
+                                    device, random_continuation=_random_continuation(source)), setup.repeats))
             rows.append(row)
             print(_brief(row), file=sys.stderr, flush=True)
             save()
@@ -309,7 +296,7 @@ def goals(rows: list[dict]) -> dict:
 
 def _random_continuation(source: Source) -> bool:
     """Whether greedy runs decode RandomContinuation's ids (mira.bench.measure): for synthetic models."""
-    return source.routing == "synthetic"
+    return source.synthetic
 
 
 def _decoding(source: Source) -> str:
@@ -367,10 +354,6 @@ def _input_tokens(source: Source, prompt: BenchPrompt) -> int:
     return prompt_ids(prompt, source.tokenizer, source.config.vocab_size, 0).shape[1]
 
 
-def _profile(path: str) -> np.ndarray:
-    return RoutingTrace.load(path).expert_counts()
-
-
 def free_memory(device: torch.device) -> None:
     """Collect dropped models and return the device's cached blocks."""
     gc.collect()
@@ -391,12 +374,17 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         **result_header(command, device),
         "model": source.label,
         "routing": source.routing,
+        **({"replay": {"calibration_rows": [0, CALIBRATION_ROWS], "measured_rows_from": CALIBRATION_ROWS,
+                       "note": "predictors that read hidden states (gate speculation, trained heads) see the "
+                               "model's own states, not those the trace came from: their prefetching is not judged "
+                               "here"}} if source.trace is not None else {}),
         "decoding": _decoding(source),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "prompt_set": setup.prompt_set,
         "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
         "budgets": setup.budgets,
         "configs": setup.configs,
+        "repeats": setup.repeats,
         "runs": [],
     }
 

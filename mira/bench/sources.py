@@ -1,7 +1,8 @@
-"""Where `mira bench` gets its models: a local model or store, or a synthetic preset.
+"""Where `mira bench` gets its models: a local model or store, or a synthetic model at real shapes.
 
 A source opens its expert store once and builds a fresh model for every configuration (so no
 configuration inherits another's cache state or hooks); it also builds the baselines' full model.
+With a routing trace, every model it builds routes as the trace did (mira.bench.replay).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mira.bench import hf
-from mira.bench.synthetic import preset_config, synthetic_skeleton, synthetic_store
+from mira.cache.policy import Popularity
+from mira.bench.replay import RoutingReplay
+from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic_store
 from mira.errors import MiraError
+from mira.predict.trace import RoutingTrace
 from mira.models.loader import build_model, moe_skeleton_layers, read_config
 from mira.runtime.engine import BUNDLED_MODEL, MiraModel, assemble, store_tokenizer, resolve_store
 from mira.store.manifest import is_store
@@ -24,16 +28,30 @@ class Source:
     """One model to benchmark: its store (opened once), per-configuration Mira models, the baselines."""
 
     label: str
-    routing: str  # "real" or "synthetic"
+    synthetic: bool  # random weights, hence random routers
     config: object  # transformers config
     store: ExpertStore | None
     tokenizer: object
 
     heads: str | None = None  # trained predictor heads for prefetch "auto"/"trained" (else the store's own)
+    trace: RoutingTrace | None = None  # routing to replay instead of the routers' own
+    replay_from: int = 0  # the trace row every prompt starts from
 
-    def mira(self, budget: int, policy: str, prefetch: str, profile_counts: list[int] | None,
+    @property
+    def routing(self) -> str:
+        """How the source's models route: "real", "synthetic" or "replayed from <trace>"."""
+        if self.trace is not None:
+            return f"replayed from {Path(self.trace.source).name} (real, recorded)"
+        return "synthetic" if self.synthetic else "real"
+
+    def mira(self, budget: int, policy: str, prefetch: str, profile: Popularity | None,
              max_context: int, residency: str = "auto") -> MiraModel:
         raise NotImplementedError
+
+    def _replaying(self, model: MiraModel) -> MiraModel:
+        if self.trace is not None:
+            RoutingReplay(self.trace, model, self.replay_from)
+        return model
 
     def full_model(self, device: torch.device):
         """The whole model in bf16 (float32 on the CPU) on `device`, for the baselines."""
@@ -48,17 +66,17 @@ class CheckpointSource(Source):
         self.model_dir = path or BUNDLED_MODEL
         self.store_path = resolve_store(self.model_dir, None, progress)
         self.label = self.model_dir.name
-        self.routing = "real"
+        self.synthetic = False
         self.config = read_config(self.store_path)
         self.device = device
         self.store = ExpertStore.open(self.store_path, pin=device.type == "cuda", progress=progress)
         self.tokenizer = store_tokenizer(self.store_path)
 
-    def mira(self, budget, policy, prefetch, profile_counts, max_context, residency="auto") -> MiraModel:
+    def mira(self, budget, policy, prefetch, profile, max_context, residency="auto") -> MiraModel:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         hf_model, sites = build_model(self.store_path, dtype, self.device)
-        return assemble(hf_model, sites, self.store, self.tokenizer, budget, policy, max_context, profile_counts,
-                        prefetch, self.heads, residency)
+        return self._replaying(assemble(hf_model, sites, self.store, self.tokenizer, budget, policy, max_context,
+                                        profile, prefetch, self.heads, residency))
 
     def full_model(self, device):
         if is_store(self.model_dir):
@@ -70,26 +88,36 @@ class CheckpointSource(Source):
 
 class SyntheticSource(Source):
     def __init__(self, name: str, device: torch.device, progress: bool):
-        self.name = name
-        self.label = f"{name} (synthetic)"
-        self.routing = "synthetic"
-        self.config = preset_config(name)
+        self.config, self.name = synthetic_config(name)
+        self.label = f"{self.name} (synthetic)"
+        self.synthetic = True
         self.device = device
         self.tokenizer = None
         self.store = synthetic_store(self.config, len(moe_skeleton_layers(self.config)), "int8-shared",
-                                     pin=device.type == "cuda", progress=progress, name=name)
+                                     pin=device.type == "cuda", progress=progress, name=self.name)
 
-    def mira(self, budget, policy, prefetch, profile_counts, max_context, residency="auto") -> MiraModel:
+    def mira(self, budget, policy, prefetch, profile, max_context, residency="auto") -> MiraModel:
         hf_model, sites, _ = synthetic_skeleton(self.config, self.device)
-        return assemble(hf_model, sites, self.store, None, budget, policy, max_context, profile_counts, prefetch,
-                        self.heads, residency)
+        return self._replaying(assemble(hf_model, sites, self.store, None, budget, policy, max_context, profile,
+                                        prefetch, self.heads, residency))
 
     def full_model(self, device):
         return hf.full_model(self.config, device)
 
 
-def open_source(model: str | None, synthetic: str | None, device: torch.device, progress: bool) -> Source:
-    if synthetic is not None:
-        return SyntheticSource(synthetic, device, progress)
-    return CheckpointSource(Path(model) if model else None, device, progress)
+def open_source(model: str | None, synthetic: str | None, device: torch.device, progress: bool,
+                routing: str | None = None) -> Source:
+    """The model to benchmark: `synthetic` (a preset name or a config.json) or `model` (a directory or
+    store; None: the bundled model), replaying the routing trace `routing` if given.
+
+    Raises:
+        MiraError: an unreadable trace or config, or a trace of another shape than the model.
+    """
+    if routing is not None and not Path(routing).is_file():
+        raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass an .npz of DESIGN.md 5")
+    trace = RoutingTrace.load(routing) if routing is not None else None
+    source = SyntheticSource(synthetic, device, progress) if synthetic is not None else CheckpointSource(
+        Path(model) if model else None, device, progress)
+    source.trace = trace
+    return source
 

@@ -26,6 +26,7 @@ no such norms and route varied as they are.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     DeepseekV2Config,
     MixtralConfig,
@@ -41,6 +43,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from mira.errors import MiraError
 from mira.models.loader import ExpertsPlaceholder, experts_swapped, moe_sites
 from mira.models.registry import adapter_for
 from mira.store.layout import ExpertLayout
@@ -75,12 +78,36 @@ _UNIFORM_INT8_STD = 73.3  # standard deviation of integers uniform in [-127, 127
 
 
 def preset_config(name: str) -> PretrainedConfig:
-    """The transformers config of preset `name` (eos and pad at id 0: synthetic ids never stop early)."""
+    """The transformers config of preset `name` (no eos or pad id: synthetic ids never stop early)."""
     if name not in PRESETS:
         raise ValueError(f"unknown synthetic model {name!r}; choose one of {', '.join(PRESETS)}")
     config = PRESETS[name]()
     config.eos_token_id = config.pad_token_id = None
     return config
+
+
+def synthetic_config(name_or_path: str) -> tuple[PretrainedConfig, str]:
+    """A preset's config, or the config of any Hugging Face `config.json` of a supported family, and a
+    name for it (the preset's, or the file's folder).
+
+    Raises:
+        MiraError: neither a preset nor a readable config.json of a supported family.
+    """
+    if name_or_path in PRESETS:
+        return preset_config(name_or_path), name_or_path
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise MiraError(f"--synthetic {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
+    try:
+        fields = json.loads(path.read_text())
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (ValueError, KeyError, TypeError) as error:
+        raise MiraError(f"cannot build a model from {path} ({error}); pass a Hugging Face config.json") from None
+    adapter_for(config)  # refuses an unsupported family with the list of supported ones
+    config.eos_token_id = config.pad_token_id = None
+    return config, path.parent.name or path.stem
 
 
 class _InitablePlaceholder(ExpertsPlaceholder):

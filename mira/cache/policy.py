@@ -24,7 +24,7 @@ import heapq
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mira.config import CacheConfig
@@ -222,6 +222,39 @@ class LFU(Policy):
         return Tier.HOT if uid in self._last else Tier.MISS
 
 
+@dataclass(frozen=True)
+class Popularity:
+    """Routed tokens per expert (uid order) in recorded routing over `tokens` token steps: what the
+    static policy places and the mira policy's prior."""
+
+    counts: tuple[int, ...]
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or any(count < 0 for count in self.counts):
+            raise ValueError("a popularity profile counts tokens: no negative figures")
+
+    @classmethod
+    def of_routing(cls, counts: Sequence[int], top_k: int, num_layers: int) -> Popularity:
+        """From routed tokens per uid alone: every token routes `top_k` experts in each of the
+        `num_layers` layers."""
+        counts = tuple(int(count) for count in counts)
+        return cls(counts, sum(counts) // (top_k * num_layers))
+
+    @classmethod
+    def of_trace(cls, trace) -> Popularity:
+        """From a routing trace (mira.predict.trace.RoutingTrace): its routed tokens per uid."""
+        return cls(tuple(int(count) for count in trace.expert_counts()), trace.num_tokens)
+
+    def rate(self, uid: int) -> float:
+        """Routed tokens per token step of `uid` in the profile."""
+        return self.counts[uid] / self.tokens if self.tokens and uid < len(self.counts) else 0.0
+
+    def ranked(self) -> list[int]:
+        """The uids routed at least once, most routed first (ties to the lower uid)."""
+        return sorted((uid for uid, count in enumerate(self.counts) if count > 0), key=lambda uid: -self.counts[uid])
+
+
 class Static(Policy):
     """Fiddler-style static placement: the `capacity` experts with the most routed tokens in a profile.
 
@@ -230,18 +263,16 @@ class Static(Policy):
 
     Args:
         capacity: expert slots.
-        counts: routed tokens per uid in the profile, as a sequence indexed by uid or a mapping;
-            ties go to the lower uid, and uids with no tokens are never placed.
+        profile: routed tokens per uid in the profile; ties go to the lower uid, and uids with no
+            tokens are never placed.
     """
 
     name = "static"
     admits_misses = False
 
-    def __init__(self, capacity: int, counts: Sequence[int] | Mapping[int, int]):
+    def __init__(self, capacity: int, profile: Popularity):
         super().__init__(capacity)
-        pairs = counts.items() if isinstance(counts, Mapping) else enumerate(counts)
-        ranked = sorted((uid for uid, count in pairs if count > 0), key=lambda uid: (-counts[uid], uid))
-        self._placed = frozenset(int(uid) for uid in ranked[:capacity])
+        self._placed = frozenset(profile.ranked()[:capacity])
 
     def _access(self, uid: int, tokens: int) -> Access:
         return Access(Tier.HOT if uid in self._placed else Tier.MISS)
@@ -301,35 +332,6 @@ class Heat:
         return self._scaled.get(uid, 0.0) * math.exp(-self._log_unit)
 
 
-class WindowTelemetry:
-    """Token-level accounting per expert (paper IV-D): tokens routed, split by the tier that served them.
-
-    `window` covers the tokens since the last rebalancing pass and is reset by it; `total` covers
-    everything since construction (for reports). Routed tokens of an expert are the sum of its
-    three tiers.
-    """
-
-    def __init__(self) -> None:
-        self.window: dict[int, list[int]] = {}  # uid -> tokens served from [HOT, STAGE, MISS]
-        self.total: dict[int, list[int]] = {}
-
-    def record(self, uid: int, tier: Tier, tokens: int) -> None:
-        """`tokens` tokens routed to `uid` were served from `tier`."""
-        for counts in (self.window, self.total):
-            counts.setdefault(uid, [0, 0, 0])[tier] += tokens
-
-    def routed(self, uid: int) -> int:
-        """Tokens routed to `uid` in the current window."""
-        return sum(self.window.get(uid, (0, 0, 0)))
-
-    def served(self, uid: int, tier: Tier) -> int:
-        """Tokens of `uid` served from `tier` in the current window."""
-        return self.window.get(uid, (0, 0, 0))[tier]
-
-    def reset_window(self) -> None:
-        self.window = {}
-
-
 def split_slots(capacity: int, total_experts: int, config: CacheConfig) -> tuple[int, int]:
     """HOT and STAGE slot counts for `capacity` slots (paper IV-C: small- and large-VRAM modes).
 
@@ -354,38 +356,42 @@ def split_slots(capacity: int, total_experts: int, config: CacheConfig) -> tuple
 
 
 class MiraPolicy(Policy):
-    """The paper's HOT+STAGE cache with the adaptive rebalancer (IV-C, IV-D).
+    """The paper's HOT+STAGE cache (IV-C, IV-D), admitting and evicting by the PCIe bytes an expert saves.
 
-    While HOT has free slots a miss fills it directly. After that a miss is admitted into STAGE,
-    the probation area, taking a free STAGE slot or the slot of the least valuable STAGE entry
-    outside the current group, provided the newcomer is at least as valuable; otherwise it is
-    served from the host without admission (zero-copy). Value is the expert's heat: its routed
-    tokens, decayed by `config.heat_decay` per token step; ties go to recency.
+    Every expert has an expected reuse: routed tokens per token step, estimated from its heat (its
+    routed tokens, decayed by `config.heat_decay` per step) blended with a prior, the rate the
+    profile gave it (`prior`, the calibration prompts' routing or `--profile`), worth
+    `config.prior_weight` steps of evidence. With no evidence beyond the prior the cache holds the
+    profile's most routed experts (HOT first, then STAGE), exactly the static placement.
+
+    A miss is read from the host either way; admitting it moves `admission_cost` more blobs over
+    PCIe (1 under lagged residency, where the kernel has already read the miss zero-copy and the
+    admission copies it again; 0 inline, where the copy is the read). Over the horizon the heat
+    estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a miss takes a free
+    slot when its expected uses exceed the admission's cost, and the slot of the least valuable
+    STAGE entry outside the current group when its expected uses exceed the victim's by more than
+    that cost; otherwise it is served from the host without admission. STAGE is the probation area:
+    after every `config.rebalance_interval` tokens (`end_step`), at most `config.max_swaps` STAGE
+    entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
+    (a hand-over of slots: nothing is copied or evicted).
 
     The prefetcher stages predicted experts into STAGE too (`stage`). A staged expert belongs to
     the prefetcher until it is released after its target layer: no miss and no other prediction
-    may take its slot, and the rebalancer leaves it alone (a staged expert displaced before its
-    layer comes is a copy for nothing; mira.predict.prefetcher has the figures).
-
-    Every `config.rebalance_interval` tokens (counted by `end_step`) a rebalancing pass runs:
-    victim scores for HOT residents (low routed volume in the window, long since last use, low
-    heat; `config.victim_weights`), candidate scores for STAGE residents with traffic in the
-    window (high volume, many tokens served from the host; `config.candidate_weights`), then at
-    most `config.max_swaps` swaps of the best candidate with the worst victim, each only if the
-    candidate would make the better HOT resident (lower victim score). A swap hands the slots
-    over: the candidate becomes HOT and the victim STAGE, so nothing is copied or evicted. Then the
-    telemetry window is reset.
+    may take its slot, and the rebalancer leaves it alone.
 
     Args:
         capacity: expert slots.
         total_experts: experts over all MoE layers (selects small- or large-VRAM mode).
         config: the cache configuration.
         stage_slots: overrides the STAGE size from `split_slots`.
+        prior: routed tokens per uid in a profile, and over how many tokens (None: no prior).
+        admission_cost: blobs an admission moves over PCIe beyond the miss's own read.
     """
 
     name = "mira"
 
-    def __init__(self, capacity: int, total_experts: int, config: CacheConfig, stage_slots: int | None = None):
+    def __init__(self, capacity: int, total_experts: int, config: CacheConfig, stage_slots: int | None = None,
+                 prior: Popularity | None = None, admission_cost: float = 0.0):
         super().__init__(capacity)
         if stage_slots is None:
             self.hot_slots, self.stage_slots = split_slots(capacity, total_experts, config)
@@ -393,57 +399,64 @@ class MiraPolicy(Policy):
             self.hot_slots, self.stage_slots = capacity - stage_slots, stage_slots
         else:
             raise ValueError(f"stage_slots must be between 0 and the capacity {capacity}, got {stage_slots}")
+        if admission_cost < 0:
+            raise ValueError(f"admission_cost must be >= 0, got {admission_cost}")
         self.config = config
-        self.telemetry = WindowTelemetry()
-        self._hot: set[int] = set()
-        self._stage: set[int] = set()
+        self.prior = prior
+        self.admission_cost = admission_cost
+        decay = config.heat_decay
+        self.horizon = 1 / (1 - decay) if decay < 1 else math.inf  # steps the heat looks back (and ahead)
+        self._heat = Heat(decay)
+        self._evidence = 1.0  # steps the heat covers, the current one included: sum of decay ** age
         self._staged: set[int] = set()  # STAGE entries staged ahead of use, not yet released
-        self.heat_decay = config.heat_decay
-        self._heat = Heat(self.heat_decay)
-        self._last: dict[int, int] = {}  # uid -> clock of its last access
-        self._clock = 0
         self._tokens = 0  # since the last rebalancing pass
+        placed = prior.ranked()[:capacity] if prior is not None else []
+        self._hot = set(placed[: self.hot_slots])
+        self._stage = set(placed[self.hot_slots:])
+
+    def expected_rate(self, uid: int) -> float:
+        """Routed tokens per token step `uid` is expected to get: its heat blended with the prior."""
+        if self.prior is None:
+            return self._heat[uid] / self._evidence
+        weight = self.config.prior_weight
+        return (self._heat[uid] + weight * self.prior.rate(uid)) / (self._evidence + weight)
 
     def _access(self, uid: int, tokens: int) -> Access:
-        self._clock += 1
-        self._last[uid] = self._clock
         self._heat.add(uid, tokens)
         tier = self.tier_of(uid)
-        self.telemetry.record(uid, tier, tokens)
         if tier is not Tier.MISS:
             return Access(tier)
         return self._admit(uid)
 
     def _admit(self, uid: int) -> Access:
-        """Where a missed expert goes: a free HOT slot, a free STAGE slot, a worse STAGE entry's slot, or nowhere."""
-        if len(self._hot) < self.hot_slots:
-            self._hot.add(uid)
-            return Access(Tier.MISS, admit=True)
-        if len(self._stage) < self.stage_slots:
-            self._stage.add(uid)
+        """Where a missed expert goes: a free HOT or STAGE slot, a less valuable STAGE entry's slot, or nowhere."""
+        gain = self._saved(uid)
+        if len(self._hot) < self.hot_slots or len(self._stage) < self.stage_slots:
+            if gain <= self.admission_cost:
+                return Access(Tier.MISS)
+            (self._hot if len(self._hot) < self.hot_slots else self._stage).add(uid)
             return Access(Tier.MISS, admit=True)
         victim = self._stage_victim()
-        if victim is None or self._value(victim) > self._value(uid):
+        if victim is None or gain - self._saved(victim) <= self.admission_cost:
             return Access(Tier.MISS)
         self._stage.remove(victim)
         self._stage.add(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
-    def heat(self, uid: int) -> float:
-        """Routed tokens of `uid`, each weighted by the heat decay to the power of its age in steps."""
-        return self._heat[uid]
-
-    def age(self, uid: int) -> int:
-        """Accesses (to any expert) since `uid` was last accessed; all of them if it never was."""
-        return self._clock - self._last.get(uid, 0)
-
-    def _value(self, uid: int) -> tuple[float, int]:
-        return self._heat[uid], self._last.get(uid, 0)
+    def _saved(self, uid: int) -> float:
+        """Blobs a slot for `uid` saves over the horizon: its expected uses (an unbounded horizon
+        compares rates)."""
+        rate = self.expected_rate(uid)
+        return rate * self.horizon if math.isfinite(self.horizon) else rate
 
     def _stage_victim(self) -> int | None:
         """The least valuable STAGE entry outside the current group that is not waiting for its layer."""
         evictable = [uid for uid in self._stage if self._evictable(uid) and uid not in self._staged]
-        return min(evictable, key=self._value) if evictable else None
+        return min(evictable, key=self._rank) if evictable else None
+
+    def _rank(self, uid: int) -> tuple[float, int]:
+        """Expected reuse, ties to the lower uid: the order of eviction and demotion."""
+        return self.expected_rate(uid), uid
 
     def stage(self, uid: int) -> Access:
         """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
@@ -477,65 +490,35 @@ class MiraPolicy(Policy):
 
     def end_step(self, tokens: int) -> None:
         self._heat.advance(tokens)
+        if math.isfinite(self.horizon):
+            kept = self.config.heat_decay ** tokens
+            self._evidence = self._evidence * kept + self.horizon * (1 - kept)
+        else:
+            self._evidence += tokens
         self._tokens += tokens
         if self._tokens >= self.config.rebalance_interval:
             self._tokens = 0
             self.rebalance()
 
     def rebalance(self) -> list[tuple[int, int]]:
-        """One rebalancing pass: score, swap at most `max_swaps` pairs, reset the window.
+        """One rebalancing pass: at most `max_swaps` STAGE entries worth more than HOT's least
+        valuable residents swap tiers with them, best candidate against worst resident.
 
         Returns:
             The (promoted, demoted) uid pairs, in the order they were swapped.
         """
-        scores = _Scores(self)
-        victims = sorted(self._hot, key=scores.victim, reverse=True)
-        candidates = sorted(
-            (uid for uid in self._stage - self._staged if self.telemetry.routed(uid) > 0),
-            key=scores.candidate, reverse=True,
-        )
+        victims = sorted(self._hot, key=self._rank)
+        candidates = sorted(self._stage - self._staged, key=self._rank, reverse=True)
         swaps = []
         for promoted, demoted in zip(candidates, victims[: self.config.max_swaps]):
-            if scores.victim(promoted) >= scores.victim(demoted):
+            if self.expected_rate(promoted) <= self.expected_rate(demoted):
                 break
             self._hot.remove(demoted)
             self._stage.remove(promoted)
             self._hot.add(promoted)
             self._stage.add(demoted)
             swaps.append((promoted, demoted))
-        self.telemetry.reset_window()
         return swaps
-
-
-class _Scores:
-    """Victim and candidate scores of one rebalancing pass, each term scaled to [0, 1] by its largest value."""
-
-    def __init__(self, policy: MiraPolicy):
-        self._policy = policy
-        pool = policy.resident()
-        telemetry = policy.telemetry
-        self._max_volume = max((telemetry.routed(uid) for uid in pool), default=0) or 1
-        self._max_missed = max((telemetry.served(uid, Tier.MISS) for uid in pool), default=0) or 1
-        self._max_heat = max((policy.heat(uid) for uid in pool), default=0.0) or 1.0
-        self._max_age = max((policy.age(uid) for uid in pool), default=0) or 1
-
-    def victim(self, uid: int) -> float:
-        """High for an expert that serves few tokens, has not been used for long and has low heat."""
-        volume, recency, frequency = self._policy.config.victim_weights
-        return (
-            volume * (1 - self._policy.telemetry.routed(uid) / self._max_volume)
-            + recency * self._policy.age(uid) / self._max_age
-            + frequency * (1 - self._policy.heat(uid) / self._max_heat)
-        )
-
-    def candidate(self, uid: int) -> float:
-        """High for an expert with many routed tokens, many of them served from the host."""
-        volume, missed = self._policy.config.candidate_weights
-        telemetry = self._policy.telemetry
-        return (
-            volume * telemetry.routed(uid) / self._max_volume
-            + missed * telemetry.served(uid, Tier.MISS) / self._max_missed
-        )
 
 
 def make_policy(
@@ -543,8 +526,9 @@ def make_policy(
     capacity: int,
     total_experts: int,
     config: CacheConfig = CacheConfig(),
-    profile: Sequence[int] | Mapping[int, int] | None = None,
+    profile: Popularity | None = None,
     stage_slots: int | None = None,
+    admission_cost: float = 0.0,
 ) -> Policy:
     """Build a policy by name (the names of `mira.config.POLICIES`).
 
@@ -552,24 +536,40 @@ def make_policy(
         name: mira, lru, lfu, static or on-demand.
         capacity: expert slots.
         total_experts: experts over all MoE layers (the mira policy's VRAM mode depends on it).
-        config: interval, swap bound, score weights and STAGE fractions of the mira policy.
-        profile: routed tokens per uid (`RoutingTrace.expert_counts()` of a profiling trace);
-            required by static, ignored by the others.
+        config: interval, swap bound, heat decay, prior weight and STAGE fractions of the mira policy.
+        profile: routed tokens per uid in recorded routing (`RoutingTrace.popularity()`): required
+            by static, the prior of mira, ignored by the others.
         stage_slots: STAGE size of the mira policy instead of the one `split_slots` gives.
+        admission_cost: blobs an admission of the mira policy moves beyond the miss's own read (1
+            under lagged residency, 0 inline).
 
     Returns:
-        A fresh policy with no history (static: with its placement resident).
+        A fresh policy with no history (static, and mira with a profile: with its placement resident).
 
     Raises:
         ValueError: an unknown name, or static without a profile.
     """
-    if name == "mira":
-        return MiraPolicy(capacity, total_experts, config, stage_slots=stage_slots)
-    if name == "static":
+    kind = policy_class(name)
+    if kind is MiraPolicy:
+        return MiraPolicy(capacity, total_experts, config, stage_slots=stage_slots, prior=profile,
+                          admission_cost=admission_cost)
+    if kind is Static:
         if profile is None:
             raise ValueError("the static policy needs a profile of routed tokens per expert (a routing trace)")
         return Static(capacity, profile)
-    simple = {"lru": LRU, "lfu": LFU, "on-demand": OnDemand}
-    if name not in simple:
-        raise ValueError(f"unknown policy {name!r}; choose one of mira, {', '.join(simple)}, static")
-    return simple[name](capacity)
+    return kind(capacity)
+
+
+_POLICIES: dict[str, type[Policy]] = {"mira": MiraPolicy, "lru": LRU, "lfu": LFU, "static": Static,
+                                      "on-demand": OnDemand}
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The policy class of a name of `mira.config.POLICIES`.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in _POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(_POLICIES)}")
+    return _POLICIES[name]

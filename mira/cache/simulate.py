@@ -4,9 +4,11 @@ Paper IV-C and IV-D compare the HOT+STAGE rebalancer with LRU, LFU and static pl
 module makes that comparison on any trace of DESIGN.md 5 without a GPU: every policy of
 `mira.cache.policy` runs behind a small model of the slot mechanism (an expert-to-slot map that
 checks the policy keeps its contract), and `belady` gives the bound of DESIGN.md 4. A miss costs
-one expert blob over PCIe (the zero-copy miss path reads it once, admitted or not), and so does
-a prefetch (paper IV-E: recorded predictions replayed with `predictions=`), so
-PCIe bytes = (misses + prefetches) x expert bytes.
+one expert blob over PCIe (the kernel reads it from the host store, or its copy into a slot is
+the read), and so does a prefetch (paper IV-E: recorded predictions replayed with
+`predictions=`). Under lagged residency the policy acts after the step, so an admission copies
+a miss the kernel has already read: one more blob. So PCIe bytes = (misses + prefetches, plus
+admissions when lagged) x expert bytes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from mira.cache.belady import belady_misses
-from mira.cache.policy import Access, Policy, Tier, make_policy
+from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
 from mira.config import CacheConfig
 from mira.predict.prefetcher import PrefetchBook
 from mira.predict.trace import RoutingTrace
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
+RESIDENCY = ("inline", "lagged")  # when the policy acts: before each layer, or after each step
 # Defaults: a Mixtral-8x7B expert in int8-shared (w1|w3 and w2 int8 [14336 x 4096] each, one bf16
 # scale vector [4096]), and the pinned host-to-device bandwidth measured on the H200 (DESIGN.md 3).
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 + 2 * 4096
@@ -46,6 +49,7 @@ def simulate(
     check: bool = False,
     predictions: np.ndarray | None = None,
     staged_per_layer: int = PrefetchBook.per_layer,
+    residency: str = "inline",
 ) -> dict:
     """Replay `trace` through one policy with `slots` expert slots shared by all layers.
 
@@ -57,8 +61,9 @@ def simulate(
         expert_bytes: bytes of one expert blob, the PCIe cost of a miss.
         bandwidth_gbps: host-to-device bandwidth in GB/s (1e9 bytes per second).
         config: the cache configuration of the mira policy.
-        profile: the trace whose routed-token counts choose the static placement; None uses the
-            replayed trace itself (an oracle profile, labelled so in the result).
+        profile: the trace whose routed-token counts choose the static placement and the mira
+            policy's prior; None uses the replayed trace itself (an oracle profile, labelled so in
+            the result).
         check: after every group, also check the policy's whole resident set and tier sizes
             against the mechanism (slower; the tests use it).
         predictions: int [T, L, P], the experts predicted for each (token, layer), best first, -1
@@ -67,13 +72,17 @@ def simulate(
             run for the whole step (a prompt's tokens are one step). None: no prefetching.
             Belady ignores it.
         staged_per_layer: how many of the predictions of a (token, layer) are staged.
+        residency: "inline" (the policy places each expert before its layer: an admission is the
+            miss's own copy) or "lagged" (the policy acts after the step: an admission is one more
+            blob, and the mira policy weighs it so). Belady is the inline optimum either way.
 
     Returns:
         A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
         placement is loaded before the first access, so it has no warm-up misses; every other
         policy and Belady start empty), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
-        hits_stage, copies (misses + prefetches issued: every blob moved over PCIe), pcie_bytes,
-        pcie_seconds_per_token, expert_bytes, bandwidth_gbps; for the online policies also
+        hits_stage, copies (misses + prefetches issued, + admissions when lagged: every blob moved over
+        PCIe), pcie_bytes,
+        pcie_seconds_per_token, expert_bytes, bandwidth_gbps, residency; for the online policies also
         admissions, tokens_routed/_hot/_stage/_miss and, with predictions, prefetch counts
         (prefetch_issued, _skipped, _declined, _used, _wasted) and prefetch_bytes; for mira the
         config it ran with, for static the profile it used. Belady has no tiers: hot_slots and
@@ -87,6 +96,8 @@ def simulate(
         raise ValueError(f"slots must be >= 0, got {slots}")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if residency not in RESIDENCY:
+        raise ValueError(f"unknown residency {residency!r}; choose one of {', '.join(RESIDENCY)}")
     if policy == "belady":
         counts = _belady_counts(trace, slots)
         extra = {}
@@ -96,15 +107,18 @@ def simulate(
                 f"the profile trace {profile.source} has {profile.num_layers} x {profile.num_experts} experts but "
                 f"{trace.source} has {trace.num_layers} x {trace.num_experts}; profile the same model"
             )
-        counts_profile = (profile if profile is not None else trace).expert_counts().tolist()
-        instance = make_policy(policy, slots, trace.num_uids, config, counts_profile, stage_slots)
+        popularity = Popularity.of_trace(profile if profile is not None else trace)
+        instance = make_policy(policy, slots, trace.num_uids, config, popularity, stage_slots,
+                               admission_cost=float(residency == "lagged"))
         counts = replay(trace, instance, check=check, predictions=predictions, staged_per_layer=staged_per_layer)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":
-            extra["config"] = {**dataclasses.asdict(config), "heat_decay": instance.heat_decay}
-        if policy == "static":
+            extra["config"] = dataclasses.asdict(config)
+        if policy in ("static", "mira"):
             extra["profile"] = profile.source if profile is not None else "oracle: the replayed trace itself"
     copies = counts["misses"] + counts.get("prefetch_issued", 0)
+    if residency == "lagged":
+        copies += counts.get("admissions", 0)
     pcie_bytes = copies * expert_bytes
     if "prefetch_issued" in counts:
         counts["prefetch_bytes"] = counts["prefetch_issued"] * expert_bytes
@@ -121,6 +135,7 @@ def simulate(
         "pcie_seconds_per_token": pcie_bytes / (bandwidth_gbps * 1e9) / trace.num_tokens,
         "expert_bytes": expert_bytes,
         "bandwidth_gbps": bandwidth_gbps,
+        "residency": residency,
     }
 
 
@@ -378,8 +393,8 @@ def sweep(
 def format_table(results: Sequence[dict]) -> str:
     """A plain-text table of simulation results, one row each.
 
-    PCIe bytes count misses and prefetches. The last column divides each policy's misses by
-    Belady's at the same slot count, where the results include Belady's.
+    PCIe bytes count misses and prefetches (and admissions, lagged). The last column divides each
+    policy's PCIe bytes by Belady's at the same slot count, where the results include Belady's.
 
     Args:
         results: dicts returned by `simulate` or `sweep`.
@@ -388,13 +403,14 @@ def format_table(results: Sequence[dict]) -> str:
         The table, lines joined by newlines, without a trailing newline.
     """
     bound = {row["slots"]: row["misses"] for row in results if row["policy"] == "belady"}
-    header = ("policy", "slots", "hot", "stage", "accesses", "hit rate", "misses", "HOT hits", "STAGE hits",
-              "prefetches", "PCIe GB", "PCIe ms/token", "x Belady")
+    header = ("policy", "residency", "slots", "hot", "stage", "accesses", "hit rate", "misses", "HOT hits",
+              "STAGE hits", "admissions", "prefetches", "PCIe GB", "PCIe ms/token", "x Belady")
     rows = [header]
     for row in results:
         best = bound.get(row["slots"])
         rows.append((
             row["policy"],
+            row["residency"] if row["policy"] != "belady" else "-",
             str(row["slots"]),
             str(row.get("hot_slots", "-")),
             str(row.get("stage_slots", "-")),
@@ -403,10 +419,11 @@ def format_table(results: Sequence[dict]) -> str:
             str(row["misses"]),
             str(row["hits_hot"]),
             str(row["hits_stage"]),
+            str(row.get("admissions", "-")),
             str(row.get("prefetch_issued", "-")),
             f"{row['pcie_bytes'] / 1e9:.2f}",
             f"{row['pcie_seconds_per_token'] * 1e3:.3f}",
-            f"{row['misses'] / best:.2f}" if best else "-",
+            f"{row['copies'] / best:.2f}" if best else "-",
         ))
     widths = [max(len(line[column]) for line in rows) for column in range(len(header))]
     return "\n".join("  ".join(_align(line, widths)) for line in rows)

@@ -153,6 +153,14 @@ class RoutingTrace:
         first[..., 1:] = uids[..., 1:] != uids[..., :-1]
         return uids[first]  # [N], C order = replay order
 
+    def tokens(self, start: int, stop: int) -> RoutingTrace:
+        """The trace of tokens [start, stop) alone (a calibration part, or the part after it)."""
+        def part(array: np.ndarray | None) -> np.ndarray | None:
+            return None if array is None else array[start:stop]
+
+        return RoutingTrace(self.topk_ids[start:stop], self.num_experts, part(self.topk_weights), part(self.seq_id),
+                            part(self.is_prefill), f"{self.source}[{start}:{stop}]")
+
     def expert_counts(self) -> np.ndarray:
         """Routed tokens per expert over the whole trace (a profile for the static policy).
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
-from mira.cache.policy import make_policy
+from mira.cache.policy import Popularity, make_policy, policy_class
 from mira.cache.slots import SlotPool
 from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.cache.telemetry import Telemetry
@@ -221,9 +221,9 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=progress)
     compute_dtype = RuntimeConfig(device=torch_device.type, dtype=dtype or "").dtype
     hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
-    counts = _profile_counts(profile, store.num_layers * store.num_experts) if profile is not None else None
-    model = assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context, counts,
-                     prefetch, heads, residency)
+    popularity = _popularity(profile, store.num_layers * store.num_experts) if profile is not None else None
+    model = assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context,
+                     popularity, prefetch, heads, residency)
     if not cuda_graphs and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
@@ -231,20 +231,20 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
 
 def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreTrainedTokenizerBase | None,
              vram_budget: int | None = None, policy: str = "mira", max_context: int | None = None,
-             profile_counts: list[int] | None = None, prefetch: str = "auto",
+             profile: Popularity | None = None, prefetch: str = "auto",
              heads: str | os.PathLike | None = None, residency: str = "auto") -> MiraModel:
     """Bind Mira's experts to a built model: the slot plan, cache, transfer layer, kernel and predictor.
 
     `load` calls this for a model read from a store; `mira bench` calls it for synthetic models
     whose store lives only in memory. Arguments as for `load`; `hf_model` is on its device and in
-    its compute dtype, `sites` are its MoE sites (mira.models.loader), `profile_counts` the routed
-    tokens per expert (uid order) that place the static policy's experts, `heads` a file of trained
-    predictor heads to use instead of the store's own.
+    its compute dtype, `sites` are its MoE sites (mira.models.loader), `profile` the routed tokens
+    per expert that place the static policy's experts and give the mira policy its prior, `heads` a
+    file of trained predictor heads to use instead of the store's own.
     """
     torch_device = next(hf_model.parameters()).device
     total_experts = store.num_layers * store.num_experts
-    if profile_counts is not None and len(profile_counts) != total_experts:
-        raise MiraError(f"the profile routes over {len(profile_counts)} experts but this model has {total_experts}; "
+    if profile is not None and len(profile.counts) != total_experts:
+        raise MiraError(f"the profile routes over {len(profile.counts)} experts but this model has {total_experts}; "
                         "record the profile with `mira trace` on the same model")
     config = RuntimeConfig(device=str(torch_device), dtype=str(hf_model.dtype).removeprefix("torch."),
                            vram_budget=vram_budget, max_context=max_context or DEFAULT_MAX_CONTEXT,
@@ -255,18 +255,19 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     plan = _plan(config, hf_model, store, max_ctx)
     capacity = plan.slots if plan else 0
     if capacity >= total_experts:  # every expert fits: all resident from the start, nothing left to decide
-        policy, profile_counts = "static", [1] * total_experts
+        policy, profile = "static", Popularity((1,) * total_experts, 1)
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
     if prefetch not in PREFETCH:
         raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
-    placement = _policy(policy, capacity, total_experts, config.cache, profile_counts)
-    lagged = lags(residency, admits_misses=placement.admits_misses, under_budget=capacity < total_experts,
-                  device=torch_device, fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
+    lagged = lags(residency, admits_misses=_policy_class(policy).admits_misses,
+                  under_budget=capacity < total_experts, device=torch_device,
+                  fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
+    placement = _policy(policy, capacity, total_experts, config.cache, profile, lagged)
     staging = stages(prefetch, residency, lagged, placement.stage_slots)
     if staging and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
         # experts: mira.cache.budget) apart from the policy's
-        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile_counts)
+        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile, lagged)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.parent.gate for site in sites]
@@ -277,11 +278,20 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
 
 
-def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile_counts: list[int] | None):
+def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None,
+            lagged: bool):
+    """The residency policy; lagged, an admission copies a miss the kernel already read (one more blob)."""
     try:
-        return make_policy(name, capacity, total_experts, config, profile=profile_counts)
+        return make_policy(name, capacity, total_experts, config, profile=profile, admission_cost=float(lagged))
     except ValueError as error:
         raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
+
+
+def _policy_class(name: str):
+    try:
+        return policy_class(name)
+    except ValueError as error:
+        raise MiraError(str(error)) from error
 
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
@@ -340,14 +350,14 @@ def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.d
     return trained or GateSpeculation(routers, store.num_experts)
 
 
-def _profile_counts(path: str | os.PathLike, total_experts: int) -> list[int]:
+def _popularity(path: str | os.PathLike, total_experts: int) -> Popularity:
     from mira.predict.trace import RoutingTrace
 
-    counts = RoutingTrace.load(path).expert_counts()
-    if len(counts) != total_experts:
-        raise MiraError(f"the profile {path} routes over {len(counts)} experts but this model has {total_experts}; "
-                        "record the profile with `mira trace` on the same model")
-    return list(counts)
+    popularity = Popularity.of_trace(RoutingTrace.load(path))
+    if len(popularity.counts) != total_experts:
+        raise MiraError(f"the profile {path} routes over {len(popularity.counts)} experts but this model has "
+                        f"{total_experts}; record the profile with `mira trace` on the same model")
+    return popularity
 
 
 def store_tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:

@@ -61,6 +61,14 @@ class RoutingRecorder:
         self._prefill.append(np.full(tokens, self._first_step, dtype=bool))
         self._first_step = False
 
+    def reset(self) -> None:
+        """Forget what was recorded so far (the next `trace()` holds only what follows)."""
+        self._step.clear()
+        for recorded in (self._ids, self._weights, self._seq, self._prefill):
+            recorded.clear()
+        self.sequence = -1
+        self._first_step = False
+
     def next_sequence(self) -> None:
         """The following steps belong to a new sequence; its first step is its prompt (prefill)."""
         self.sequence += 1

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from mira.cache.policy import LFU, LRU, Access, Heat, MiraPolicy, OnDemand, Static, Tier, make_policy, split_slots
+from mira.cache.policy import (LFU, LRU, Access, Heat, MiraPolicy, OnDemand, Popularity, Static, Tier, make_policy,
+                               split_slots)
 from mira.config import CacheConfig
 
 
@@ -60,7 +59,7 @@ def test_lfu_never_evicts_an_expert_of_the_current_group():
 
 
 def test_static_places_the_most_routed_experts_and_never_admits():
-    policy = Static(2, [5, 1, 7, 0])
+    policy = Static(2, Popularity((5, 1, 7, 0), 10))
     assert policy.resident() == {0, 2}
     answers = run(policy, [[0], [1], [1], [2]])
     assert answers == [Access(Tier.HOT), Access(Tier.MISS), Access(Tier.MISS), Access(Tier.HOT)]
@@ -68,8 +67,16 @@ def test_static_places_the_most_routed_experts_and_never_admits():
 
 
 def test_static_breaks_ties_by_lower_uid_and_skips_unrouted_experts():
-    assert Static(1, {7: 3, 4: 3}).resident() == {4}
-    assert Static(10, [5, 1, 7, 0]).resident() == {0, 1, 2}
+    assert Static(1, Popularity((0, 0, 0, 0, 3, 0, 0, 3), 3)).resident() == {4}
+    assert Static(10, Popularity((5, 1, 7, 0), 10)).resident() == {0, 1, 2}
+
+
+def test_popularity_rates_and_routing_counts():
+    popularity = Popularity.of_routing([6, 2, 0, 4, 4, 0], top_k=2, num_layers=2)  # 2 tokens per layer... x2
+    assert popularity.tokens == 4 and popularity.rate(0) == 1.5 and popularity.rate(2) == 0.0
+    assert popularity.ranked() == [0, 3, 4, 1]
+    with pytest.raises(ValueError, match="no negative"):
+        Popularity((1, -1), 2)
 
 
 def test_on_demand_serves_everything_from_the_host():
@@ -110,50 +117,72 @@ def test_heat_decays_per_step_and_survives_rescaling():
     assert (heat[1], heat[2], heat[3]) == (0.0, 0.0, 1.0)
 
 
-def mira(capacity=4, stage_slots=1, **config):
-    return MiraPolicy(capacity, 100, CacheConfig(**config), stage_slots=stage_slots)
+def mira(capacity=4, stage_slots=1, prior=None, admission_cost=0.0, **config):
+    config.setdefault("heat_decay", 0.5)  # a horizon of 2 steps: every figure below is worked by hand
+    return MiraPolicy(capacity, 100, CacheConfig(**config), stage_slots=stage_slots, prior=prior,
+                      admission_cost=admission_cost)
 
 
-def test_mira_fills_hot_first_then_stage():
-    policy = mira()
-    answers = run(policy, [[1, 2, 3], [4]])
-    assert answers == [MISS_ADMIT] * 4
-    assert [policy.tier_of(uid) for uid in (1, 2, 3, 4, 5)] == [Tier.HOT] * 3 + [Tier.STAGE, Tier.MISS]
+def steps(policy, groups):
+    """Feed each group as one token step of one token (the step ends after it); returns the answers."""
+    answers = []
+    for group in groups:
+        answers.extend(run(policy, [group]))
+        policy.end_step(1)
+    return answers
 
 
-def test_mira_miss_replaces_the_least_valuable_stage_entry_or_is_bypassed():
-    policy = mira(capacity=4, stage_slots=2, rebalance_interval=1000)
-    run(policy, [[1, 2], [3], [4], [4], [5]])  # HOT {1, 2}; STAGE {3, 4}, 4 hotter than 3
-    assert policy.tier_of(5) is Tier.STAGE and policy.tier_of(3) is Tier.MISS  # 5 (heat 1, recent) replaced 3
-    assert run(policy, [[6]]) == [Access(Tier.MISS, True, 5)]  # equal heat: the less recent 5 goes
-    policy.begin_group()
-    assert policy.access(7, 1) == Access(Tier.MISS, True, 6)
-    assert policy.access(8, 1) == Access(Tier.MISS)  # 4 is hotter than 8, 7 is in this group: bypass
+def test_mira_with_no_evidence_is_the_static_placement():
+    popularity = Popularity((5, 1, 7, 0, 2), 10)
+    policy = mira(capacity=3, stage_slots=1, prior=popularity)
+    assert policy.resident() == Static(3, popularity).resident() == {0, 2, 4}
+    assert (policy.tier_of(2), policy.tier_of(0), policy.tier_of(4)) == (Tier.HOT, Tier.HOT, Tier.STAGE)
 
 
-def test_mira_rebalance_promotes_a_busy_stage_expert_over_an_idle_hot_one():
-    policy = mira(capacity=3, stage_slots=1, rebalance_interval=4, max_swaps=1)
-    run(policy, [[1, 2], [3], [3], [3]])  # HOT {1, 2} idle since the first group, 3 busy in STAGE
-    assert policy.tier_of(3) is Tier.STAGE
-    policy.end_step(4)
+def test_mira_admits_inline_what_is_worth_more_than_its_victim():
+    # heat decay 0.5: expected rate = heat / (steps covered: 1, then 1.5, 1.75, ...); a slot saves
+    # rate x 2 (the horizon) blobs; inline an admission costs nothing beyond the miss's own copy.
+    policy = mira(capacity=2, stage_slots=1)
+    assert steps(policy, [[1], [2]]) == [MISS_ADMIT, MISS_ADMIT]  # free HOT, then free STAGE slots
+    # after two steps 1 has heat 0.25 and 2 has 0.5, over 1.75 steps: the rebalancer swapped them
+    assert (policy.tier_of(2), policy.tier_of(1)) == (Tier.HOT, Tier.STAGE)
+    assert steps(policy, [[3]]) == [Access(Tier.MISS, True, 1)]  # 1/1.75 > 0.25/1.75: 3 replaces STAGE's 1
+    assert (policy.tier_of(3), policy.tier_of(2)) == (Tier.HOT, Tier.STAGE)  # 3, now busier, promoted after the step
+
+
+def test_mira_lagged_admits_only_when_the_reuse_pays_for_the_second_crossing():
+    policy = mira(capacity=2, stage_slots=1, admission_cost=1.0)
+    assert steps(policy, [[1], [2]]) == [MISS_ADMIT, MISS_ADMIT]  # saves 2 > 1 in a free slot
+    # (rebalanced: STAGE holds 1, heat 0.25.) 3 once: (1 - 0.25) / 1.75 x 2 = 0.86 blobs more than 1
+    # would save: not worth a crossing
+    assert steps(policy, [[3]]) == [Access(Tier.MISS)]
+    # 3 again: heat 1.5 against 1's 0.125, over 1.875 steps: (1.5 - 0.125) / 1.875 x 2 = 1.47 > 1
+    assert steps(policy, [[3]]) == [Access(Tier.MISS, True, 1)]
+
+
+def test_mira_prior_weight_sets_how_much_evidence_moves_the_placement():
+    popularity = Popularity((0, 1, 0, 0, 2), 10)  # rates 0.1 (uid 1) and 0.2 (uid 4)
+    trusting = mira(capacity=1, stage_slots=1, prior=popularity, prior_weight=1000.0)
+    assert trusting.resident() == {4}
+    # uid 1 once: (1 + 100) / 1001 against 4's 200 / 1001: the profile wins
+    assert run(trusting, [[1]]) == [Access(Tier.MISS)]
+    doubting = mira(capacity=1, stage_slots=1, prior=popularity, prior_weight=0.0)
+    assert run(doubting, [[1]]) == [Access(Tier.MISS, True, 4)]  # the routing seen now wins
+
+
+def test_mira_rebalance_swaps_stage_entries_worth_more_than_hot_ones_within_the_bound():
+    policy = mira(capacity=3, stage_slots=1)
+    steps(policy, [[1, 2], [3]])  # HOT {1, 2}, STAGE {3}
+    # 3 again: heat 1.5 x 0.5 = 0.75 against 0.125 for 1 and 2 after the step: 3 swaps with 1 (lower uid)
+    run(policy, [[3]])
+    policy.end_step(1)
     assert (policy.tier_of(3), policy.tier_of(1), policy.tier_of(2)) == (Tier.HOT, Tier.STAGE, Tier.HOT)
     assert policy.resident() == {1, 2, 3}  # a hand-over of slots: nothing admitted or evicted
-    assert policy.telemetry.window == {}  # window reset
-    assert policy.telemetry.total[3] == [0, 2, 1]  # 1 token missed, 2 served from STAGE
+    assert policy.rebalance() == []  # STAGE's 1 is worth less than HOT's 2 and 3
 
-
-def test_mira_rebalance_respects_the_swap_bound_and_keeps_better_hot_experts():
-    policy = mira(capacity=6, stage_slots=3, rebalance_interval=1000, max_swaps=2)
-    run(policy, [[1, 2, 3], [4, 5, 6], [4, 5, 6], [4, 5, 6]])  # 4, 5, 6 outrank the idle HOT 1, 2, 3
-    swaps = policy.rebalance()
-    assert len(swaps) == 2
-    assert sum(policy.tier_of(uid) is Tier.HOT for uid in (4, 5, 6)) == 2
-    assert policy.rebalance() == []  # no traffic in the new window: no candidates
-
-    steady = mira(capacity=3, stage_slots=1, rebalance_interval=1000, max_swaps=4)
-    run(steady, [[1, 2], [1, 2], [1, 2, 3], [1, 2]])  # 3 has traffic but less than HOT 1 and 2
-    assert steady.rebalance() == []
-    assert steady.tier_of(3) is Tier.STAGE
+    bounded = mira(capacity=4, stage_slots=2, max_swaps=1, rebalance_interval=1000)
+    steps(bounded, [[1, 2], [3, 4], [3, 4]])
+    assert bounded.rebalance() == [(4, 1)]  # two candidates, one swap: best (tie: higher uid) for worst
 
 
 def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_expert():
@@ -173,13 +202,13 @@ def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_
 
 def test_mira_rebalance_leaves_staged_experts_to_the_prefetcher():
     policy = mira(capacity=3, stage_slots=1, rebalance_interval=1000, max_swaps=1)
-    run(policy, [[1, 2]])  # HOT {1, 2}, idle from now on
+    steps(policy, [[1, 2]])  # HOT {1, 2}, idle from now on
     policy.stage(9)
-    run(policy, [[9], [9], [9]])  # busy in STAGE, but staged for a layer that has not finished
+    steps(policy, [[9], [9]])  # busy in STAGE, but staged for a layer that has not finished
     assert policy.rebalance() == [] and policy.tier_of(9) is Tier.STAGE
     policy.release(9)
-    run(policy, [[9], [9]])  # now a miss on probation, and as busy
-    assert policy.rebalance() == [(9, 1)]  # the idle HOT expert 1 (older than 2) makes room
+    steps(policy, [[9], [9]])  # now admitted on a miss, and as busy
+    assert policy.rebalance() == [(9, 1)]  # the idle HOT expert 1 (lower uid than 2) makes room
 
 
 def test_single_tier_policies_decline_staging():
@@ -193,28 +222,23 @@ def test_bad_sizes_are_refused():
         LRU(-1)
     with pytest.raises(ValueError, match="stage_slots must be between 0 and the capacity 4"):
         mira(capacity=4, stage_slots=5)
+    with pytest.raises(ValueError, match="admission_cost must be >= 0"):
+        mira(admission_cost=-1.0)
     with pytest.raises(ValueError, match="heat decay"):
         Heat(0.0)
+    with pytest.raises(ValueError, match="prior_weight"):
+        CacheConfig(prior_weight=-1.0)
 
 
 def test_make_policy_builds_each_policy_by_name():
     config = CacheConfig(small_vram_fraction=0.25, stage_fraction_large=0.25)
-    built = {name: make_policy(name, 4, 16, config, profile=[1] * 16)
+    profile = Popularity((1,) * 16, 1)
+    built = {name: make_policy(name, 4, 16, config, profile=profile)
              for name in ("mira", "lru", "lfu", "static", "on-demand")}
     assert {name: type(policy).__name__ for name, policy in built.items()} == {
         "mira": "MiraPolicy", "lru": "LRU", "lfu": "LFU", "static": "Static", "on-demand": "OnDemand"}
     assert (built["mira"].hot_slots, built["mira"].stage_slots) == (3, 1)
+    assert built["mira"].resident() == built["static"].resident() == {0, 1, 2, 3}
+    assert make_policy("mira", 4, 16, config, admission_cost=1.0).admission_cost == 1.0
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         make_policy("fifo", 4, 16)
-
-
-def test_mira_takes_the_heat_decay_from_the_config_when_it_has_one():
-    @dataclass(frozen=True)
-    class WithDecay(CacheConfig):
-        heat_decay: float = 0.5
-
-    policy = MiraPolicy(4, 16, WithDecay(rebalance_interval=100))
-    policy.begin_group()
-    policy.access(1, 4)
-    policy.end_step(1)
-    assert policy.heat(1) == 2.0
