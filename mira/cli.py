@@ -123,9 +123,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "graphs: missed experts are read from pinned host memory inside the kernel and the "
                              "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
                              "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
-                             "or auto (the default: lagged for policies that never admit a miss, static and "
-                             "on-demand, and on CUDA when one expert crosses PCIe in under 1 ms, where lagged measured "
-                             "3.6-6.7x faster without prefetching and 3.3-11.9x with; inline otherwise)")
+                             "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
+                             "static and on-demand; inline otherwise)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")

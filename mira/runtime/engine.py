@@ -207,9 +207,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
             kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
             (one host sync per MoE layer: the policy places each routed expert before the kernel
             runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
-            miss, static and on-demand, where it moves no more bytes; on CUDA also when one expert
-            crosses PCIe in under 1 ms, where it measured 3.6-6.7x faster without prefetching and
-            3.3-11.9x with; inline otherwise: mira.runtime.residency).
+            miss, static and on-demand, where it moves no more bytes, and always on CUDA with the
+            fused kernels; inline otherwise: mira.runtime.residency).
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -262,7 +261,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
     lagged = lags(residency, admits_misses=_policy_class(policy).admits_misses,
                   under_budget=capacity < total_experts, device=torch_device,
-                  fused_kernels=hasattr(ffn, "forward_bases"), blob_bytes=store.blob_bytes)
+                  fused_kernels=hasattr(ffn, "forward_bases"))
     placement = _policy(policy, capacity, total_experts, config.cache, profile, lagged)
     staging = stages(prefetch, residency, lagged, placement.stage_slots)
     if staging and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's

@@ -126,25 +126,29 @@ def test_simulate_replays_recorded_predictions_hand_worked(tmp_path):
         assert result.returncode == 0, result.stderr
         return {r["policy"]: r for r in map(json.loads, result.stdout.splitlines())}
 
-    # Without prefetch, 3 STAGE slots (no HOT): uids 0 and 4 stay; 10 and 11 take turns in the
-    # third slot: 3 misses at token 0, then one (the layer-2 expert) per token.
+    # Without prefetch, 3 STAGE slots (no HOT). The profile is the trace itself (no --profile): mira
+    # starts from its placement, the most routed uids 0, 4 and 10 (10 and 11 tie; the lower uid goes
+    # first). Layer 2's experts then take turns: at tokens 1-3 the one routed misses and, as popular
+    # as the other and more recent, is admitted in its place: 3 misses, 3 copies.
     off = run("--policy", "mira", "--policy", "belady")
-    assert (off["mira"]["misses"], off["mira"]["copies"], off["mira"]["pcie_bytes"]) == (6, 6, 6000)
-    # Belady keeps 0, 4 and 10, and serves 11 from the host twice: the bound on every policy's copies.
+    assert (off["mira"]["preloaded"], off["mira"]["misses"], off["mira"]["admissions"]) == (3, 3, 3)
+    assert (off["mira"]["copies"], off["mira"]["pcie_bytes"]) == (3, 3000)
+    # Belady, starting empty, misses 0, 4 and 10 once and serves 11 from the host twice.
     assert off["belady"]["misses"] == 5
-    # A perfect predictor stages 10 or 11 into the free slot at layer 0; it serves layer 2, then is
-    # released: only token 0's uids 0 and 4 miss, and the four prefetch copies replace four misses.
+    # A perfect predictor names layer 2's expert at layer 0: 10 at token 0 (resident: skipped), then
+    # 11, 10, 11, each staged in place of the other (the least valuable entry outside the group and
+    # not staged) and released after layer 2: no miss at all, three prefetch copies.
     for predictor in ("gate", "oracle"):
         on = run("--policy", "mira", "--predictions", predictor)["mira"]
-        assert (on["misses"], on["prefetch_issued"], on["prefetch_used"], on["prefetch_wasted"]) == (2, 4, 4, 0)
-        assert (on["hits_stage"], on["copies"], on["pcie_bytes"]) == (10, 6, 6000)
+        assert (on["misses"], on["prefetch_issued"], on["prefetch_used"], on["prefetch_skipped"]) == (0, 3, 3, 1)
+        assert (on["prefetch_wasted"], on["hits_stage"], on["copies"], on["pcie_bytes"]) == (0, 12, 3, 3000)
     # The previous step's routing of layer 2 is always the other expert: token 0 (no history yet,
-    # ties to expert 0) stages uid 8, never routed; later tokens name the expert already on
-    # probation in STAGE (skipped). One wasted copy and 7 misses: 8 copies.
+    # ties to expert 0) stages uid 8 in place of 10, never routed; each later token stages the expert
+    # the token before routed. Every prefetch is wasted and layer 2 misses at every token (the miss is
+    # worth less than the popular 0 and 4, the only entries it could replace): 4 + 4 copies.
     previous = run("--policy", "mira", "--predictions", "previous")["mira"]
-    assert (previous["misses"], previous["prefetch_issued"], previous["prefetch_wasted"]) == (7, 1, 1)
-    assert (previous["prefetch_skipped"], previous["copies"]) == (3, 8)
-    assert previous["copies"] >= off["belady"]["misses"]
+    assert (previous["misses"], previous["prefetch_issued"], previous["prefetch_wasted"]) == (4, 4, 4)
+    assert (previous["admissions"], previous["copies"]) == (0, 8)
 
 
 def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(tmp_path):
@@ -158,8 +162,9 @@ def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(t
     table = _mira(*base, "--predictions", str(tmp_path / "p.npz"))
     assert table.returncode == 0, table.stderr
     header, row = table.stdout.splitlines()
-    assert "  misses  HOT hits  STAGE hits  prefetches  PCIe GB" in header
-    assert (row.split()[6], row.split()[9]) == ("2", "4")  # misses and prefetches, as the perfect gate gave them
+    assert "  misses  HOT hits  STAGE hits  admissions  prefetches  PCIe GB" in header
+    cells = row.split()
+    assert (cells[7], cells[11]) == ("0", "3")  # misses and prefetches, as the perfect gate gave them
     no_heads = _mira(*base, "--predictions", "trained")
     assert no_heads.returncode == 1 and "pass --heads" in no_heads.stderr
     np.savez(tmp_path / "short.npz", predictions=oracle[:2])
