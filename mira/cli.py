@@ -7,30 +7,26 @@ import sys
 from pathlib import Path
 
 from mira.bench.command import add_command as add_bench_command
-from mira.cache.budget import parse_size
 from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.cache.simulate import RESIDENCY as SIMULATED_RESIDENCY
+from mira.cli_args import (MiraArgumentParser, check_model_options, check_sampling, end_quietly_on_broken_pipe,
+                           existing_file, nonnegative_int, output_dir, output_file, positive_float, positive_int,
+                           probability, size_or_share, temperature)
 from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
+from mira.store.command import add_command as add_store_command
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
               "matrices; the default), int8-row (INT8, one scale per row), none (the checkpoint's dtype)")
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except MiraError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _convert(args: argparse.Namespace) -> None:
     from mira.store.convert import convert
 
-    manifest = convert(Path(args.model_dir), Path(args.out), args.quant, progress=not args.quiet)
+    manifest = convert(Path(args.model_dir), Path(args.out), args.quant, progress=not args.quiet, force=args.force)
     print(f"store {args.out}: {len(manifest.moe_layers)} MoE layers x {manifest.num_experts} experts, "
           f"{manifest.scheme}, {manifest.layout['nbytes'] / 2**20:.2f} MiB per expert")
 
@@ -38,9 +34,11 @@ def _convert(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     from mira.runtime.engine import load
 
-    return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant, policy=args.policy,
-                max_context=args.max_context, profile=args.profile, prefetch=args.prefetch, progress=not args.quiet,
-                cuda_graphs=not args.no_cuda_graphs, residency=args.residency)
+    check_model_options(args)
+    return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant,
+                policy=args.policy or "mira", max_context=args.max_context, profile=args.profile,
+                prefetch=args.prefetch or "auto", progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs,
+                residency=args.residency or "auto")
 
 
 def _trace(args: argparse.Namespace) -> None:
@@ -93,32 +91,39 @@ def _simulate(args: argparse.Namespace) -> None:
 
 def _slot_list(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part]
+        counts = [int(part) for part in text.split(",") if part]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected slot counts like 64,128,256, got {text!r}") from None
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive slot counts like 64,128,256, got {text!r}")
+    return counts
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
                                         "Mira store; default: the bundled mira-tiny-moe")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    parser.add_argument("--vram-budget", type=_size, metavar="SIZE",
-                        help="device memory Mira may use, e.g. 12GiB (default: free memory less 1 GiB on CUDA; "
-                             "on the CPU, experts are read in place unless a budget is given)")
-    parser.add_argument("--max-context", type=int, help="tokens of KV cache to reserve (default: up to 4096)")
+    parser.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
+                        help="device memory Mira may use, e.g. 12GiB, or 25%% for slots for a quarter of the experts "
+                             "beyond the rest of the model (default: free memory less 1 GiB on CUDA; on the CPU, "
+                             "experts are read in place unless a budget is given)")
+    parser.add_argument("--max-context", type=positive_int,
+                        help="tokens of KV cache to reserve, at most the model's positions (default: up to 4096)")
     parser.add_argument("--quant", choices=SCHEMES, help=QUANT_HELP + "; default: the store's own")
-    parser.add_argument("--policy", choices=POLICIES, default="mira",
-                        help="expert residency policy: mira (adaptive HOT+STAGE rebalancer, the default), lru, lfu, "
-                             "static (the experts most routed in --profile stay resident), on-demand (no caching)")
-    parser.add_argument("--profile", metavar="TRACE", help="routing trace (.npz from `mira trace`) for --policy static")
-    parser.add_argument("--prefetch", choices=PREFETCH, default="auto",
+    parser.add_argument("--policy", choices=POLICIES,
+                        help="expert residency policy under a budget: mira (adaptive HOT+STAGE rebalancer, the "
+                             "default), lru, lfu, static (the experts most routed in --profile stay resident), "
+                             "on-demand (no caching)")
+    parser.add_argument("--profile", metavar="TRACE", type=existing_file,
+                        help="routing trace (.npz from `mira trace`) for --policy static")
+    parser.add_argument("--prefetch", choices=PREFETCH,
                         help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
                              "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
                              "(the default: trained when the store has heads, else gate) or off. Acts where the "
                              "policy has STAGE slots: inline through them; lagged on the device, one expert per "
                              "layer into three of the budget's slots (auto stages lagged only with --residency "
                              "lagged: small experts lagged by --residency auto decode faster without)")
-    parser.add_argument("--residency", choices=RESIDENCY, default="auto",
+    parser.add_argument("--residency", choices=RESIDENCY,
                         help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
                              "graphs: missed experts are read from pinned host memory inside the kernel and the "
                              "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
@@ -130,6 +135,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "needs the host is captured once as a CUDA graph and replayed")
     parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_threads_option(parser)
+
+
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads to compute with (default: OMP_NUM_THREADS if set, else the physical cores "
+                             "less those other processes keep busy)")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -138,8 +150,10 @@ def _generate(args: argparse.Namespace) -> None:
     from mira.runtime.generate import SamplingConfig, generate_text
     from mira.store.files import write_json_atomic
 
+    check_sampling(args)
     model = _load(args)
-    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    top_p = args.top_p if args.top_p is not None else SamplingConfig.top_p
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, top_p, args.seed)
     report = generate_text(model, args.prompt, sampling, raw=args.raw)
     stats = model.stats()
     cache = stats["cache"]
@@ -157,25 +171,32 @@ def _generate(args: argparse.Namespace) -> None:
           f"{experts}", file=sys.stderr)
     if args.stats_json:
         stats["generation"] = {k: v for k, v in report.__dict__.items() if k != "text"}
+        stats["cpu_threads"] = args.cpu_threads
         write_json_atomic(Path(args.stats_json), json.loads(json.dumps(stats, default=str)))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = MiraArgumentParser(
         prog="mira",
         description="Run Mixture-of-Experts language models on a GPU too small to hold them: experts are "
                     "quantized into a host-memory store and cached in GPU memory under a byte budget.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     convert = commands.add_parser("convert", help="convert a Hugging Face MoE checkpoint into an expert store",
                                   description="Stream the experts of a local Hugging Face MoE checkpoint into a "
                                               "Mira store, one expert at a time. An interrupted conversion "
-                                              "resumes where it stopped.")
+                                              "resumes where it stopped. Over an existing store of the model it "
+                                              "checks every file and rewrites those missing or corrupt; if the "
+                                              "model's files changed since, it converts again.")
     convert.add_argument("model_dir", help="local Hugging Face model directory (config.json, *.safetensors)")
-    convert.add_argument("--out", required=True, help="store directory to create")
+    convert.add_argument("--out", required=True, type=output_dir, help="store directory to create, check or repair")
     convert.add_argument("--quant", choices=SCHEMES, default="int8-shared", help=QUANT_HELP)
+    convert.add_argument("--force", action="store_true",
+                         help="replace the Mira store in --out even if it holds another model or scheme")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_threads_option(convert)
     convert.set_defaults(run=_convert)
 
     gen = commands.add_parser("generate", help="generate text, streamed as it comes",
@@ -183,11 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "cache statistics go to stderr at the end.")
     _add_model_options(gen)
     gen.add_argument("--prompt", required=True, help="the user's message")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    gen.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 for greedy (default 0.7)")
-    gen.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--temperature", type=temperature, default=0.7,
+                     help="sampling temperature; 0 for greedy (default 0.7)")
+    gen.add_argument("--top-p", type=probability, help="nucleus sampling mass in (0, 1] (default 0.9)")
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    gen.add_argument("--stats-json", metavar="FILE", help="write timings and cache statistics to FILE")
+    gen.add_argument("--stats-json", metavar="FILE", type=output_file,
+                     help="write timings and cache statistics to FILE")
     gen.set_defaults(run=_generate)
 
     trace = commands.add_parser("trace", help="record the routing of every token while generating",
@@ -195,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "token and MoE layer, the experts the router chose (an .npz in the "
                                             "trace format that `mira simulate` replays).")
     _add_model_options(trace)
-    trace.add_argument("--prompts", required=True, metavar="FILE",
+    trace.add_argument("--prompts", required=True, metavar="FILE", type=existing_file,
                        help="one prompt per line, or JSON lines with a \"prompt\" field")
-    trace.add_argument("--out", required=True, metavar="T.npz", help="the trace to write")
-    trace.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    trace.add_argument("--out", required=True, metavar="T.npz", type=output_file, help="the trace to write")
+    trace.add_argument("--max-new-tokens", type=positive_int, default=128,
+                       help="tokens to generate per prompt (default 128)")
     trace.add_argument("--features", action="store_true",
                        help="also record the predictor features of every step beside the trace (T.features.npz), "
                             "for `mira train-predictor` and `mira eval-predictor`")
@@ -209,20 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
                                           "ascending id) through expert-cache policies sharing N slots over all "
                                           "layers, and through Belady's optimum (the bound). Prints hits and "
                                           "misses by tier, PCIe bytes and the implied PCIe time per token.")
-    sim.add_argument("--trace", required=True, metavar="T.npz", help="the routing trace to replay")
+    sim.add_argument("--trace", required=True, metavar="T.npz", type=existing_file, help="the routing trace to replay")
     sim.add_argument("--policy", action="append", choices=SIMULATED_POLICIES,
                      help="a policy to replay (repeatable; default: all of them and belady)")
-    sim.add_argument("--slots", type=int, default=64, help="expert slots shared by all layers (default 64)")
+    sim.add_argument("--slots", type=positive_int, default=64, help="expert slots shared by all layers (default 64)")
     sim.add_argument("--sweep", type=_slot_list, metavar="N,N,...", help="replay at each of these slot counts")
-    sim.add_argument("--stage-slots", type=int, help="STAGE slots of the mira policy (default: from the cache config)")
-    sim.add_argument("--expert-bytes", type=int, default=MIXTRAL_EXPERT_BYTES,
+    sim.add_argument("--stage-slots", type=nonnegative_int,
+                     help="STAGE slots of the mira policy (default: from the cache config)")
+    sim.add_argument("--expert-bytes", type=positive_int, default=MIXTRAL_EXPERT_BYTES,
                      help="bytes of one expert, the PCIe cost of a miss (default: a Mixtral-8x7B int8-shared expert)")
-    sim.add_argument("--bandwidth", type=float, default=BANDWIDTH_GBPS, metavar="GBPS",
+    sim.add_argument("--bandwidth", type=positive_float, default=BANDWIDTH_GBPS, metavar="GBPS",
                      help="host-to-device bandwidth in GB/s (default 55, PCIe 5 x16 as measured)")
-    sim.add_argument("--profile", metavar="TRACE", help="trace placing the static policy's experts and giving the "
-                                                       "mira policy its prior (default: the replayed trace itself, an "
-                                                       "oracle profile) and ranking --predictions popularity")
-    sim.add_argument("--calibrate", type=int, metavar="N",
+    sim.add_argument("--profile", metavar="TRACE", type=existing_file,
+                     help="trace placing the static policy's experts and giving the mira policy its prior "
+                          "(default: the replayed trace itself, an oracle profile) and ranking --predictions "
+                          "popularity")
+    sim.add_argument("--calibrate", type=positive_int, metavar="N",
                      help="use the trace's first N tokens as the profile (as calibration prompts would be) and "
                           "replay the tokens after them")
     sim.add_argument("--residency", choices=SIMULATED_RESIDENCY, default="inline",
@@ -236,14 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "the features beside the trace (`mira trace --features`); or an .npz with 'predictions', "
                           "int [tokens, layers, P], experts best first, -1 for none. PCIe bytes then count the "
                           "prefetch copies too")
-    sim.add_argument("--heads", metavar="FILE", help="predictor heads for --predictions trained "
+    sim.add_argument("--heads", metavar="FILE", type=existing_file, help="predictor heads for --predictions trained "
                                                      "(<store>/predictor/heads.safetensors)")
     sim.add_argument("--json", action="store_true", help="one JSON object per policy and slot count")
-    sim.add_argument("--plot", metavar="FILE.png", help="with --sweep: write miss rate against slots as a PNG")
+    sim.add_argument("--plot", metavar="FILE.png", type=output_file,
+                     help="with --sweep: write miss rate against slots as a PNG")
     sim.set_defaults(run=_simulate)
 
     add_predictor_commands(commands)
     add_bench_command(commands)
+    add_store_command(commands)
     return parser
 
 
@@ -251,17 +279,31 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv  # what the results of a run record as its command
-    if getattr(args, "quiet", False):
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()  # this process only: the CLI was asked to be quiet
     try:
+        from mira.runtime.threads import set_threads
+
+        args.cpu_threads = set_threads(getattr(args, "threads", None))
+        if getattr(args, "quiet", False):
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()  # this process only: the CLI was asked to be quiet
         args.run(args)
     except MiraError as error:
-        print(f"mira: error: {error}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"mira: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return end_quietly_on_broken_pipe()
+    except Exception as error:  # a fault of Mira's, not of the input: one line, the traceback under --debug
+        if args.debug:
+            raise
+        what = " ".join(str(error).split())
+        print(f"mira: error: internal error ({type(error).__name__}: {what}); run again with `mira --debug "
+              f"{args.command} ...` for the traceback, and report it", file=sys.stderr)
+        return 1
     return 0
 
 

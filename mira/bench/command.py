@@ -15,6 +15,7 @@ DEFAULT_CONFIGS = "mira+p,mira,lru,static,hf-gpu,hf-offload"
 
 def add_command(subparsers) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS
+    from mira.cli_args import output_file
 
     bench = subparsers.add_parser(
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
@@ -80,7 +81,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json",
+    bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=output_file,
                        help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")
     bench.add_argument("--resume", action="store_true",
                        help="continue the run in --out: keep the runs it holds and measure only the missing ones "
@@ -102,6 +103,8 @@ def _bench(args: argparse.Namespace) -> None:
 
     if args.repeats < 1:
         raise MiraError(f"--repeats must be at least 1, got {args.repeats}")
+    for label in [*_names(args.budgets), args.beam_budget, *_names(args.offload_budgets or "")]:
+        _check_budget(label)
     configs = _names(args.configs)
     unknown = [c for c in configs if c not in MIRA_CONFIGS and c not in BASELINES]
     if unknown:
@@ -134,6 +137,28 @@ def _bench(args: argparse.Namespace) -> None:
     except ImportError:
         print("mira: matplotlib is not installed; no PNG written (pip install matplotlib)", file=sys.stderr)
     print(f"results: {out} and {out.with_suffix('.png')}", file=sys.stderr)
+
+
+def _check_budget(label: str) -> None:
+    """A budget as `--budgets` takes it: 'all', a share of the experts ('25%') or a size ('24GiB').
+
+    Raises:
+        MiraError: anything else, before any model is loaded.
+    """
+    from mira.cache.budget import parse_size
+    from mira.errors import MiraError
+
+    if label == "all":
+        return
+    if label.endswith("%"):
+        try:
+            share = float(label[:-1])
+        except ValueError:
+            share = 0
+        if not 0 < share <= 100:
+            raise MiraError(f"cannot read the budget {label!r}; a share of the experts is in (0%, 100%], like 25%")
+        return
+    parse_size(label)
 
 
 def _names(text: str) -> list[str]:

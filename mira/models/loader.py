@@ -24,6 +24,13 @@ from mira.models.base import Adapter
 from mira.models.registry import adapter_for
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+# Sizes and counts the supported families read from config.json: each must be a whole number.
+INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts",
+                  "num_experts_per_tok", "first_k_dense_replace", "max_position_embeddings", "kv_lora_rank",
+                  "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+                  "decoder_sparse_step")
 
 
 class ExpertsPlaceholder(nn.Module):
@@ -52,14 +59,21 @@ def read_config(model_dir: Path) -> PretrainedConfig:
         MiraError: the directory or its config.json is missing or unreadable.
     """
     if not model_dir.is_dir():
-        raise MiraError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
+        what = "is a file, not a directory" if model_dir.exists() else "does not exist"
+        raise MiraError(f"model directory {model_dir} {what}; pass a local Hugging Face model directory")
     if not (model_dir / "config.json").is_file():
         raise MiraError(f"{model_dir} has no config.json; pass a Hugging Face model directory (config.json, "
                         "*.safetensors, tokenizer files) or a Mira store")
     try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError) as error:
-        raise MiraError(f"cannot read {model_dir / 'config.json'}: {error}") from error
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as error:  # transformers raises many kinds for a bad file; each is the file's fault
+        raise MiraError(f"cannot read {model_dir / 'config.json'}: {error}; fix the file or pass another "
+                        "model") from None
+    for name in INTEGER_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise MiraError(f"{model_dir / 'config.json'} has {name} {value!r}, not a whole number; fix config.json")
+    return config
 
 
 @contextlib.contextmanager
@@ -102,12 +116,16 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tu
     return model, moe_sites(model)
 
 
-def moe_skeleton_layers(config: PretrainedConfig) -> list[int]:
-    """Decoder layer indices that hold routed experts, found by building the model on the meta device."""
+def skeleton(config: PretrainedConfig) -> nn.Module:
+    """The model of `config` on the meta device (no memory), with placeholders for its Experts modules."""
     adapter = adapter_for(config)
     with experts_swapped(adapter), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [site.layer for site in moe_sites(model)]
+        return AutoModelForCausalLM.from_config(config)
+
+
+def moe_skeleton_layers(config: PretrainedConfig) -> list[int]:
+    """Decoder layer indices that hold routed experts, found by building the model on the meta device."""
+    return [site.layer for site in moe_sites(skeleton(config))]
 
 
 def moe_sites(model: nn.Module) -> list[MoESite]:

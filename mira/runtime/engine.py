@@ -8,7 +8,6 @@ experts module bound at every MoE site.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from mira.cache.policy import Popularity, make_policy, policy_class
 from mira.cache.slots import SlotPool
 from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.cache.telemetry import Telemetry
-from mira.config import PREFETCH, CacheConfig, RuntimeConfig
+from mira.config import POLICIES, PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.loader import MoESite, build_model, read_config
@@ -32,14 +31,16 @@ from mira.runtime.experts import MiraExperts
 from mira.runtime.graphs import DecodeGraphs
 from mira.runtime.residency import lags, stages
 from mira.runtime.transfer import Transfer
-from mira.store.convert import convert, source_fingerprint
-from mira.store.manifest import Manifest, is_store
+from mira.store.cache import cache_store
+from mira.store.layout import SCHEMES
+from mira.store.manifest import Manifest, is_store, looks_like_store
 from mira.store.store import ExpertStore
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
 DEFAULT_MAX_CONTEXT = 4096
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class MiraModel:
@@ -106,11 +107,18 @@ class MiraModel:
             MiraError: the prompt plus max_new_tokens does not fit in max_context.
         """
         prompt_tokens = input_ids.shape[-1]
+        if prompt_tokens == 0:
+            raise MiraError("the prompt is empty (no tokens); pass a prompt")
         total = prompt_tokens + kwargs.get("max_new_tokens", 0)
         if total > self.max_context:
+            positions = getattr(self.hf_model.config, "max_position_embeddings", None)
+            if positions is not None and positions <= self.max_context:
+                fix = f"shorten the prompt or lower --max-new-tokens (the model holds at most {positions} positions)"
+            else:
+                fix = ("shorten the prompt, lower --max-new-tokens or pass a larger --max-context"
+                       + (f" (up to {positions})" if positions else ""))
             raise MiraError(f"the prompt of {prompt_tokens} tokens plus {kwargs.get('max_new_tokens', 0)} new tokens "
-                            f"is longer than the context of {self.max_context} tokens; shorten the prompt, lower "
-                            f"--max-new-tokens or pass a larger --max-context")
+                            f"is longer than the context of {self.max_context} tokens; {fix}")
         kwargs.setdefault("disable_compile", True)
         if self._replays(input_ids, kwargs):
             kwargs["past_key_values"] = self._static_kv_cache()
@@ -142,7 +150,8 @@ class MiraModel:
             "device": self.config.device,
             "dtype": self.config.dtype,
             "quant": self.store.manifest.scheme,
-            "policy": "all-resident" if self.all_resident else self.config.cache.policy,
+            "policy": ("all-resident" if self.all_resident else "none: experts read in place" if not self.plan
+                       else self.config.cache.policy),
             "slots": self.cache.pool.num_slots,
             "total_experts": self.store.num_layers * self.store.num_experts,
             "expert_blob_bytes": self.store.blob_bytes,
@@ -169,7 +178,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | None = None,
+def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | str | None = None,
          quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
          profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True,
          heads: str | os.PathLike | None = None, cuda_graphs: bool = True, residency: str = "auto") -> MiraModel:
@@ -179,9 +188,10 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
         path: a Hugging Face model directory (converted on first use into a store under the cache
             directory, `$MIRA_CACHE` or ~/.cache/mira) or a store; None for the bundled model.
         device: "cuda", "cuda:N" or "cpu"; default CUDA when present.
-        vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots;
-            default: free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read
-            in place from the store in RAM) unless a budget is given.
+        vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or
+            a share of all experts to give slots beyond those ("25%", as in `mira bench`); default:
+            free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read in place
+            from the store in RAM) unless a budget is given.
         quant: expert scheme; default int8-shared, or the store's own when `path` is a store.
         policy: expert residency policy: mira (the adaptive HOT+STAGE rebalancer), lru, lfu, static
             (a fixed placement of the experts most routed in `profile`) or on-demand (no caching).
@@ -213,14 +223,18 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
     """
-    store_path = resolve_store(Path(path) if path is not None else BUNDLED_MODEL, quant, progress)
-    torch_device = torch.device(device or default_device())
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise MiraError("--device cuda was asked for but no CUDA device is available; pass --device cpu")
+    torch_device = _check_arguments(device, vram_budget, quant, policy, max_context, dtype, profile, prefetch, heads,
+                                    residency)
+    model_path = Path(path) if path is not None else BUNDLED_MODEL
+    _check_model_path(model_path)
+    _check_max_context(model_path, max_context)
+    store_path = resolve_store(model_path, quant, progress)
     store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=progress)
     compute_dtype = RuntimeConfig(device=torch_device.type, dtype=dtype or "").dtype
     hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
     popularity = _popularity(profile, store.num_layers * store.num_experts) if profile is not None else None
+    if isinstance(vram_budget, str):
+        vram_budget = _share_budget(_budget_share(vram_budget), hf_model, store, max_context)
     model = assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context,
                      popularity, prefetch, heads, residency)
     if not cuda_graphs and model.decode_graphs is not None:
@@ -294,28 +308,106 @@ def _policy_class(name: str):
 
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
-    """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory."""
-    if not path.exists():
-        hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
-        raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
-                        "model directory or a Mira store")
+    """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory,
+    converted on first use and again whenever the files of `path` changed (mira.store.cache)."""
+    _check_model_path(path)
     if is_store(path):
         manifest = Manifest.read(path)
         if quant is not None and quant != manifest.scheme:
             raise MiraError(f"store {path} holds {manifest.scheme} experts, not {quant}; pass --quant "
                             f"{manifest.scheme}, or convert the model again with --quant {quant}")
         return path
-    scheme = quant or "int8-shared"
-    read_config(path)
-    target = cache_dir() / f"{path.resolve().name}-{source_fingerprint(path)[:12]}-{scheme}"
-    if not is_store(target):
-        print(f"mira: converting {path} into the store {target} (first use; later runs reuse it)", file=sys.stderr)
-    convert(path, target, scheme, progress=progress)
-    return target
+    return cache_store(path, quant or "int8-shared", progress)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
+def _check_model_path(path: Path) -> None:
+    """`path` is a directory that can be a model or a store.
+
+    Raises:
+        MiraError: it does not exist, is a file, or is a store without a readable manifest.
+    """
+    if not path.exists():
+        hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
+        raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
+                        "model directory or a Mira store")
+    if not path.is_dir():
+        raise MiraError(f"model path {path} is a file, not a directory; pass --model with a local Hugging Face "
+                        "model directory or a Mira store")
+    if looks_like_store(path) and not is_store(path):
+        raise MiraError(f"{path} is a Mira store whose manifest.json is missing; repair it with `mira convert "
+                        f"MODEL_DIR --out {path}`, MODEL_DIR being the model it was converted from")
+
+
+def _check_arguments(device: str | None, vram_budget: int | str | None, quant: str | None, policy: str,
+                     max_context: int | None, dtype: str | None, profile, prefetch: str, heads,
+                     residency: str) -> torch.device:
+    """Check `load`'s arguments before anything is read or converted; returns the device.
+
+    Raises:
+        MiraError: an argument out of its range or naming something absent, with the fix.
+    """
+    torch_device = parse_device(device)
+    if vram_budget is not None and not (isinstance(vram_budget, str) and _budget_share(vram_budget) is not None):
+        if isinstance(vram_budget, bool) or not isinstance(vram_budget, int) or vram_budget <= 0:
+            raise MiraError(f"the VRAM budget {vram_budget!r} is not a positive number of bytes or a share "
+                            "like 25%; pass --vram-budget like 12GiB or 25%")
+    choices = {"quant": (quant, (None, *SCHEMES)), "policy": (policy, POLICIES), "prefetch": (prefetch, PREFETCH),
+               "residency": (residency, RESIDENCY), "dtype": (dtype, (None, *DTYPES))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                    or max_context < 1):
+        raise MiraError(f"--max-context {max_context} is not a positive number of tokens; pass at least 1 (the "
+                        "prompt plus the new tokens must fit)")
+    for flag, file in (("--profile", profile), ("--heads", heads)):
+        if file is not None and not Path(file).is_file():
+            raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
+    return torch_device
+
+
+def parse_device(device: str | None) -> torch.device:
+    """"cpu", "cuda" or "cuda:N" (default: CUDA when present) as a torch.device that exists here.
+
+    Raises:
+        MiraError: an unknown device, or a CUDA device this machine does not have.
+    """
+    if device is None:
+        return torch.device(default_device())
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        torch_device = None
+    if torch_device is None or torch_device.type not in ("cpu", "cuda") or (
+            torch_device.type == "cpu" and torch_device.index not in (None, 0)):
+        raise MiraError(f"unknown device {device!r}; pass --device cpu, cuda or cuda:N")
+    if torch_device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MiraError(f"--device {device} was asked for but no CUDA device is available; pass --device cpu")
+        if torch_device.index is not None and torch_device.index >= torch.cuda.device_count():
+            raise MiraError(f"there is no CUDA device {torch_device.index} (this machine has "
+                            f"{torch.cuda.device_count()}); pass --device cuda:0 .. "
+                            f"cuda:{torch.cuda.device_count() - 1}")
+    return torch_device
+
+
+def _check_max_context(model_path: Path, max_context: int | None) -> None:
+    """An explicit `max_context` within the model's positions (the default is capped silently)."""
+    if max_context is None:
+        return
+    positions = getattr(read_config(model_path), "max_position_embeddings", None)
+    if positions is not None and max_context > positions:
+        raise MiraError(f"--max-context {max_context} is beyond the {positions} positions this model was made "
+                        f"for; pass --max-context {positions} or less")
+
+
+def _budget_share(text: str) -> float | None:
+    """The share of all experts a budget like "25%" asks slots for, or None if it is not a share."""
+    try:
+        share = float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else None
+    except ValueError:
+        return None
+    return share if share is not None and 0 < share <= 1 else None
 
 
 def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int) -> SlotPlan | None:
@@ -327,12 +419,26 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
         free, _ = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         budget = free + allocated - FREE_MEMORY_MARGIN
+    non_expert, kv_bytes, workspace = _reserve(device, hf_model, store, max_context)
+    return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
+                      store.num_layers * store.num_experts, max_context)
+
+
+def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: int) -> tuple[int, int, int]:
+    """Bytes a budget holds before any expert slot: non-expert weights, KV cache, workspaces."""
     non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
     kv_bytes = adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
     workspace = Transfer.workspace_bytes(device, store.blob_bytes, store.num_experts)
     workspace += ACTIVATION_WORKSPACE if device.type == "cuda" else 0
-    return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
-                      store.num_layers * store.num_experts, max_context)
+    return non_expert, kv_bytes, workspace
+
+
+def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int | None) -> int:
+    """The budget that gives slots to `share` of all experts beyond the reserve (as `mira bench`'s 25%)."""
+    max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(hf_model.config, "max_position_embeddings", 1 << 30))
+    slots = max(1, round(share * store.num_layers * store.num_experts))
+    device = next(hf_model.parameters()).device
+    return sum(_reserve(device, hf_model, store, max_ctx)) + slots * store.blob_bytes
 
 
 def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device,

@@ -3,39 +3,50 @@
 Experts are streamed out of the safetensors shards one at a time (memory-mapped by safetensors,
 never the whole model in RAM), quantized and packed into one blob each; a layer's blobs are written
 as one file, so peak memory is about one layer of quantized experts plus one expert in float64.
-Everything is written into `<out>.partial/` and renamed to `<out>` at the end; an interrupted
-conversion resumes from the layers already written there.
+
+A store is exactly its source. Everything is written into `<out>.partial/` and renamed to `<out>`
+at the end; `progress.json` there lists the files finished so far, so a conversion stopped at any
+point resumes. A lock beside `<out>` (mira.store.lock) lets one conversion write it at a time.
+Converting into an existing store checks it and rewrites only what is missing or corrupt; a store
+whose source's weights changed since is converted again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mira.errors import MiraError
 from mira.models.base import Adapter
-from mira.models.loader import moe_skeleton_layers, read_config
+from mira.models.loader import moe_sites, read_config, skeleton
 from mira.models.registry import adapter_for
 from mira.store.files import sha256_file, write_json_atomic
-from mira.store.layout import ExpertLayout
-from mira.store.manifest import FORMAT_VERSION, Manifest, is_store
+from mira.store.layout import SCHEMES, ExpertLayout
+from mira.store.lock import store_lock
+from mira.store.manifest import FORMAT_VERSION, MANIFEST, Manifest, looks_like_store
 from mira.store.quant import quantize_expert
+from mira.store.sources import SAFETENSORS_INDEX, copied_files, record_sources
+from mira.store.verify import file_problems
 
 PROGRESS = "progress.json"
 NON_EXPERT_SHARD_BYTES = 2 << 30
-COPIED_SUFFIXES = {".json", ".jinja", ".txt", ".model", ".tiktoken"}
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+TMP_SUFFIX = ".tmp"  # files being written; never part of a store
 
 
 def source_fingerprint(model_dir: Path) -> str:
-    """sha256 of config.json and the names and sizes of the weight shards: identifies a checkpoint."""
+    """sha256 of config.json and the names and sizes of the weight shards: identifies a model (its
+    architecture and shards; predictor heads and features are keyed on it). The store's `sources`
+    record the content of every file."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for shard in sorted(model_dir.glob("*.safetensors")):
         digest.update(f"{shard.name}:{shard.stat().st_size}".encode())
@@ -49,7 +60,12 @@ class _Checkpoint:
         shards = sorted(model_dir.glob("*.safetensors"))
         if not shards:
             raise MiraError(f"{model_dir} has no *.safetensors weights; Mira reads safetensors checkpoints only")
-        self._handles = {shard: safe_open(str(shard), framework="pt") for shard in shards}
+        self._handles = {}
+        for shard in shards:
+            try:
+                self._handles[shard] = safe_open(str(shard), framework="pt")
+            except (SafetensorError, OSError) as error:
+                raise MiraError(f"cannot read the weights {shard} ({error}); is the checkpoint complete?") from None
         self.where = {key: shard for shard, handle in self._handles.items() for key in handle.keys()}
 
     def get(self, key: str) -> torch.Tensor:
@@ -57,6 +73,9 @@ class _Checkpoint:
 
     def get_row(self, key: str, row: int) -> torch.Tensor:
         return self._handles[self.where[key]].get_slice(key)[row]
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._handles[self.where[key]].get_slice(key).get_shape())
 
 
 def _expert_names(adapter: Adapter, layer: int, expert: int) -> list[str]:
@@ -76,102 +95,299 @@ def _read_expert(ckpt: _Checkpoint, adapter: Adapter, layer: int, expert: int) -
                     f"and {fused_gate_up!r}); is the checkpoint complete?")
 
 
-def convert(model_dir: Path, out_dir: Path, scheme: str = "int8-shared", progress: bool = True) -> Manifest:
-    """Convert a local Hugging Face MoE checkpoint into a store.
+@dataclass
+class Source:
+    """A checkpoint checked and ready to convert: nothing is written before all of this holds."""
+
+    model_dir: Path
+    scheme: str
+    adapter: Adapter
+    ckpt: _Checkpoint
+    layers: list[int]
+    num_experts: int
+    layout: ExpertLayout
+    fingerprint: str
+    records: dict[str, dict]  # mira.store.sources
+
+    @property
+    def key(self) -> dict:
+        """What a store or an interrupted conversion must have been made from to be reused."""
+        return {"fingerprint": self.fingerprint, "scheme": self.scheme,
+                "sources": {name: record["sha256"] for name, record in self.records.items()}}
+
+
+def convert(model_dir: Path, out_dir: Path, scheme: str = "int8-shared", progress: bool = True,
+            force: bool = False) -> Manifest:
+    """Convert a local Hugging Face MoE checkpoint into a store, or check and repair an existing one.
 
     Args:
         model_dir: directory with config.json, *.safetensors and tokenizer files.
-        out_dir: the store directory to create.
+        out_dir: the store directory to create. If it is already a store of this model and scheme,
+            its files are checked and those missing or corrupt are written again; if the model's
+            files changed since it was made, it is converted again.
         scheme: "int8-shared", "int8-row" or "none".
         progress: show a progress bar.
+        force: replace whatever Mira store `out_dir` holds (another model's, another scheme's).
 
     Returns:
-        The manifest of the finished store (an existing store of the same model and scheme is reused).
+        The manifest of the finished store.
 
     Raises:
-        MiraError: unreadable or unsupported model, or `out_dir` holds something else.
+        MiraError: unreadable, unsupported or inconsistent model, or `out_dir` holds something else.
     """
+    return write_store(check_source(model_dir, scheme), out_dir, progress, force)
+
+
+def check_source(model_dir: Path, scheme: str) -> Source:
+    """Read and check a checkpoint for conversion, writing nothing: a supported architecture, readable
+    shards, and weights of every expert with the config's shapes.
+
+    Raises:
+        MiraError: what is wrong with the checkpoint, and the fix.
+    """
+    if scheme not in SCHEMES:
+        raise MiraError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     config = read_config(model_dir)
     adapter = adapter_for(config, str(model_dir))
-    fingerprint = source_fingerprint(model_dir)
-    if out_dir.exists():
-        return _existing_store(out_dir, fingerprint, scheme, model_dir)
-
     ckpt = _Checkpoint(model_dir)
-    layers = moe_skeleton_layers(config)
+    model = skeleton(config)
+    layers = [site.layer for site in moe_sites(model)]
     num_experts, hidden = adapter.num_experts(config), config.hidden_size
-    weight_dtype = torch.int8
-    if scheme == "none":
-        weight_dtype = _read_expert(ckpt, adapter, layers[0], 0)[0].dtype
-    layout = ExpertLayout(scheme, hidden, adapter.intermediate_size(config), weight_dtype)
+    intermediate = adapter.intermediate_size(config)
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    if not layers or top_k > num_experts:
+        raise MiraError(f"{model_dir / 'config.json'} routes each token to {top_k} of {num_experts} experts in "
+                        f"{len(layers)} MoE layers; fix num_experts_per_tok or the expert count in config.json")
+    _check_expert_shapes(ckpt, adapter, layers, num_experts, hidden, intermediate, model_dir)
+    for name, tensor in model.state_dict().items():  # the non-expert weights (meta tensors: shapes only)
+        if name in ckpt.where and ckpt.shape(name) != list(tensor.shape):
+            raise MiraError(f"{model_dir / 'config.json'} does not match its weights: {name} is {ckpt.shape(name)}, "
+                            f"the config makes it {list(tensor.shape)}; fix config.json or the weights")
+    weight_dtype = _read_expert(ckpt, adapter, layers[0], 0)[0].dtype if scheme == "none" else torch.int8
+    try:
+        layout = ExpertLayout(scheme, hidden, intermediate, weight_dtype)
+    except ValueError as error:
+        raise MiraError(f"cannot store the experts of {model_dir} with --quant {scheme}: {error}") from None
+    return Source(model_dir, scheme, adapter, ckpt, layers, num_experts, layout, source_fingerprint(model_dir),
+                  record_sources(model_dir))
 
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    done = _resume_state(partial, fingerprint, scheme)
-    (partial / "experts").mkdir(parents=True, exist_ok=True)
 
-    bar = tqdm(total=len(layers) * num_experts, desc=f"quantizing experts ({scheme})", unit="expert",
-               disable=not progress)
-    manifest = Manifest(FORMAT_VERSION, config.model_type, str(model_dir.resolve()), fingerprint, layers,
-                        num_experts, layout.to_json(), files={})
+def write_store(source: Source, out_dir: Path, progress: bool = True, force: bool = False) -> Manifest:
+    """Convert a checked checkpoint (`check_source`) into `out_dir`, or check and repair the store there:
+    as `convert`."""
+    with store_lock(out_dir):
+        for leftover in out_dir.parent.glob(f".{out_dir.name}.trash-*"):  # of a killed replacement
+            shutil.rmtree(leftover, ignore_errors=True)
+        if out_dir.exists() or out_dir.is_symlink():
+            manifest = _check_existing(out_dir, source, force)
+            if manifest is not None:
+                return manifest
+        return _write_store(out_dir, source, progress)
+
+
+def _check_expert_shapes(ckpt: _Checkpoint, adapter: Adapter, layers: list[int], num_experts: int, hidden: int,
+                         intermediate: int, model_dir: Path) -> None:
+    """Every routed expert the config promises is in the weights, with the config's sizes (H hidden, I
+    expert intermediate): per expert gate/up [I, H] and down [H, I], or fused [E, 2I, H] and [E, H, I]."""
+    def mismatch(key: str, found: list[int], expected: list[int]) -> MiraError:
+        return MiraError(f"{model_dir / 'config.json'} does not match its weights: {key} is {found}, the config "
+                         f"says {expected} (hidden size {hidden}, expert intermediate size {intermediate}, "
+                         f"{num_experts} experts); fix config.json or the weights")
+
     for layer in layers:
+        fused_gate_up = adapter.keys.fused_gate_up.format(layer=layer)
+        if fused_gate_up in ckpt.where:
+            fused_down = adapter.keys.fused_down.format(layer=layer)
+            for key, expected in ((fused_gate_up, [num_experts, 2 * intermediate, hidden]),
+                                  (fused_down, [num_experts, hidden, intermediate])):
+                found = ckpt.shape(key) if key in ckpt.where else None
+                if found != expected:
+                    raise mismatch(key, found, expected)
+            continue
+        for expert in range(num_experts):
+            names = _expert_names(adapter, layer, expert)
+            for key, expected in zip(names, ([intermediate, hidden], [intermediate, hidden], [hidden, intermediate])):
+                if key not in ckpt.where:
+                    raise MiraError(f"the weights of {model_dir} have no {key!r}, though config.json promises "
+                                    f"{num_experts} experts in layer {layer}; is the checkpoint complete, and its "
+                                    "config.json the one it was saved with?")
+                if ckpt.shape(key) != expected:
+                    raise mismatch(key, ckpt.shape(key), expected)
+
+
+def _check_existing(out_dir: Path, source: Source, force: bool) -> Manifest | None:
+    """The manifest of `out_dir` if it is a sound store of `source`; else None, with `out_dir` moved
+    to `<out>.partial` (its sound files kept, to be completed) or discarded (to be converted anew)."""
+    if not out_dir.is_dir() or not looks_like_store(out_dir):
+        raise MiraError(f"{out_dir} exists and is not a Mira store; choose another --out or remove it")
+    partial = _partial(out_dir)
+    if partial.exists():  # a conversion interrupted before this store was finished: the store wins
+        shutil.rmtree(partial)
+    if force:
+        _discard(out_dir)
+        return None
+    try:
+        manifest = Manifest.read(out_dir)
+    except MiraError:
+        print(f"mira: converting {out_dir} again: its manifest is missing, unreadable or of another format version",
+              file=sys.stderr)
+        _discard(out_dir)
+        return None
+    if manifest.source_fingerprint != source.fingerprint:
+        raise MiraError(f"store {out_dir} was made from another model ({manifest.source}); choose another --out, "
+                        f"or pass --force to replace it with {source.model_dir}")
+    if manifest.scheme != source.scheme:
+        raise MiraError(f"store {out_dir} holds {manifest.scheme} experts, not {source.scheme}; choose another "
+                        f"--out, pass --quant {manifest.scheme}, or pass --force to replace it")
+    if {name: record.get("sha256") for name, record in manifest.sources.items()} != source.key["sources"]:
+        print(f"mira: the files of {source.model_dir} changed since {out_dir} was made from them; converting again",
+              file=sys.stderr)
+        _discard(out_dir)
+        return None
+    problems = file_problems(out_dir, manifest)
+    if not problems:
+        if manifest.sources != source.records:  # same content, newer times: record them
+            manifest = Manifest(**{**manifest.__dict__, "sources": source.records})
+            manifest.write(out_dir)
+        return manifest
+    print(f"mira: repairing {out_dir}: " + "; ".join(f"{rel} {what}" for rel, what in problems.items()),
+          file=sys.stderr)
+    out_dir.rename(partial)  # resumed like an interrupted conversion: sound files are kept
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Remove a directory so that no reader ever sees it half-deleted: renamed first, then deleted (a
+    kill in between leaves a trash directory that the next conversion removes)."""
+    trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
+def _partial(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".partial")
+
+
+def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
+    """Convert into `<out>.partial/`, resuming what it holds, then rename it to `out_dir`."""
+    partial = _partial(out_dir)
+    done = _resume_state(partial, source.key)
+    _save_progress(partial, source.key, done)
+    (partial / "experts").mkdir(exist_ok=True)
+
+    layout, num_experts = source.layout, source.num_experts
+    bar = tqdm(total=len(source.layers) * num_experts, desc=f"quantizing experts ({source.scheme})", unit="expert",
+               disable=not progress)
+    manifest = Manifest(FORMAT_VERSION, source.adapter.model_type, str(source.model_dir.resolve()), source.fingerprint,
+                        source.layers, num_experts, layout.to_json(), files={}, sources=source.records)
+    for layer in source.layers:
         rel = manifest.expert_file(layer)
         if rel not in done:
             blobs = torch.empty(num_experts, layout.nbytes, dtype=torch.uint8)  # [E, blob bytes]
             for expert in range(num_experts):
-                w13, w2 = _read_expert(ckpt, adapter, layer, expert)
+                w13, w2 = _read_expert(source.ckpt, source.adapter, layer, expert)
                 layout.pack(quantize_expert(w13, w2, layout), blobs[expert])
                 bar.update()
             done[rel] = _save_safetensors({"experts": blobs}, partial / rel)
-            write_json_atomic(partial / PROGRESS, {"fingerprint": fingerprint, "scheme": scheme, "files": done})
+            _save_progress(partial, source.key, done)
         else:
             bar.update(num_experts)
     bar.close()
 
-    expert_keys = {name for layer in layers for e in range(num_experts) for name in _expert_names(adapter, layer, e)}
-    expert_keys |= {k.format(layer=layer) for layer in layers for k in (adapter.keys.fused_gate_up, adapter.keys.fused_down)}
-    done.update(_write_non_expert(ckpt, expert_keys, partial))
-    for path in model_dir.iterdir():
-        if path.is_file() and path.suffix in COPIED_SUFFIXES and path.name != SAFETENSORS_INDEX:
-            shutil.copyfile(path, partial / path.name)
-            done[path.name] = sha256_file(partial / path.name)
+    if not _non_expert_done(partial, done):
+        expert_keys = {name for layer in source.layers for e in range(num_experts)
+                       for name in _expert_names(source.adapter, layer, e)}
+        expert_keys |= {k.format(layer=layer) for layer in source.layers
+                        for k in (source.adapter.keys.fused_gate_up, source.adapter.keys.fused_down)}
+        done.update(_write_non_expert(source.ckpt, expert_keys, partial))
+        _save_progress(partial, source.key, done)
+    for name in copied_files(source.model_dir):
+        if name not in done:
+            shutil.copyfile(source.model_dir / name, partial / name)
+            done[name] = sha256_file(partial / name)
+    _save_progress(partial, source.key, done)
 
     manifest = Manifest(**{**manifest.__dict__, "files": dict(sorted(done.items()))})
+    _tidy(partial, manifest)
     manifest.write(partial)
     (partial / PROGRESS).unlink()
     partial.rename(out_dir)
     return manifest
 
 
-def _existing_store(out_dir: Path, fingerprint: str, scheme: str, model_dir: Path) -> Manifest:
-    if not is_store(out_dir):
-        raise MiraError(f"{out_dir} exists and is not a Mira store; choose another --out or remove it")
-    manifest = Manifest.read(out_dir)
-    if manifest.source_fingerprint != fingerprint:
-        raise MiraError(f"store {out_dir} was made from another model ({manifest.source}); choose another --out "
-                        f"or remove it to convert {model_dir}")
-    if manifest.scheme != scheme:
-        raise MiraError(f"store {out_dir} holds {manifest.scheme} experts, not {scheme}; choose another --out "
-                        f"or pass --quant {manifest.scheme}")
-    return manifest
+def _non_expert_done(partial: Path, done: dict[str, str]) -> bool:
+    """Whether the non-expert shards and their index (written after the shards it lists) are finished."""
+    if SAFETENSORS_INDEX not in done:
+        return False
+    shards = set(json.loads((partial / SAFETENSORS_INDEX).read_text())["weight_map"].values())
+    return shards <= set(done)
 
 
-def _resume_state(partial: Path, fingerprint: str, scheme: str) -> dict[str, str]:
-    """Files already finished by an interrupted conversion of the same model and scheme."""
-    progress = partial / PROGRESS
-    if not progress.is_file():
-        if partial.exists():
+def _resume_state(partial: Path, key: dict) -> dict[str, str]:
+    """Files already finished in `<out>.partial/` by an interrupted conversion (or a repair) of the same
+    model and scheme, each checked against its checksum; {} if there is none (the directory is then
+    empty and ready)."""
+    if not partial.exists():
+        partial.mkdir()
+        return {}
+    listed = _listed_files(partial, key)
+    if listed is None:
+        if not _only_conversion_files(partial):
             raise MiraError(f"{partial} exists but is not an interrupted Mira conversion; remove it")
+        listed = {}
+    if not listed:  # nothing to keep (another model, or nothing finished): start over
+        shutil.rmtree(partial)
+        partial.mkdir()
         return {}
-    state = json.loads(progress.read_text())
-    if state.get("fingerprint") != fingerprint or state.get("scheme") != scheme:
-        shutil.rmtree(partial)  # an interrupted conversion of another model or scheme: start over
-        return {}
-    return {rel: sha for rel, sha in state["files"].items()
-            if (partial / rel).is_file() and sha256_file(partial / rel) == sha}
+    return {rel: sha for rel, sha in listed.items() if (partial / rel).is_file() and sha256_file(partial / rel) == sha}
+
+
+def _listed_files(partial: Path, key: dict) -> dict[str, str] | None:
+    """The files `progress.json` (or, once the conversion was finishing, the manifest) lists as written,
+    if made for `key`; {} if made for another model or scheme; None if neither file is there."""
+    try:
+        if (partial / PROGRESS).is_file():
+            state = json.loads((partial / PROGRESS).read_text())
+            same = {name: state.get(name) for name in key} == key
+            return dict(state["files"]) if same else {}
+        if (partial / MANIFEST).is_file():
+            manifest = Manifest.read(partial)
+            made_from = {"fingerprint": manifest.source_fingerprint, "scheme": manifest.scheme,
+                         "sources": {name: record.get("sha256") for name, record in manifest.sources.items()}}
+            return dict(manifest.files) if made_from == key else {}
+    except (OSError, ValueError, KeyError, TypeError, MiraError):
+        return {}  # a progress file or manifest cut short: start over
+    return None
+
+
+def _only_conversion_files(partial: Path) -> bool:
+    """Whether `partial` holds nothing but what a conversion writes before its progress file: expert
+    layer files and files being written."""
+    for path in partial.rglob("*"):
+        rel = path.relative_to(partial)
+        if path.is_dir():
+            if rel != Path("experts"):
+                return False
+        elif not (path.name.endswith(TMP_SUFFIX) or (rel.parent == Path("experts") and path.suffix == ".safetensors")):
+            return False
+    return True
+
+
+def _tidy(partial: Path, manifest: Manifest) -> None:
+    """Delete what an interrupted write left behind (unfinished files, stale layer files), so the
+    finished store holds only its manifest's files (and, after a repair, predictor heads)."""
+    for path in list(partial.rglob("*" + TMP_SUFFIX)) + list((partial / "experts").iterdir()):
+        rel = path.relative_to(partial).as_posix()
+        if path.is_file() and rel not in manifest.files:
+            path.unlink()
+
+
+def _save_progress(partial: Path, key: dict, done: dict[str, str]) -> None:
+    write_json_atomic(partial / PROGRESS, {**key, "files": done})
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     digest = sha256_file(tmp)
     tmp.replace(path)

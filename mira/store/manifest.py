@@ -12,7 +12,8 @@ A store is a directory:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import shlex
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mira.errors import MiraError
@@ -28,11 +29,12 @@ class Manifest:
     format_version: int
     model_type: str
     source: str  # the model directory it was converted from
-    source_fingerprint: str  # sha256 of the source config and shard names and sizes
+    source_fingerprint: str  # sha256 of the source config and shard names and sizes: the model's identity
     moe_layers: list[int]  # decoder layer index of each MoE layer, in order
     num_experts: int
     layout: dict  # ExpertLayout.to_json()
     files: dict[str, str]  # relative path -> sha256
+    sources: dict[str, dict] = field(default_factory=dict)  # source file -> sha256, size, mtime_ns (store.sources)
 
     @property
     def expert_layout(self) -> ExpertLayout:
@@ -45,25 +47,49 @@ class Manifest:
     def expert_file(self, layer: int) -> str:
         return f"experts/layer-{layer:03d}.safetensors"
 
+    def repair_command(self, store_dir: Path) -> str:
+        """The command that checks this store and rewrites what is missing or corrupt."""
+        return f"mira convert {shlex.quote(self.source)} --out {shlex.quote(str(store_dir))} --quant {self.scheme}"
+
     def write(self, store_dir: Path) -> None:
         write_json_atomic(store_dir / MANIFEST, asdict(self))
 
     @classmethod
     def read(cls, store_dir: Path) -> Manifest:
+        """The manifest of `store_dir`.
+
+        Raises:
+            MiraError: it is missing, unreadable, malformed or of another format version; the message
+                names the command that converts the store again.
+        """
         path = store_dir / MANIFEST
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise MiraError(f"cannot read the store manifest {path}: {error}; convert the model again "
-                            "with `mira convert`") from error
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as error:
+            raise MiraError(f"cannot read the store manifest {path} ({error}); {_again(store_dir, None)}") from None
         if data.get("format_version") != FORMAT_VERSION:
             raise MiraError(f"store {store_dir} has format version {data.get('format_version')}, this Mira reads "
-                            f"version {FORMAT_VERSION}; convert the model again with `mira convert`")
+                            f"version {FORMAT_VERSION}; {_again(store_dir, data.get('source'))}")
         try:
-            return cls(**data)
-        except TypeError as error:
-            raise MiraError(f"store manifest {path} is malformed ({error}); convert the model again") from error
+            manifest = cls(**data)
+            ExpertLayout.from_json(manifest.layout)  # a layout this version reads
+        except (TypeError, KeyError, ValueError) as error:
+            raise MiraError(f"store manifest {path} is malformed ({error}); "
+                            f"{_again(store_dir, data.get('source'))}") from None
+        return manifest
+
+
+def _again(store_dir: Path, source: object) -> str:
+    model = shlex.quote(source) if isinstance(source, str) else "MODEL_DIR"
+    return f"convert the model again with `mira convert {model} --out {shlex.quote(str(store_dir))}`"
 
 
 def is_store(path: Path) -> bool:
     return (path / MANIFEST).is_file()
+
+
+def looks_like_store(path: Path) -> bool:
+    """A store, or what is left of one whose manifest is gone: a directory of expert layer files."""
+    return is_store(path) or any((path / "experts").glob("layer-*.safetensors"))

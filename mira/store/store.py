@@ -33,9 +33,11 @@ from mira.errors import MiraError
 from mira.store.files import CHUNK, sha256_file
 from mira.store.layout import ExpertLayout
 from mira.store.manifest import Manifest
+from mira.store.verify import corrupt
 
-_CORRUPT = "store {store} is corrupt: {what}; convert the model again with `mira convert`"
 MAX_WORKERS = 8  # threads reading and hashing; sha256 runs at ~1.5 GB/s per core
+MAX_HEADER = 1 << 20  # bytes of a layer file's safetensors header read at most (a flipped length byte
+# must not make the reader allocate gigabytes)
 
 
 class ExpertStore:
@@ -68,18 +70,18 @@ class ExpertStore:
         other_files = [rel for rel in manifest.files if rel not in expert_files]
         for rel in other_files:
             if not (path / rel).is_file():
-                raise MiraError(_CORRUPT.format(store=path, what=f"{rel} is missing"))
+                raise corrupt(path, manifest, f"{rel} is missing")
         for rel in expert_files:
             if rel not in manifest.files:
-                raise MiraError(_CORRUPT.format(store=path, what=f"the manifest lists no checksum for {rel}"))
+                raise corrupt(path, manifest, f"the manifest lists no checksum for {rel}")
         data = host_buffer((len(expert_files), manifest.num_experts, layout.nbytes))  # [L, E, B]
         bytes_total = data.numel()
         with tqdm(total=bytes_total, unit="B", unit_scale=True, desc="loading experts",
                   disable=not progress or bytes_total < (256 << 20)) as bar:
             progress_bar = _SharedBar(bar)
             with ThreadPoolExecutor(workers or min(MAX_WORKERS, os.cpu_count() or 1)) as pool:
-                jobs = [pool.submit(_check_file, path, rel, manifest.files[rel]) for rel in other_files]
-                jobs += [pool.submit(_read_verified, path, rel, manifest.files[rel], data[position], progress_bar)
+                jobs = [pool.submit(_check_file, path, manifest, rel) for rel in other_files]
+                jobs += [pool.submit(_read_verified, path, manifest, rel, data[position], progress_bar)
                          for position, rel in enumerate(expert_files)]
                 _wait_all(pool, jobs)
         store = cls(path, manifest, data)
@@ -146,38 +148,37 @@ def _unlock(data: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
 
 
-def _check_file(store: Path, rel: str, expected_sha: str) -> None:
-    if sha256_file(store / rel) != expected_sha:
-        raise MiraError(_CORRUPT.format(store=store, what=f"{rel} does not match its checksum"))
+def _check_file(store: Path, manifest: Manifest, rel: str) -> None:
+    if sha256_file(store / rel) != manifest.files[rel]:
+        raise corrupt(store, manifest, f"{rel} does not match its checksum")
 
 
-def _read_verified(store: Path, rel: str, expected_sha: str, out: torch.Tensor, bar: _SharedBar) -> None:
+def _read_verified(store: Path, manifest: Manifest, rel: str, out: torch.Tensor, bar: _SharedBar) -> None:
     """Read the single uint8 tensor of a safetensors file into `out` [E, B], hashing as it goes."""
     path = store / rel
     if not path.is_file():
-        raise MiraError(_CORRUPT.format(store=store, what=f"{rel} is missing"))
+        raise corrupt(store, manifest, f"{rel} is missing")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         head = f.read(8)
         digest.update(head)
-        header_bytes = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+        header_bytes = f.read(min(struct.unpack("<Q", head)[0], MAX_HEADER)) if len(head) == 8 else b""
         digest.update(header_bytes)
         try:
             entry = json.loads(header_bytes)["experts"]
-        except (ValueError, KeyError):
-            raise MiraError(_CORRUPT.format(store=store, what=f"{rel} has no readable 'experts' tensor")) from None
-        if entry.get("dtype") != "U8" or entry.get("shape") != list(out.shape):
-            raise MiraError(_CORRUPT.format(store=store, what=f"{rel} holds {entry.get('dtype')} "
-                                            f"{entry.get('shape')}, the manifest says U8 {list(out.shape)}"))
+        except (ValueError, KeyError, TypeError):
+            raise corrupt(store, manifest, f"{rel} has no readable 'experts' tensor") from None
+        if not isinstance(entry, dict) or entry.get("dtype") != "U8" or entry.get("shape") != list(out.shape):
+            raise corrupt(store, manifest, f"{rel} does not hold the U8 {list(out.shape)} tensor the manifest says")
         view = memoryview(out.numpy()).cast("B")
         filled = 0
         while filled < len(view):
             n = f.readinto(view[filled : filled + CHUNK])
             if not n:
-                raise MiraError(_CORRUPT.format(store=store, what=f"{rel} is truncated"))
+                raise corrupt(store, manifest, f"{rel} is truncated")
             digest.update(view[filled : filled + n])
             filled += n
             bar.update(n)
         digest.update(f.read())
-    if digest.hexdigest() != expected_sha:
-        raise MiraError(_CORRUPT.format(store=store, what=f"{rel} does not match its checksum"))
+    if digest.hexdigest() != manifest.files[rel]:
+        raise corrupt(store, manifest, f"{rel} does not match its checksum")

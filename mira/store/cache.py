@@ -1,0 +1,71 @@
+"""The store cache: where `mira.load` keeps the stores it converts from model directories.
+
+A cached store is named for where it came from: `<model directory name>-<hash of its full path>-<scheme>`,
+under `$MIRA_CACHE/stores` (default ~/.cache/mira/stores), so two checkpoints of one name in two
+places never share a store. Its manifest records every source file by content (mira.store.sources);
+a lookup checks them, by size and time first and by hash where those changed, and converts again
+when the source's files changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from mira.errors import MiraError
+from mira.store.convert import check_source, write_store
+from mira.store.lock import store_lock
+from mira.store.manifest import Manifest, is_store
+from mira.store.sources import sources_match
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
+
+
+def cache_store_path(model_dir: Path, scheme: str) -> Path:
+    resolved = model_dir.resolve()
+    return cache_dir() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}-{scheme}"
+
+
+def cache_store(model_dir: Path, scheme: str, progress: bool = True) -> Path:
+    """The cached store of `model_dir` in `scheme`, converted first if there is none or if the files of
+    `model_dir` changed since it was made.
+
+    Raises:
+        MiraError: the model cannot be converted (the message says why and what to do).
+    """
+    target = cache_store_path(model_dir, scheme)
+    if is_store(target) and _current(target, model_dir):
+        return target
+    source = check_source(model_dir, scheme)  # an unusable model is refused before anything is said or written
+    if not target.exists():
+        print(f"mira: converting {model_dir} into the store {target} (first use; later runs reuse it)",
+              file=sys.stderr)
+    write_store(source, target, progress)
+    return target
+
+
+def _current(store: Path, model_dir: Path) -> bool:
+    """Whether `store` was made from the files `model_dir` holds now; records newer times of files
+    found unchanged by hash, so they are not hashed again."""
+    try:
+        manifest = Manifest.read(store)
+    except MiraError:
+        return False  # converting repairs it
+    same, refreshed = sources_match(model_dir, manifest.sources)
+    if same and refreshed != manifest.sources:
+        try:
+            with store_lock(store):
+                Manifest(**{**manifest.__dict__, "sources": refreshed}).write(store)
+        except (OSError, MiraError):
+            pass  # a read-only cache: the times are checked by hash again next time
+    return same
+
+
+def cached_stores() -> list[Path]:
+    """Every store in the cache directory, by name."""
+    root = cache_dir()
+    return sorted(path for path in root.iterdir() if is_store(path)) if root.is_dir() else []

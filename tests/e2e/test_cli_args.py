@@ -1,0 +1,271 @@
+"""Every argument is checked before any work: a bad one ends the command with one line,
+`mira: error: ...`, naming the fix, exit status 1 (2 for what argparse refuses), nothing written
+and nothing converted; no Python traceback reaches the user (`mira --debug` shows it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mira.cli import main
+from mira.errors import MiraError
+from mira.store.cache import cache_dir
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """`main` sets torch's thread count for the process it runs in: give the suite its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    """Run `mira argv` in this process: (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def refused(code: int, err: str, status: int, *phrases: str) -> None:
+    """The command ended with `status` and one line `mira: error: ...` holding every phrase."""
+    assert code == status, err
+    assert err.startswith("mira: error: ") and err.count("\n") == 1 and "internal error" not in err, err
+    for phrase in phrases:
+        assert phrase in err, err
+
+
+def nothing_converted() -> bool:
+    return not cache_dir().exists() or not any(cache_dir().iterdir())
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
+
+
+@pytest.mark.parametrize("argv, phrases", [
+    (("--max-new-tokens", "0"), ("--max-new-tokens", "not positive")),
+    (("--max-context", "-3"), ("--max-context", "not positive")),
+    (("--max-context", "0"), ("--max-context", "not positive")),
+    (("--temperature", "-1"), ("--temperature", "negative")),
+    (("--top-p", "2"), ("--top-p", "not in (0, 1]")),
+    (("--top-p", "0"), ("--top-p", "not in (0, 1]")),
+    (("--top-p", "nan"), ("--top-p", "not a finite number")),
+    (("--profile", "/no/such/trace.npz"), ("--profile", "does not exist")),
+    (("--vram-budget", "lots"), ("cannot read the size 'lots'", "25%")),
+    (("--vram-budget", "150%"), ("not a share",)),
+    (("--threads", "0"), ("--threads", "not positive")),
+    (("--stats-json", "/no/such/dir/stats.json"), ("--stats-json", "does not exist")),
+])
+def test_values_out_of_range_are_refused_while_parsing(argv, phrases, fresh_cache):
+    code, _, err = cli(*GENERATE, *argv)
+    refused(code, err, 2, *phrases, "see `mira generate --help`")
+    assert nothing_converted()
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, fresh_cache):
+    code, _, err = cli(*GENERATE, "--stats-json", str(tmp_path))
+    refused(code, err, 2, "is a directory")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    code, _, err = cli("trace", "--prompts", str(prompts), "--out", str(tmp_path / "gone" / "t.npz"), "--device", "cpu")
+    refused(code, err, 2, "--out", "does not exist")
+    code, _, err = cli("simulate", "--trace", str(tmp_path / "missing.npz"))
+    refused(code, err, 2, "--trace", "does not exist")
+    assert nothing_converted()
+
+
+@pytest.mark.parametrize("argv, phrases", [
+    (("--device", "nonsense"), ("unknown device 'nonsense'", "--device cpu, cuda or cuda:N")),
+    (("--device", "cpu:3"), ("unknown device",)),
+    (("--raw", "--prompt", ""), ("--prompt is empty",)),
+    (("--temperature", "0", "--top-p", "0.5"), ("--top-p has no effect with --temperature 0",)),
+    (("--policy", "lru"), ("--policy lru has no effect on the CPU without --vram-budget",)),
+    (("--prefetch", "gate"), ("--prefetch gate has no effect on the CPU without --vram-budget",)),
+    (("--residency", "lagged"), ("--residency lagged has no effect",)),
+    (("--vram-budget", "25%", "--policy", "static"), ("--policy static", "pass --profile")),
+    (("--max-context", "20000"), ("--max-context 20000 is beyond the 2048 positions", "pass --max-context 2048")),
+])
+def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv, phrases, fresh_cache):
+    code, _, err = cli(*GENERATE, *argv)
+    refused(code, err, 1, *phrases)
+    assert nothing_converted()
+
+
+def test_a_share_budget_means_in_generate_what_it_means_in_bench(stores, tmp_path):
+    stats = tmp_path / "stats.json"
+    code, _, err = cli("generate", "--model", str(stores["mixtral", "int8-shared"]), "--prompt", "hi", "--raw",
+                       "--device", "cpu", "--vram-budget", "50%", "--max-new-tokens", "2", "--quiet",
+                       "--stats-json", str(stats))
+    assert code == 0, err
+    report = json.loads(stats.read_text())
+    assert report["slots"] == round(0.5 * 24) and report["policy"] == "mira"  # 3 MoE layers x 8 experts
+    code, _, err = cli("bench", "--budgets", "10%,lots", "--device", "cpu", "--out", str(tmp_path / "b.json"))
+    refused(code, err, 1, "cannot read the size 'lots'")
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_in_place_experts_are_reported_as_no_policy(stores, tmp_path):
+    stats = tmp_path / "stats.json"
+    code, _, err = cli("generate", "--model", str(stores["olmoe", "int8-shared"]), "--prompt", "hi", "--raw",
+                       "--device", "cpu", "--max-new-tokens", "2", "--quiet", "--stats-json", str(stats),
+                       "--threads", "1")
+    assert code == 0, err
+    report = json.loads(stats.read_text())
+    assert report["policy"] == "none: experts read in place" and report["cpu_threads"] == 1
+
+
+def _edited_checkpoint(tmp_path: Path, family: str, **config) -> Path:
+    checkpoint = make_checkpoint(family, tmp_path / "ckpt")
+    data = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**data, **config}))
+    return checkpoint
+
+
+@pytest.mark.parametrize("family, config, phrases", [
+    ("mixtral", {"num_local_experts": 10}, ("have no 'model.layers.0.block_sparse_moe.experts.8.w1.weight'",
+                                            "promises 10 experts")),
+    ("qwen3_moe", {"hidden_size": 32}, ("does not match its weights", "hidden size 32")),
+    ("olmoe", {"vocab_size": 400}, ("does not match its weights", "model.embed_tokens.weight is [320, 64]")),
+    ("olmoe", {"num_experts_per_tok": 20}, ("routes each token to 20 of 8 experts",)),
+    ("mixtral", {"num_hidden_layers": "three"}, ("cannot read", "num_hidden_layers")),
+    ("mixtral", {"hidden_size": 64.5}, ("cannot read", "hidden_size")),
+])
+def test_a_config_that_does_not_match_its_weights_is_refused_before_converting(tmp_path, fresh_cache, family, config,
+                                                                               phrases, capsys):
+    checkpoint = _edited_checkpoint(tmp_path, family, **config)
+    code, _, err = cli("generate", "--model", str(checkpoint), "--prompt", "hi", "--device", "cpu", "--quiet")
+    refused(code, err, 1, *phrases)
+    assert "converting" not in err and nothing_converted()
+    code, _, err = cli("convert", str(checkpoint), "--out", str(tmp_path / "store"), "--quiet")
+    refused(code, err, 1, *phrases)
+    assert sorted(os.listdir(tmp_path)) == ["cache", "ckpt"] or sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_unsupported_model_is_refused_without_announcing_a_conversion(tmp_path, fresh_cache):
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path / "llama")
+    code, _, err = cli(*GENERATE, "--model", str(tmp_path / "llama"))
+    refused(code, err, 1, "'llama' model", "supported architectures")
+    assert nothing_converted()
+
+
+def test_a_store_without_its_manifest_and_a_file_are_named_for_what_they_are(tmp_path, stores, fresh_cache):
+    store = tmp_path / "store"
+    shutil.copytree(stores["mixtral", "int8-shared"], store)
+    (store / "manifest.json").unlink()
+    code, _, err = cli(*GENERATE, "--model", str(store))
+    refused(code, err, 1, "manifest.json is missing", f"mira convert MODEL_DIR --out {store}")
+    assert "is the checkpoint complete" not in err and nothing_converted()
+    code, _, err = cli(*GENERATE, "--model", str(store / "config.json"))
+    refused(code, err, 1, "is a file, not a directory")
+    code, _, err = cli("convert", str(store / "config.json"), "--out", str(tmp_path / "out"))
+    refused(code, err, 1, "is a file, not a directory")
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(MiraError, match="unknown device"):
+        main(["--debug", *GENERATE, "--device", "nonsense"])
+
+
+def test_a_closed_pipe_ends_generate_quietly(tmp_path):
+    env = {**os.environ, "MIRA_CACHE": os.environ["MIRA_CACHE"]}
+    generate = subprocess.Popen([sys.executable, "-m", "mira.cli", *GENERATE, "--max-new-tokens", "64"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    generate.stdout.read(1)
+    generate.stdout.close()  # as `| head -c 1` does
+    _, err = generate.communicate(timeout=300)
+    assert generate.returncode == 128 + 13 and b"Traceback" not in err and b"error" not in err, err
+
+
+# Values for each option that parse, and values that do not; None leaves the option out. Whether
+# a parsed combination can run (a budget on the CPU, a context within the model's, a GPU) is for
+# Mira to decide.
+PARSED = {
+    "--max-new-tokens": [None, "1", "3"],
+    "--temperature": [None, "0", "0.7"],
+    "--top-p": [None, "0.5", "1"],
+    "--device": [None, "cpu", "cpu", "cpu:0", "cpu:1", "cuda", "cuda:1", "tpu", ""],
+    "--max-context": [None, "8", "64", "256", "300"],
+    "--vram-budget": [None, "10%", "50%", "100%", "64MiB", "1"],
+    "--policy": [None, "mira", "lru", "static", "on-demand"],
+    "--prefetch": [None, "gate", "off", "trained"],
+    "--residency": [None, "lagged", "inline"],
+    "--quant": [None, "int8-shared", "int8-row"],
+    "--threads": [None, "1", "2"],
+    "--seed": [None, "3"],
+}
+UNPARSED = {
+    "--max-new-tokens": ["0", "-1", "x", "2.5"],
+    "--temperature": ["-1", "nan", "inf", "hot"],
+    "--top-p": ["0", "2", "x"],
+    "--max-context": ["0", "-3", "x"],
+    "--vram-budget": ["0", "lots", "150%", "%", "-1GiB"],
+    "--policy": ["bogus"],
+    "--prefetch": ["x"],
+    "--threads": ["0", "x"],
+    "--seed": ["x"],
+}
+FLAGS = ["--raw", "--no-cuda-graphs"]
+
+
+@st.composite
+def generate_options(draw) -> dict[str, str | None]:
+    """A value for every option: all parse in about half the draws, one does not in the others."""
+    values = {name: draw(st.sampled_from(choices)) for name, choices in PARSED.items()}
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(UNPARSED)))
+        values[name] = draw(st.sampled_from(UNPARSED[name]))
+    return values
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=generate_options(),
+       flags=st.lists(st.sampled_from(FLAGS), unique=True),
+       prompt=st.sampled_from(["hi", "hi", "", " ", "-x"]),
+       model=st.sampled_from(["store", "store", "store", "missing", "file"]),
+       profile=st.sampled_from([None] * 6 + ["missing", "not-a-trace"]),
+       stats=st.sampled_from([None, None, None, "ok", "ok", "dir", "missing-dir"]))
+def test_any_generate_arguments_run_or_end_in_one_line_never_a_traceback(stores, tmp_path, values, flags, prompt,
+                                                                          model, profile, stats):
+    store = stores["qwen3_moe", "int8-shared"]
+    models = {"store": str(store), "missing": str(tmp_path / "missing"), "file": str(store / "config.json")}
+    files = {"missing": str(tmp_path / "missing.npz"), "not-a-trace": str(store / "config.json"),
+             "ok": str(tmp_path / "stats.json"), "dir": str(tmp_path), "missing-dir": str(tmp_path / "no" / "s.json")}
+    argv = ["generate", "--model", models[model], f"--prompt={prompt}", "--quiet", *flags]
+    for name, value in values.items():
+        if value is not None:
+            argv.append(f"{name}={value}")
+    for name, choice in (("--profile", profile), ("--stats-json", stats)):
+        if choice is not None:
+            argv.append(f"{name}={files[choice]}")
+    code, _, err = cli(*argv)
+    event(f"exit status {code}")
+    assert "Traceback" not in err
+    if code != 0:
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        assert code in (1, 2) and last.startswith("mira: error: ") and "internal error" not in last, (argv, err)
+        assert err.count("mira: error:") == 1 and err.endswith("\n") and len(err.strip().splitlines()) <= 2, err

@@ -1,0 +1,161 @@
+"""A store is exactly its source: the cache is keyed on the weights' content and the source's place,
+and the repair a corruption error names gives back the files of a clean conversion."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import mira
+from mira.cli import main
+from mira.errors import MiraError
+from mira.store.cache import cache_dir, cache_store_path
+from mira.store.convert import convert
+from tiny_models import make_checkpoint
+
+PROMPT = torch.tensor([[5, 17, 42, 9, 77, 3]])
+
+
+def tree(path: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `path`."""
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def greedy(model_path: Path) -> list[int]:
+    model = mira.load(model_path, device="cpu", progress=False)
+    return model.generate(PROMPT, max_new_tokens=6, do_sample=False)[0].tolist()
+
+
+def run_advised(message: str, model_dir: Path | None = None) -> int:
+    """Run the `mira ...` command quoted in an error message, as the user would."""
+    command = re.search(r"`(mira [^`]*)`", message).group(1)
+    if model_dir is not None:
+        command = command.replace("MODEL_DIR", shlex.quote(str(model_dir)))
+    return main(shlex.split(command)[1:] + ["--quiet"])
+
+
+def test_a_checkpoint_overwritten_with_new_weights_generates_from_the_new_weights(tmp_path, capfd):
+    checkpoint = make_checkpoint("mixtral", tmp_path / "checkpoint-final", seed=0)
+    old = greedy(checkpoint)
+    shutil.rmtree(checkpoint)
+    make_checkpoint("mixtral", checkpoint, seed=1)  # same names, shapes and sizes; other weights
+    reference = convert(make_checkpoint("mixtral", tmp_path / "fresh", seed=1), tmp_path / "reference", progress=False)
+    capfd.readouterr()
+    new = greedy(checkpoint)
+    assert "changed since" in capfd.readouterr().err
+    assert new == greedy(tmp_path / "reference") and new != old
+    assert tree(cache_store_path(checkpoint, "int8-shared"))["experts/layer-000.safetensors"] == \
+        reference.files["experts/layer-000.safetensors"]
+
+
+def test_a_touched_checkpoint_is_hashed_once_and_not_converted_again(tmp_path, capfd):
+    checkpoint = make_checkpoint("olmoe", tmp_path / "ckpt")
+    greedy(checkpoint)
+    store = cache_store_path(checkpoint, "int8-shared")
+    layer = store / "experts" / "layer-000.safetensors"
+    written = layer.stat().st_mtime_ns
+    shard = checkpoint / "model.safetensors"
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    capfd.readouterr()
+    greedy(checkpoint)
+    assert "convert" not in capfd.readouterr().err and layer.stat().st_mtime_ns == written
+    assert mira.store.manifest.Manifest.read(store).sources["model.safetensors"]["mtime_ns"] == shard.stat().st_mtime_ns
+
+
+def test_two_checkpoints_of_one_name_get_two_stores_named_for_where_they_came_from(tmp_path):
+    first = make_checkpoint("qwen3_moe", tmp_path / "run-a" / "checkpoint-final", seed=0)
+    second = make_checkpoint("qwen3_moe", tmp_path / "run-b" / "checkpoint-final", seed=1)
+    a, b = greedy(first), greedy(second)
+    stores = {cache_store_path(first, "int8-shared"), cache_store_path(second, "int8-shared")}
+    assert len(stores) == 2 and all(store.parent == cache_dir() and store.is_dir() for store in stores)
+    assert all(re.fullmatch(r"checkpoint-final-[0-9a-f]{12}-int8-shared", store.name) for store in stores)
+    for checkpoint, tokens, seed in ((first, a, 0), (second, b, 1)):
+        reference = convert(checkpoint, tmp_path / f"reference-{seed}", progress=False)
+        assert mira.store.manifest.Manifest.read(cache_store_path(checkpoint, "int8-shared")).files == reference.files
+        assert tokens == greedy(tmp_path / f"reference-{seed}")
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped expert byte": lambda s: _flip(s / "experts" / "layer-001.safetensors"),
+    "truncated layer file": lambda s: (s / "experts" / "layer-002.safetensors").write_bytes(
+        (s / "experts" / "layer-002.safetensors").read_bytes()[:-100]),
+    "deleted layer file": lambda s: (s / "experts" / "layer-000.safetensors").unlink(),
+    "flipped non-expert byte": lambda s: _flip(s / "model-00001.safetensors"),
+    "deleted tokenizer": lambda s: (s / "tokenizer.json").unlink(),
+    "deleted manifest": lambda s: (s / "manifest.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_the_advised_command_repairs_a_corrupt_store_to_a_clean_conversion(tmp_path, checkpoints, stores, damage,
+                                                                          capfd):
+    clean = stores["mixtral", "int8-shared"]
+    store = tmp_path / "store"
+    shutil.copytree(clean, store)
+    DAMAGE[damage](store)
+    with pytest.raises(MiraError, match="repair it with `mira convert") as refused:
+        mira.load(store, device="cpu", progress=False)
+    assert run_advised(str(refused.value), checkpoints["mixtral"]) == 0
+    assert tree(store) == tree(clean)  # every file, byte for byte, and nothing else
+    assert sorted(os.listdir(tmp_path)) == ["store"]  # no .partial, no lock, no trash beside it
+    assert "error" not in capfd.readouterr().err
+    mira.load(store, device="cpu", progress=False)
+
+
+def test_the_advised_command_repairs_a_cache_store_too(tmp_path, stores):
+    checkpoint = make_checkpoint("deepseek_v2", tmp_path / "ckpt")
+    greedy(checkpoint)
+    cached = cache_store_path(checkpoint, "int8-shared")
+    _flip(cached / "experts" / "layer-002.safetensors")
+    with pytest.raises(MiraError, match=f"repair it with `mira convert {checkpoint} --out {cached}") as refused:
+        mira.load(checkpoint, device="cpu", progress=False)
+    assert run_advised(str(refused.value)) == 0
+    convert(checkpoint, tmp_path / "clean", progress=False)
+    assert tree(cached) == tree(tmp_path / "clean")
+
+
+def test_convert_over_a_store_of_another_model_needs_force(tmp_path, checkpoints, stores, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(stores["olmoe", "int8-shared"], store)
+    argv = ["convert", str(checkpoints["mixtral"]), "--out", str(store), "--quiet"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mira: error: store") and "--force" in err and err.count("\n") == 1
+    assert tree(store) == tree(stores["olmoe", "int8-shared"])  # untouched
+    assert main(argv + ["--force"]) == 0
+    assert tree(store) == tree(stores["mixtral", "int8-shared"])
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+def test_mira_store_lists_verifies_and_removes_the_cached_stores(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "cache"))
+    checkpoint = make_checkpoint("olmoe", tmp_path / "ckpt")
+    greedy(checkpoint)
+    cached = cache_store_path(checkpoint, "int8-shared")
+    capsys.readouterr()
+    assert main(["store", "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert f"{cached.name}\t" in listing and "int8-shared\tcurrent\t" + str(checkpoint) in listing
+    assert main(["store", "verify"]) == 0 and f"{cached}: ok" in capsys.readouterr().out
+    _flip(cached / "experts" / "layer-001.safetensors")
+    assert main(["store", "verify", cached.name]) == 1
+    out, err = capsys.readouterr()
+    assert "experts/layer-001.safetensors does not match its checksum" in out and f"--out {cached}" in out
+    assert err.startswith("mira: error: 1 of 1 stores failed verification") and err.count("\n") == 1
+    assert main(["store", "rm", "nonesuch"]) == 1 and "see `mira store ls`" in capsys.readouterr().err
+    assert main(["store", "rm", cached.name]) == 0
+    assert not cached.exists() and os.listdir(cache_dir()) == []
