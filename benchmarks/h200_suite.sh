@@ -42,6 +42,11 @@
 #                                           # Instruct decode routing (results/traces), 64 in / 64 out, mira
 #                                           # (auto residency), mira-lagged, LRU and static, 3 timed repeats
 #                                           # each; BUDGETS=25% then BUDGETS=50% (~8 min each, resumed)
+#   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
+#                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
+#                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
+#   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
+#                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -110,6 +115,16 @@ case "${1:-}" in
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-25%,50%}" \
       --configs mira,mira-lagged,lru,static --repeats 3 --out "$OUT/bench-mixtral-8x7b-replay.json" --quiet --resume ;;
+  shapes)
+    for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do
+      timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \
+        --configs mira,lru,lru-lagged,lfu,static --repeats 3 --out "$OUT/bench-$preset-policies.json" --quiet --resume
+    done ;;
+  replay-tiny)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
+      --configs mira,lru,lru-lagged,lfu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-replay.json" --quiet \
+      --resume ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2

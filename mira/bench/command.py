@@ -10,7 +10,7 @@ from pathlib import Path
 from mira.bench.synthetic import PRESETS
 
 DEFAULT_BUDGETS = "8GiB,12GiB,24GiB,48GiB,all"
-DEFAULT_CONFIGS = "mira+p,mira,lru,static,hf-gpu,hf-offload"
+DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mira generate` does, and the baselines
 
 
 def add_command(subparsers) -> None:
@@ -32,7 +32,7 @@ def add_command(subparsers) -> None:
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "
                     "twice), mira-eager (no CUDA graphs, also "
                     "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
-                    "lru-lagged, static (popularity placement; lagged, as it never admits a miss), hf-gpu "
+                    "lru-lagged, lfu (on demand, least frequently used, inline), static (popularity placement; lagged, as it never admits a miss), hf-gpu "
                     "(transformers, whole model on the GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()
@@ -60,7 +60,8 @@ def add_command(subparsers) -> None:
                             f"reserve (25%%), or 'all' (every expert resident); default {DEFAULT_BUDGETS}")
     bench.add_argument("--configs", default=DEFAULT_CONFIGS,
                        help=f"comma-separated configurations out of {', '.join([*MIRA_CONFIGS, *BASELINES])} "
-                            f"(default: all)")
+                            f"(default: {DEFAULT_CONFIGS}: mira as `mira generate` runs it, and the baselines; "
+                            f"the other mira variants are for experiments)")
     bench.add_argument("--heads", metavar="FILE",
                        help="trained predictor heads (`mira train-predictor`) for mira+p (default: the store's own, "
                             "else gate speculation)")

@@ -53,6 +53,7 @@ MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
     "mira-eager": ("mira", "off", "inline", False),  # every step eager, also with every expert resident
     "lru": ("lru", "off", "inline", True),  # mixtral-offloading's way
     "lru-lagged": ("lru", "off", "lagged", True),
+    "lfu": ("lfu", "off", "inline", True),
     "static": ("static", "off", "auto", True),  # lagged: it never admits a miss
 }
 BASELINES = ("hf-gpu", "hf-offload")
