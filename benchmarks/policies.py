@@ -10,9 +10,10 @@
    and 50% of the experts as slots (shared by all layers): the bundled model's held-out prompts
    (profile: the training trace) and the recorded Mixtral-8x7B-Instruct decode routing in
    results/traces (its first quarter of tokens is the calibration, the rest is replayed; and, for
-   reference, the whole trace with itself as an oracle profile). mira runs lagged (an admission
-   crosses PCIe twice, as in graph-replayed decoding) and inline; the baselines inline, their
-   cheaper residency (static never admits, so it moves the same either way).
+   reference, the whole trace with itself as an oracle profile). mira's bytes are given lagged
+   (an admission crosses PCIe a second time, as in graph-replayed decoding, the default on CUDA)
+   and inline (the same decisions, the admission being the miss's copy); the baselines' inline,
+   their cheaper residency (static never admits, so it moves the same either way).
 
 Writes benchmarks/results/policies-real.json and a markdown table beside it (policies-real.md).
 

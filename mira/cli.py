@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--residency", choices=SIMULATED_RESIDENCY, default="inline",
                      help="when the policies act: inline (before each layer: an admitted miss crosses PCIe once, "
                           "the default) or lagged (after each step, as in graph-replayed decoding: an admitted miss "
-                          "crosses twice, and the mira policy weighs that)")
+                          "crosses twice)")
     sim.add_argument("--predictions", metavar="PREDICTOR|FILE.npz",
                      help="replay prefetching into STAGE (mira policy; the best prediction per target layer is "
                           "staged, as at run time): gate, trained (needs --heads), previous, popularity (needs "

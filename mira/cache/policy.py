@@ -27,6 +27,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from mira.config import CacheConfig
 
 
@@ -301,35 +303,39 @@ class OnDemand(Policy):
 
 
 class Heat:
-    """Routed tokens per uid with exponential decay: each token's weight is multiplied by `decay` per step.
+    """Routed tokens of uids 0..size-1 with exponential decay: each token's weight is multiplied by
+    `decay` per step.
 
     Kept in units that grow by 1/decay per step (tracked as a logarithm), so a step costs O(1)
     rather than one multiply per expert; the units are brought back to 1 before they grow past
-    about 1e100, which also makes long prefill steps safe.
+    about 1e100, which also makes long prefill steps safe. One array, so many uids read at once.
     """
 
     _RESCALE_AT = 230.0  # natural log of the unit, about 1e100
 
-    def __init__(self, decay: float):
+    def __init__(self, decay: float, size: int):
         if not 0 < decay <= 1:
             raise ValueError(f"heat decay must be in (0, 1], got {decay}")
         self._growth = -math.log(decay)  # log of the unit's growth per step
         self._log_unit = 0.0  # log of the weight of a token routed now
-        self._scaled: dict[int, float] = {}
+        self._scaled = np.zeros(size)
 
     def add(self, uid: int, tokens: int) -> None:
-        self._scaled[uid] = self._scaled.get(uid, 0.0) + tokens * math.exp(self._log_unit)
+        self._scaled[uid] += tokens * math.exp(self._log_unit)
 
     def advance(self, steps: int) -> None:
         """`steps` token steps have passed."""
         self._log_unit += steps * self._growth
         if self._log_unit > self._RESCALE_AT:
-            shrink = math.exp(-self._log_unit)  # 0.0 when everything has decayed away
-            self._scaled = {uid: value * shrink for uid, value in self._scaled.items()}
+            self._scaled *= math.exp(-self._log_unit)  # 0.0 when everything has decayed away
             self._log_unit = 0.0
 
     def __getitem__(self, uid: int) -> float:
-        return self._scaled.get(uid, 0.0) * math.exp(-self._log_unit)
+        return float(self._scaled[uid]) * math.exp(-self._log_unit)
+
+    def of(self, uids: np.ndarray) -> np.ndarray:
+        """The heat of each uid of `uids`."""
+        return self._scaled[uids] * math.exp(-self._log_unit)
 
 
 def split_slots(capacity: int, total_experts: int, config: CacheConfig) -> tuple[int, int]:
@@ -365,12 +371,13 @@ class MiraPolicy(Policy):
     profile's most routed experts (HOT first, then STAGE), exactly the static placement.
 
     A miss is read from the host either way; admitting it moves `admission_cost` more blobs over
-    PCIe (1 under lagged residency, where the kernel has already read the miss zero-copy and the
-    admission copies it again; 0 inline, where the copy is the read). Over the horizon the heat
+    PCIe: one, since under lagged residency (the default on CUDA) the kernel has already read the
+    miss zero-copy and the admission copies it again. (Inline, where the copy is the read, the
+    same rule keeps the policy's decisions those of lagged residency, a step earlier.) Over the horizon the heat
     estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a miss takes a free
     slot when its expected uses exceed the admission's cost, and the slot of the least valuable
-    STAGE entry outside the current group when its expected uses exceed the victim's by more than
-    that cost; otherwise it is served from the host without admission. STAGE is the probation area:
+    STAGE entry not used in the current step when its expected uses exceed the victim's by more
+    than that cost; otherwise it is served from the host without admission. STAGE is the probation area:
     after every `config.rebalance_interval` tokens (`end_step`), at most `config.max_swaps` STAGE
     entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
     (a hand-over of slots: nothing is copied or evicted).
@@ -385,13 +392,14 @@ class MiraPolicy(Policy):
         config: the cache configuration.
         stage_slots: overrides the STAGE size from `split_slots`.
         prior: routed tokens per uid in a profile, and over how many tokens (None: no prior).
-        admission_cost: blobs an admission moves over PCIe beyond the miss's own read.
+        admission_cost: blobs an admission moves over PCIe beyond the miss's own read (hand-worked
+            cases set 0).
     """
 
     name = "mira"
 
     def __init__(self, capacity: int, total_experts: int, config: CacheConfig, stage_slots: int | None = None,
-                 prior: Popularity | None = None, admission_cost: float = 0.0):
+                 prior: Popularity | None = None, admission_cost: float = 1.0):
         super().__init__(capacity)
         if stage_slots is None:
             self.hot_slots, self.stage_slots = split_slots(capacity, total_experts, config)
@@ -406,9 +414,15 @@ class MiraPolicy(Policy):
         self.admission_cost = admission_cost
         decay = config.heat_decay
         self.horizon = 1 / (1 - decay) if decay < 1 else math.inf  # steps the heat looks back (and ahead)
-        self._heat = Heat(decay)
+        self._heat = Heat(decay, total_experts)
         self._evidence = 1.0  # steps the heat covers, the current one included: sum of decay ** age
+        self._weight = config.prior_weight if prior is not None else 0.0
+        rates = [prior.rate(uid) for uid in range(total_experts)] if prior is not None else [0.0] * total_experts
+        self._prior_term = self._weight * np.array(rates)  # [total_experts]
         self._staged: set[int] = set()  # STAGE entries staged ahead of use, not yet released
+        self._touched: set[int] = set()  # accessed or staged in this step: not evicted before the step ends
+        self._victims: list[int] | None = None  # STAGE by expected reuse at the step's start, least first
+        self._next_victim = 0  # entries before it in _victims are gone or touched
         self._tokens = 0  # since the last rebalancing pass
         placed = prior.ranked()[:capacity] if prior is not None else []
         self._hot = set(placed[: self.hot_slots])
@@ -416,13 +430,14 @@ class MiraPolicy(Policy):
 
     def expected_rate(self, uid: int) -> float:
         """Routed tokens per token step `uid` is expected to get: its heat blended with the prior."""
-        if self.prior is None:
-            return self._heat[uid] / self._evidence
-        weight = self.config.prior_weight
-        return (self._heat[uid] + weight * self.prior.rate(uid)) / (self._evidence + weight)
+        return float(self._rates(np.array([uid]))[0])
+
+    def _rates(self, uids: np.ndarray) -> np.ndarray:
+        return (self._heat.of(uids) + self._prior_term[uids]) / (self._evidence + self._weight)
 
     def _access(self, uid: int, tokens: int) -> Access:
         self._heat.add(uid, tokens)
+        self._touched.add(uid)
         tier = self.tier_of(uid)
         if tier is not Tier.MISS:
             return Access(tier)
@@ -450,18 +465,34 @@ class MiraPolicy(Policy):
         return rate * self.horizon if math.isfinite(self.horizon) else rate
 
     def _stage_victim(self) -> int | None:
-        """The least valuable STAGE entry outside the current group that is not waiting for its layer."""
-        evictable = [uid for uid in self._stage if self._evictable(uid) and uid not in self._staged]
-        return min(evictable, key=self._rank) if evictable else None
+        """The least valuable STAGE entry not used in this step and not waiting for its layer.
 
-    def _rank(self, uid: int) -> tuple[float, int]:
-        """Expected reuse, ties to the lower uid: the order of eviction and demotion."""
-        return self.expected_rate(uid), uid
+        STAGE is ranked once per step: until the step ends no expert's heat changes but those
+        accessed, which are not victims, so the ranking of the others holds (amortised O(1) a miss).
+        """
+        if self._victims is None:
+            self._victims = self._ranked(self._stage).tolist()
+            self._next_victim = 0
+        victims = self._victims
+        while self._next_victim < len(victims) and (victims[self._next_victim] not in self._stage
+                                                    or victims[self._next_victim] in self._touched):
+            self._next_victim += 1
+        for uid in victims[self._next_victim:]:
+            if uid in self._stage and uid not in self._touched and uid not in self._staged:
+                return uid
+        return None
+
+    def _ranked(self, uids: set[int], descending: bool = False) -> np.ndarray:
+        """`uids` by expected reuse, least first (ties: lower uid first), or most first (higher uid first)."""
+        array = np.fromiter(uids, dtype=np.int64, count=len(uids))
+        rates = self._rates(array)
+        order = np.lexsort((-array, -rates) if descending else (array, rates))
+        return array[order]
 
     def stage(self, uid: int) -> Access:
         """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
-        least valuable probation entry outside the current group (a prediction outranks probation);
-        declined when STAGE holds nothing else than staged experts and the current group. The
+        least valuable probation entry not used in this step (a prediction outranks probation);
+        declined when STAGE holds nothing else than staged experts and experts of this step. The
         expert stays until `release`."""
         tier = self.tier_of(uid)
         if tier is not Tier.MISS or self.stage_slots == 0:
@@ -474,6 +505,7 @@ class MiraPolicy(Policy):
             self._stage.remove(victim)
         self._stage.add(uid)
         self._staged.add(uid)
+        self._touched.add(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
     def release(self, uid: int) -> None:
@@ -489,6 +521,8 @@ class MiraPolicy(Policy):
         return Tier.STAGE if uid in self._stage else Tier.MISS
 
     def end_step(self, tokens: int) -> None:
+        self._touched.clear()
+        self._victims = None
         self._heat.advance(tokens)
         if math.isfinite(self.horizon):
             kept = self.config.heat_decay ** tokens
@@ -507,10 +541,10 @@ class MiraPolicy(Policy):
         Returns:
             The (promoted, demoted) uid pairs, in the order they were swapped.
         """
-        victims = sorted(self._hot, key=self._rank)
-        candidates = sorted(self._stage - self._staged, key=self._rank, reverse=True)
+        victims = self._ranked(self._hot)[: self.config.max_swaps].tolist()
+        candidates = self._ranked(self._stage - self._staged, descending=True).tolist()
         swaps = []
-        for promoted, demoted in zip(candidates, victims[: self.config.max_swaps]):
+        for promoted, demoted in zip(candidates, victims):
             if self.expected_rate(promoted) <= self.expected_rate(demoted):
                 break
             self._hot.remove(demoted)
@@ -528,7 +562,6 @@ def make_policy(
     config: CacheConfig = CacheConfig(),
     profile: Popularity | None = None,
     stage_slots: int | None = None,
-    admission_cost: float = 0.0,
 ) -> Policy:
     """Build a policy by name (the names of `mira.config.POLICIES`).
 
@@ -540,8 +573,6 @@ def make_policy(
         profile: routed tokens per uid in recorded routing (`RoutingTrace.popularity()`): required
             by static, the prior of mira, ignored by the others.
         stage_slots: STAGE size of the mira policy instead of the one `split_slots` gives.
-        admission_cost: blobs an admission of the mira policy moves beyond the miss's own read (1
-            under lagged residency, 0 inline).
 
     Returns:
         A fresh policy with no history (static, and mira with a profile: with its placement resident).
@@ -551,8 +582,7 @@ def make_policy(
     """
     kind = policy_class(name)
     if kind is MiraPolicy:
-        return MiraPolicy(capacity, total_experts, config, stage_slots=stage_slots, prior=profile,
-                          admission_cost=admission_cost)
+        return MiraPolicy(capacity, total_experts, config, stage_slots=stage_slots, prior=profile)
     if kind is Static:
         if profile is None:
             raise ValueError("the static policy needs a profile of routed tokens per expert (a routing trace)")

@@ -74,7 +74,7 @@ def simulate(
         staged_per_layer: how many of the predictions of a (token, layer) are staged.
         residency: "inline" (the policy places each expert before its layer: an admission is the
             miss's own copy) or "lagged" (the policy acts after the step: an admission is one more
-            blob, and the mira policy weighs it so). Belady is the inline optimum either way.
+            blob). The decisions are the same; Belady is the inline optimum either way.
 
     Returns:
         A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
@@ -108,8 +108,7 @@ def simulate(
                 f"{trace.source} has {trace.num_layers} x {trace.num_experts}; profile the same model"
             )
         popularity = Popularity.of_trace(profile if profile is not None else trace)
-        instance = make_policy(policy, slots, trace.num_uids, config, popularity, stage_slots,
-                               admission_cost=float(residency == "lagged"))
+        instance = make_policy(policy, slots, trace.num_uids, config, popularity, stage_slots)
         counts = replay(trace, instance, check=check, predictions=predictions, staged_per_layer=staged_per_layer)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":

@@ -276,11 +276,11 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     lagged = lags(residency, admits_misses=_policy_class(policy).admits_misses,
                   under_budget=capacity < total_experts, device=torch_device,
                   fused_kernels=hasattr(ffn, "forward_bases"))
-    placement = _policy(policy, capacity, total_experts, config.cache, profile, lagged)
+    placement = _policy(policy, capacity, total_experts, config.cache, profile)
     staging = stages(prefetch, residency, lagged, placement.stage_slots)
     if staging and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
         # experts: mira.cache.budget) apart from the policy's
-        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile, lagged)
+        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.parent.gate for site in sites]
@@ -291,11 +291,9 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
 
 
-def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None,
-            lagged: bool):
-    """The residency policy; lagged, an admission copies a miss the kernel already read (one more blob)."""
+def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):
     try:
-        return make_policy(name, capacity, total_experts, config, profile=profile, admission_cost=float(lagged))
+        return make_policy(name, capacity, total_experts, config, profile=profile)
     except ValueError as error:
         raise MiraError(f"{error}; pass --profile with a trace recorded by `mira trace`") from error
 

@@ -103,7 +103,7 @@ def test_split_slots_by_vram_mode(capacity, total, expected):
 
 
 def test_heat_decays_per_step_and_survives_rescaling():
-    heat = Heat(0.5)
+    heat = Heat(0.5, 4)
     heat.add(1, 4)
     heat.advance(1)
     heat.add(2, 1)
@@ -117,7 +117,7 @@ def test_heat_decays_per_step_and_survives_rescaling():
     assert (heat[1], heat[2], heat[3]) == (0.0, 0.0, 1.0)
 
 
-def mira(capacity=4, stage_slots=1, prior=None, admission_cost=0.0, **config):
+def mira(capacity=4, stage_slots=1, prior=None, admission_cost=0.0, **config):  # inline-cost cases by default
     config.setdefault("heat_decay", 0.5)  # a horizon of 2 steps: every figure below is worked by hand
     return MiraPolicy(capacity, 100, CacheConfig(**config), stage_slots=stage_slots, prior=prior,
                       admission_cost=admission_cost)
@@ -187,17 +187,28 @@ def test_mira_rebalance_swaps_stage_entries_worth_more_than_hot_ones_within_the_
 
 def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_expert():
     policy = mira(capacity=4, stage_slots=2)
-    run(policy, [[1, 2], [3], []])  # HOT {1, 2}; 3 on probation in STAGE; a new group has begun
-    assert policy.stage(1) == Access(Tier.HOT)  # already resident: skipped
+    steps(policy, [[1, 2], [3]])  # HOT {1, 2}, 3 in STAGE; after the step 3, busier, swaps with 1
+    assert policy.resident() == {1, 2, 3} and policy.tier_of(1) is Tier.STAGE
+    assert policy.stage(2) == Access(Tier.HOT)  # already resident: skipped
     assert policy.stage(9) == MISS_ADMIT  # the free STAGE slot
-    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=3)  # a prediction outranks probation
+    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=1)  # a prediction outranks probation
     assert policy.stage(7) == Access(Tier.MISS)  # STAGE holds staged experts only: declined
     policy.begin_group()
     assert policy.access(6, 1) == Access(Tier.MISS)  # nor may a miss take a staged expert's slot
     policy.release(9)
-    assert policy.resident() == {1, 2, 8} and policy.tier_of(9) is Tier.MISS
+    assert policy.resident() == {2, 3, 8} and policy.tier_of(9) is Tier.MISS
     assert policy.access(5, 1) == MISS_ADMIT  # the released slot is free again
-    assert policy.stage(7) == Access(Tier.MISS)  # 5 is in the current group, 8 is staged
+    assert policy.stage(7) == Access(Tier.MISS)  # 5 is used in this step, 8 is staged
+
+
+def test_mira_never_evicts_an_expert_used_in_the_current_step():
+    policy = mira(capacity=2, stage_slots=1)
+    steps(policy, [[1], [2]])  # HOT {2}, STAGE {1} after the rebalance
+    # one step: 1 is a STAGE hit, then 3 misses and finds no victim: STAGE's only entry was used
+    assert run(policy, [[1], [3]]) == [Access(Tier.STAGE), Access(Tier.MISS)]
+    policy.end_step(1)  # 1 (heat 0.625) is promoted over HOT's 2 (0.25)
+    assert (policy.tier_of(1), policy.tier_of(2)) == (Tier.HOT, Tier.STAGE)
+    assert run(policy, [[4]]) == [Access(Tier.MISS, True, 2)]  # a new step: 2 may go
 
 
 def test_mira_rebalance_leaves_staged_experts_to_the_prefetcher():
@@ -225,7 +236,7 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="admission_cost must be >= 0"):
         mira(admission_cost=-1.0)
     with pytest.raises(ValueError, match="heat decay"):
-        Heat(0.0)
+        Heat(0.0, 4)
     with pytest.raises(ValueError, match="prior_weight"):
         CacheConfig(prior_weight=-1.0)
 
@@ -239,6 +250,6 @@ def test_make_policy_builds_each_policy_by_name():
         "mira": "MiraPolicy", "lru": "LRU", "lfu": "LFU", "static": "Static", "on-demand": "OnDemand"}
     assert (built["mira"].hot_slots, built["mira"].stage_slots) == (3, 1)
     assert built["mira"].resident() == built["static"].resident() == {0, 1, 2, 3}
-    assert make_policy("mira", 4, 16, config, admission_cost=1.0).admission_cost == 1.0
+    assert make_policy("mira", 4, 16, config).admission_cost == 1.0  # an admission is one more crossing
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         make_policy("fifo", 4, 16)

@@ -39,10 +39,10 @@ def test_prefetching_keeps_the_mechanism_contract_and_its_counts_add_up(case, po
 
 
 def test_the_mechanism_catches_a_policy_that_displaces_a_staged_expert():
-    class Impatient(MiraPolicy):  # the rule before issue #6's fix: any STAGE entry may make room
+    class Impatient(MiraPolicy):  # an older rule: any STAGE entry outside the group may make room
         def _stage_victim(self):
-            evictable = [uid for uid in self._stage if self._evictable(uid)]
-            return min(evictable, key=self._rank) if evictable else None
+            evictable = self._stage - self._group
+            return int(self._ranked(evictable)[0]) if evictable else None
 
     ids = np.array([[[0], [1], [2]], [[3], [3], [3]]], dtype=np.int16)  # 2 tokens, 3 layers, top-1 of 4
     predictions = np.array([[[-1], [-1], [2]], [[-1], [-1], [3]]])
