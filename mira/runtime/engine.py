@@ -24,6 +24,7 @@ from mira.cache.telemetry import Telemetry
 from mira.config import PREFETCH, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
+from mira.models.hub import locate
 from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
@@ -177,7 +178,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
 
     Args:
         path: a Hugging Face model directory (converted on first use into a store under the cache
-            directory, `$MIRA_CACHE` or ~/.cache/mira) or a store; None for the bundled model.
+            directory, `$MIRA_CACHE` or $XDG_CACHE_HOME/mira, default ~/.cache/mira), a hub id (org/name)
+            or repo folder in the local Hugging Face cache, or a store; None for the bundled model.
         device: "cuda", "cuda:N" or "cpu"; default CUDA when present.
         vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots;
             default: free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read
@@ -285,11 +287,14 @@ def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, p
 
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
-    """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory."""
+    """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory.
+    `path` may also be a hub id or hub cache folder (mira.models.hub)."""
+    source = locate(path)  # a hub id or cache folder -> its snapshot, and a store named after the repo
+    path = source.directory
     if not path.exists():
         hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
         raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
-                        "model directory or a Mira store")
+                        "model directory, a hub id (org/name) in the local Hugging Face cache, or a Mira store")
     if is_store(path):
         manifest = Manifest.read(path)
         if quant is not None and quant != manifest.scheme:
@@ -298,7 +303,7 @@ def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
         return path
     scheme = quant or "int8-shared"
     read_config(path)
-    target = cache_dir() / f"{path.resolve().name}-{source_fingerprint(path)[:12]}-{scheme}"
+    target = cache_dir() / f"{source.name}-{source_fingerprint(path)[:12]}-{scheme}"
     if not is_store(target):
         print(f"mira: converting {path} into the store {target} (first use; later runs reuse it)", file=sys.stderr)
     convert(path, target, scheme, progress=progress)
@@ -306,7 +311,8 @@ def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(os.environ.get("MIRA_CACHE") or Path(xdg or Path.home() / ".cache") / "mira") / "stores"
 
 
 def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int) -> SlotPlan | None:
