@@ -130,8 +130,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_options(parser: argparse.ArgumentParser, generation: bool = True) -> None:
     """Sampling flags; each left out falls back to the checkpoint's generation_config.json."""
-    parser.add_argument("--temperature", type=float, help="sampling temperature, 0 for greedy (default: the checkpoint's "
-                                                          "generation_config.json, else greedy)")
+    parser.add_argument("--temperature", type=float,
+                        help="sampling temperature, 0 for greedy (default: the checkpoint's generation_config.json, "
+                             "else greedy)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the checkpoint's, else off)")
     parser.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (default: the checkpoint's, "
                                                   "else off)")
@@ -158,6 +159,8 @@ def _messages(args: argparse.Namespace) -> str | list[dict]:
     import json
 
     if args.messages:
+        if args.system is not None:
+            raise MiraError("--system goes with --prompt; put the system message first in the --messages file")
         try:
             messages = json.loads(Path(args.messages).read_text())
         except (OSError, ValueError) as error:

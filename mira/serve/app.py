@@ -145,10 +145,10 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         room = model.max_context - prompt_tokens
         wanted = body.requested_tokens()
         if room < 1 or (wanted is not None and wanted > room):
+            prompt = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
             raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
                                 f"{prompt_tokens} and {wanted or 1} more were asked for: shorten the prompt or "
-                                f"lower max_tokens", param="messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
+                                f"lower max_tokens", param=prompt, code="context_length_exceeded")
         if body.min_tokens > (wanted or room):
             raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({wanted or room})",
                            param="min_tokens")
@@ -230,9 +230,14 @@ async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[s
         if opening:
             yield opening
         while True:
-            kind, value = await job.events.get()
+            events = [await job.events.get()]
+            while not job.events.empty():  # what came meanwhile goes in the same chunk, when the loop lags
+                events.append(job.events.get_nowait())
+            text = "".join(value for kind, value in events if kind == "text")
+            if text:
+                yield reply.chunk(text)
+            kind, value = events[-1]  # "done" or "error" is always the last event
             if kind == "text":
-                yield reply.chunk(value)
                 continue
             if kind == "done":
                 yield reply.chunk(None, value.finish_reason)
