@@ -16,6 +16,7 @@ from mira.cli_args import (MiraArgumentParser, check_model_options, check_sampli
 from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
 from mira.predict.commands import add_commands as add_predictor_commands
+from mira.serve.command import add_command as add_serve_command
 from mira.store.command import add_command as add_store_command
 from mira.store.layout import SCHEMES
 
@@ -144,17 +145,68 @@ def _add_threads_option(parser: argparse.ArgumentParser) -> None:
                              "less those other processes keep busy)")
 
 
+def _add_sampling_options(parser: argparse.ArgumentParser, generation: bool = True) -> None:
+    """Sampling flags; each left out falls back to the checkpoint's generation_config.json."""
+    parser.add_argument("--temperature", type=temperature,
+                        help="sampling temperature, 0 for greedy (default: the checkpoint's generation_config.json, "
+                             "else greedy)")
+    parser.add_argument("--top-p", type=probability,
+                        help="nucleus sampling mass in (0, 1] (default: the checkpoint's, else off)")
+    parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest tokens (default: the "
+                                                           "checkpoint's, else off)")
+    parser.add_argument("--repetition-penalty", type=positive_float,
+                        help="divide the logits of tokens already seen, e.g. 1.1 (default: the checkpoint's, else off)")
+    if generation:
+        parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                            help="tokens to generate (default 128)")
+        parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                            help="end the reply before this text (repeatable)")
+        parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def _sampling(args: argparse.Namespace):
+    from mira.runtime.generate import SamplingConfig
+
+    generation = dict(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed) \
+        if hasattr(args, "max_new_tokens") else {}
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, **generation)
+
+
+def _messages(args: argparse.Namespace) -> str | list[dict]:
+    """`mira generate`'s input: --messages FILE.json, or --prompt (`-`: standard input) after --system."""
+    import json
+
+    if args.messages:
+        if args.system is not None:
+            raise MiraError("--system goes with --prompt; put the system message first in the --messages file")
+        try:
+            messages = json.loads(Path(args.messages).read_text())
+        except (OSError, ValueError) as error:
+            raise MiraError(f"cannot read the messages file {args.messages}: {error}; give a JSON list of "
+                            '{"role": ..., "content": ...} objects') from None
+        if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in messages)):
+            raise MiraError(f"{args.messages} is not a JSON list of {{\"role\": ..., \"content\": ...}} objects with "
+                            "text content")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.system is None:
+        return prompt
+    return [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}]
+
+
 def _generate(args: argparse.Namespace) -> None:
     import json
 
-    from mira.runtime.generate import SamplingConfig, generate_text
+    from mira.runtime.generate import generate_text
     from mira.store.files import write_json_atomic
 
     check_sampling(args)
+    sampling = _sampling(args)
+    messages = _messages(args)
     model = _load(args)
-    top_p = args.top_p if args.top_p is not None else SamplingConfig.top_p
-    sampling = SamplingConfig(args.max_new_tokens, args.temperature, top_p, args.seed)
-    report = generate_text(model, args.prompt, sampling, raw=args.raw)
+    report = generate_text(model, messages, sampling, raw=args.raw)
     stats = model.stats()
     cache = stats["cache"]
     if stats["slots"]:
@@ -173,6 +225,19 @@ def _generate(args: argparse.Namespace) -> None:
         stats["generation"] = {k: v for k, v in report.__dict__.items() if k != "text"}
         stats["cpu_threads"] = args.cpu_threads
         write_json_atomic(Path(args.stats_json), json.loads(json.dumps(stats, default=str)))
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from mira.runtime.chat import COMMANDS, chat
+
+    if args.raw:
+        raise MiraError("mira chat sends the conversation through the chat template; drop --raw")
+    sampling = _sampling(args)
+    model = _load(args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"[mira] {COMMANDS}", file=sys.stderr)
+    chat(model, sampling, args.system, read=(lambda: input("> ")) if interactive else input)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,15 +268,24 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Generate text from a prompt, streaming it to stdout; timings and "
                                           "cache statistics go to stderr at the end.")
     _add_model_options(gen)
-    gen.add_argument("--prompt", required=True, help="the user's message")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate (default 128)")
-    gen.add_argument("--temperature", type=temperature, default=0.7,
-                     help="sampling temperature; 0 for greedy (default 0.7)")
-    gen.add_argument("--top-p", type=probability, help="nucleus sampling mass in (0, 1] (default 0.9)")
-    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    given = gen.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the user's message; - reads it from standard input")
+    given.add_argument("--messages", metavar="FILE.json", type=existing_file,
+                       help='the conversation so far: a JSON list of {"role": ..., "content": ...} objects')
+    gen.add_argument("--system", help="a system message before the prompt")
+    _add_sampling_options(gen)
     gen.add_argument("--stats-json", metavar="FILE", type=output_file,
                      help="write timings and cache statistics to FILE")
     gen.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", help="talk with the model, turn by turn",
+                               description="A conversation at the terminal: each reply streams as it comes and "
+                                           "every turn is sent with the whole conversation before it. /reset starts "
+                                           "over, /exit or end of input leaves.")
+    _add_model_options(chat)
+    chat.add_argument("--system", help="the system message that opens the conversation")
+    _add_sampling_options(chat)
+    chat.set_defaults(run=_chat)
 
     trace = commands.add_parser("trace", help="record the routing of every token while generating",
                                 description="Greedy-generate from every prompt of a file and record, for every "
@@ -272,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predictor_commands(commands)
     add_bench_command(commands)
     add_store_command(commands)
+    add_serve_command(commands)
     return parser
 
 

@@ -134,7 +134,7 @@ def check_sampling(args: argparse.Namespace) -> None:
     if args.temperature == 0 and args.top_p is not None:
         raise MiraError("--top-p has no effect with --temperature 0 (greedy decoding); pass a positive "
                         "--temperature or leave out --top-p")
-    if args.raw and not args.prompt:
+    if args.raw and not args.prompt and not getattr(args, "messages", None):
         raise MiraError("--prompt is empty and --raw gives the model no other text; pass a prompt")
 
 

@@ -23,6 +23,7 @@ from mira.cache.telemetry import Telemetry
 from mira.config import POLICIES, PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
+from mira.models.hub import locate
 from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
@@ -186,7 +187,8 @@ def load(path: str | os.PathLike | None = None, device: str | None = None, vram_
 
     Args:
         path: a Hugging Face model directory (converted on first use into a store under the cache
-            directory, `$MIRA_CACHE` or ~/.cache/mira) or a store; None for the bundled model.
+            directory, `$MIRA_CACHE` or $XDG_CACHE_HOME/mira, default ~/.cache/mira), a hub id (org/name)
+            or repo folder in the local Hugging Face cache, or a store; None for the bundled model.
         device: "cuda", "cuda:N" or "cpu"; default CUDA when present.
         vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or
             a share of all experts to give slots beyond those ("25%", as in `mira bench`); default:
@@ -307,7 +309,10 @@ def _policy_class(name: str):
 
 def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
     """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory,
-    converted on first use and again whenever the files of `path` changed (mira.store.cache)."""
+    converted on first use and again whenever the files of `path` changed (mira.store.cache). `path`
+    may also be a hub id or a hub cache folder (mira.models.hub)."""
+    source = locate(path)  # a hub id or cache folder -> its snapshot, and a store named after the repo
+    path = source.directory
     _check_model_path(path)
     if is_store(path):
         manifest = Manifest.read(path)
@@ -315,7 +320,7 @@ def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
             raise MiraError(f"store {path} holds {manifest.scheme} experts, not {quant}; pass --quant "
                             f"{manifest.scheme}, or convert the model again with --quant {quant}")
         return path
-    return cache_store(path, quant or "int8-shared", progress)
+    return cache_store(path, quant or "int8-shared", progress, name=source.name)
 
 
 def _check_model_path(path: Path) -> None:
@@ -327,7 +332,7 @@ def _check_model_path(path: Path) -> None:
     if not path.exists():
         hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
         raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
-                        "model directory or a Mira store")
+                        "model directory, a hub id (org/name) in the local Hugging Face cache, or a Mira store")
     if not path.is_dir():
         raise MiraError(f"model path {path} is a file, not a directory; pass --model with a local Hugging Face "
                         "model directory or a Mira store")

@@ -1,25 +1,66 @@
-"""Text in, streamed text out, with the timings a user asks about: TTFT and decode tokens/s."""
+"""Messages in, streamed text out: what `mira generate`, `mira chat` and `mira serve` share.
+
+The sampling settings (the checkpoint's generation_config.json, overridden per call), chat
+messages through the tokenizer's template, incremental decoding with stop strings, cancellation,
+and the timings a user asks about: TTFT and decode tokens/s.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import TextIO
 
 import torch
-from transformers import TextStreamer
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
 
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """What one generation asks for. None leaves a setting to whatever sits under it: `with_defaults`,
+    then the checkpoint's generation_config.json, then off (temperature 1, top-p 1, no top-k)."""
+
     max_new_tokens: int = 128
-    temperature: float = 0.7  # 0 means greedy
-    top_p: float = 0.9
-    seed: int = 0
+    min_new_tokens: int = 0  # the end-of-sequence token is held off until this many were generated
+    temperature: float | None = None  # 0 means greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None  # transformers' (CTRL's): divides the logits of tokens already seen
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the generated text
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token was generated at all
+    stop: tuple[str, ...] = ()  # generation ends before the first of these; it is not part of the text
+    seed: int | None = None  # None: a fresh random seed
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, f"max new tokens must be at least 1, not {self.max_new_tokens}"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min new tokens must be between 0 and max new tokens, not {self.min_new_tokens}"),
+            (self.temperature is None or self.temperature >= 0, f"temperature must be >= 0, not {self.temperature}"),
+            (self.top_p is None or 0 < self.top_p <= 1, f"top-p must be in (0, 1], not {self.top_p}"),
+            (self.top_k is None or self.top_k >= 0, f"top-k must be >= 0 (0: off), not {self.top_k}"),
+            (self.repetition_penalty is None or self.repetition_penalty > 0,
+             f"repetition penalty must be > 0 (1: off), not {self.repetition_penalty}"),
+            (all(self.stop), "a stop string must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise MiraError(message)
+
+    def with_defaults(self, defaults: SamplingConfig) -> SamplingConfig:
+        """These settings, with `defaults`' sampling settings where these leave one to the checkpoint."""
+        unset = {f.name: getattr(defaults, f.name) for f in fields(self)
+                 if f.name in ("temperature", "top_p", "top_k", "repetition_penalty") and getattr(self, f.name) is None}
+        return replace(self, **unset)
 
 
 @dataclass(frozen=True)
@@ -29,63 +70,227 @@ class GenerationReport:
     new_tokens: int
     ttft_s: float  # prompt in -> first new token out
     decode_tokens_per_s: float  # new tokens after the first, per second
+    finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
 
 
-class _TimedStreamer(TextStreamer):
-    """Streams decoded text to `out` and notes when each new token arrives."""
+def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
+    """transformers `generate` arguments for `sampling` over the checkpoint's generation_config.json.
 
-    def __init__(self, tokenizer, out: TextIO | None):
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.out = out
+    Sampling is on when the call asks for a temperature above 0, or leaves the temperature unset and
+    asks for top-p or top-k, or leaves all three unset and the checkpoint samples (`do_sample`).
+    """
+    checkpoint = model.hf_model.generation_config
+
+    def setting(name: str, off):
+        value = getattr(sampling, name)
+        if value is None:
+            value = getattr(checkpoint, name, None)
+        return off if value is None else value
+
+    if sampling.temperature is not None:
+        sample = sampling.temperature > 0
+    elif sampling.top_p is not None or sampling.top_k is not None:
+        sample = True
+    else:
+        sample = bool(checkpoint.do_sample)
+    kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens or None,
+                  do_sample=sample, repetition_penalty=setting("repetition_penalty", 1.0))
+    if sample:
+        kwargs.update(temperature=setting("temperature", 1.0), top_p=setting("top_p", 1.0), top_k=setting("top_k", 0))
+    else:  # greedy: the checkpoint's sampling settings do not apply
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
+class OccurrencePenalty(LogitsProcessor):
+    """OpenAI's frequency and presence penalties: each token's logit less `frequency` times the times
+    it was generated so far, less `presence` if it was generated at all (the prompt does not count)."""
+
+    def __init__(self, prompt_tokens: int, frequency: float, presence: float):
+        self.prompt_tokens = prompt_tokens
+        self.frequency = frequency
+        self.presence = presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # B sequences, T tokens so far, V vocabulary
+        generated = input_ids[:, self.prompt_tokens:]  # [B, T - prompt]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)  # [B, V]
+
+
+class TextStream:
+    """Token ids in, text pieces out to `on_text`: decodes incrementally (a piece is emitted once its
+    characters are whole), holds back text that may begin a stop string, and stops at the first one,
+    which is not emitted."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], on_text: Callable[[str], None]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.on_text = on_text
+        self.stopped = False  # a stop string was met
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[prefix:read] were decoded last time, as context for the next piece
+        self._read = 0
+        self._held = ""  # decoded text that may be the start of a stop string
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
+
+    def add(self, ids: Sequence[int]) -> None:
+        if self.stopped:
+            return
+        self._ids.extend(ids)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # not in the middle of a character
+            self._prefix, self._read = self._read, len(self._ids)
+            self._push(after[len(before):])
+
+    def finish(self) -> None:
+        """Emit what is held back: the stream ended without meeting a stop string there."""
+        if not self.stopped:
+            tail = self._decode(self._ids[self._prefix:])[len(self._decode(self._ids[self._prefix:self._read])):]
+            self._push(tail)
+            if not self.stopped and self._held:
+                self._emit(self._held)
+                self._held = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _push(self, piece: str) -> None:
+        text = self._held + piece
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self._emit(text[:min(found)])
+            self._held = ""
+            self.stopped = True
+            return
+        held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+                   default=0)
+        self._emit(text[:len(text) - held])
+        self._held = text[len(text) - held:]
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self.on_text(text)
+
+
+class _Streamer(BaseStreamer):
+    """transformers' streamer hook: new ids into the TextStream, with the time each arrives."""
+
+    def __init__(self, stream: TextStream):
+        self.stream = stream
         self.token_times: list[float] = []
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
-        if self._prompt_seen:
-            self.token_times.append(time.perf_counter())
-        self._prompt_seen = True
-        super().put(value)
+        if not self._prompt_seen:  # generate puts the prompt first
+            self._prompt_seen = True
+            return
+        self.token_times.append(time.perf_counter())
+        self.stream.add(value.reshape(-1).tolist())
 
-    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-        if self.out is not None:
-            self.out.write(text + ("\n" if stream_end else ""))
-            self.out.flush()
+    def end(self) -> None:
+        self.stream.finish()
+
+
+class _Halt(StoppingCriteria):
+    """Ends generation after the step in which a stop string was met or `cancel` was set."""
+
+    def __init__(self, stream: TextStream, cancel: threading.Event):
+        self.stream = stream
+        self.cancel = cancel
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        halt = self.stream.stopped or self.cancel.is_set()
+        return torch.full((input_ids.shape[0],), halt, dtype=torch.bool, device=input_ids.device)
+
+
+def _tokenizer(model: MiraModel):
+    if model.tokenizer is None:
+        raise MiraError(f"{model.store.path} has no tokenizer files; use the Python API with token ids")
+    return model.tokenizer
+
+
+def encode_messages(model: MiraModel, messages: Sequence[Message], raw: bool = False) -> torch.Tensor:
+    """Token ids [1, T] of a conversation through the tokenizer's chat template, ready for the
+    assistant's turn; `raw` (or a tokenizer without a template) takes one user message as plain text."""
+    tokenizer = _tokenizer(model)
+    if not messages:
+        raise MiraError("the conversation has no messages; give at least one user message")
+    if not raw and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    if len(messages) > 1 or messages[0]["role"] != "user":
+        reason = "--raw was asked for" if raw else f"the tokenizer of {model.store.path} has no chat template"
+        raise MiraError(f"{reason}, so only one user message can be given; pass a plain prompt, or drop --raw")
+    if not raw:
+        print("mira: the tokenizer has no chat template; using the prompt as raw text", file=sys.stderr)
+    return tokenizer(messages[0]["content"], return_tensors="pt").input_ids
 
 
 def encode_prompt(model: MiraModel, prompt: str, raw: bool) -> torch.Tensor:
-    """Token ids [1, T] of `prompt`, through the tokenizer's chat template unless `raw`."""
-    tokenizer = model.tokenizer
-    if tokenizer is None:
-        raise MiraError(f"{model.store.path} has no tokenizer files; use the Python API with token ids")
-    if not raw and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    if not raw:
-        print("mira: the tokenizer has no chat template; using the prompt as raw text", file=sys.stderr)
-    return tokenizer(prompt, return_tensors="pt").input_ids
+    """Token ids [1, T] of `prompt` as the user's message, through the chat template unless `raw`."""
+    return encode_messages(model, [{"role": "user", "content": prompt}], raw)
 
 
-def generate_text(model: MiraModel, prompt: str, sampling: SamplingConfig, raw: bool = False,
-                  out: TextIO | None = sys.stdout) -> GenerationReport:
-    """Generate from a text prompt, streaming the new text to `out`."""
-    input_ids = encode_prompt(model, prompt, raw)
-    streamer = _TimedStreamer(model.tokenizer, out)
-    torch.manual_seed(sampling.seed)
+def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: SamplingConfig,
+                    on_text: Callable[[str], None], cancel: threading.Event | None = None) -> GenerationReport:
+    """Generate from token ids [1, T], handing each new piece of text to `on_text` as it comes.
+
+    Seeds torch's generator from `sampling.seed` first, so a seeded call gives the same text whatever
+    ran before it; the caller runs one generation at a time on the device. Setting `cancel` ends the
+    generation after its current step.
+
+    Raises:
+        MiraError: a setting out of range, or the prompt plus max new tokens longer than the context.
+    """
+    tokenizer = _tokenizer(model)
+    cancel = cancel or threading.Event()
+    stream = TextStream(tokenizer, sampling.stop, on_text)
+    streamer = _Streamer(stream)
+    processors = LogitsProcessorList()
+    if sampling.frequency_penalty or sampling.presence_penalty:
+        processors.append(OccurrencePenalty(input_ids.shape[1], sampling.frequency_penalty, sampling.presence_penalty))
+    if sampling.seed is None:
+        torch.seed()
+    else:
+        torch.manual_seed(sampling.seed)
     start = time.perf_counter()
     output = model.generate(
-        input_ids,
-        max_new_tokens=sampling.max_new_tokens,
-        do_sample=sampling.temperature > 0,
-        temperature=sampling.temperature if sampling.temperature > 0 else None,
-        top_p=sampling.top_p if sampling.temperature > 0 else None,
-        top_k=None,
-        streamer=streamer,
-        pad_token_id=model.tokenizer.pad_token_id or model.tokenizer.eos_token_id,
+        input_ids, **generation_kwargs(model, sampling), logits_processor=processors, streamer=streamer,
+        attention_mask=torch.ones_like(input_ids),  # else transformers masks every id equal to the pad id: the
+        # bundled model's BOS is its pad token
+        stopping_criteria=StoppingCriteriaList([_Halt(stream, cancel)]),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    new = output[0, input_ids.shape[1]:]
+    new_tokens = output.shape[1] - input_ids.shape[1]
     times = streamer.token_times
     ttft = times[0] - start if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
-    return GenerationReport(model.tokenizer.decode(new, skip_special_tokens=True), input_ids.shape[1], len(new),
-                            ttft, decode)
+    if cancel.is_set() and not stream.stopped:
+        finish = "cancelled"
+    elif stream.stopped or new_tokens < sampling.max_new_tokens:
+        finish = "stop"
+    else:
+        finish = "length"
+    return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish)
+
+
+def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,
+                  out: TextIO | None = sys.stdout) -> GenerationReport:
+    """Generate from a prompt (the user's message) or a conversation, streaming the new text to `out`."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+    def write(text: str) -> None:
+        if out is not None:
+            out.write(text)
+            out.flush()
+
+    report = stream_generate(model, encode_messages(model, messages, raw), sampling, write)
+    write("\n")
+    return report

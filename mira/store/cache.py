@@ -1,8 +1,9 @@
 """The store cache: where `mira.load` keeps the stores it converts from model directories.
 
-A cached store is named for where it came from: `<model directory name>-<hash of its full path>-<scheme>`,
-under `$MIRA_CACHE/stores` (default ~/.cache/mira/stores), so two checkpoints of one name in two
-places never share a store. Its manifest records every source file by content (mira.store.sources);
+A cached store is named for where it came from: `<name>-<hash of its full path>-<scheme>`, the name
+being the model directory's, or a hub model's repo id and revision (mira.models.hub), under
+`$MIRA_CACHE/stores` (default `$XDG_CACHE_HOME/mira/stores`, else ~/.cache/mira/stores), so two
+checkpoints of one name in two places never share a store. Its manifest records every source file by content (mira.store.sources);
 a lookup checks them, by size and time first and by hash where those changed, and converts again
 when the source's files changed.
 """
@@ -22,22 +23,25 @@ from mira.store.sources import sources_match
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MIRA_CACHE") or Path.home() / ".cache" / "mira") / "stores"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(os.environ.get("MIRA_CACHE") or Path(xdg or Path.home() / ".cache") / "mira") / "stores"
 
 
-def cache_store_path(model_dir: Path, scheme: str) -> Path:
+def cache_store_path(model_dir: Path, scheme: str, name: str | None = None) -> Path:
+    """Where the store of `model_dir` in `scheme` is cached; `name` (default: the directory's) leads."""
     resolved = model_dir.resolve()
-    return cache_dir() / f"{resolved.name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}-{scheme}"
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    return cache_dir() / f"{name or resolved.name}-{digest}-{scheme}"
 
 
-def cache_store(model_dir: Path, scheme: str, progress: bool = True) -> Path:
-    """The cached store of `model_dir` in `scheme`, converted first if there is none or if the files of
-    `model_dir` changed since it was made.
+def cache_store(model_dir: Path, scheme: str, progress: bool = True, name: str | None = None) -> Path:
+    """The cached store of `model_dir` in `scheme` (named `name`, default the directory's), converted
+    first if there is none or if the files of `model_dir` changed since it was made.
 
     Raises:
         MiraError: the model cannot be converted (the message says why and what to do).
     """
-    target = cache_store_path(model_dir, scheme)
+    target = cache_store_path(model_dir, scheme, name)
     if is_store(target) and _current(target, model_dir):
         return target
     source = check_source(model_dir, scheme)  # an unusable model is refused before anything is said or written

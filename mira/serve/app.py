@@ -1,0 +1,269 @@
+"""`create_app(model)`: the OpenAI-compatible HTTP API over one loaded model.
+
+Requests are validated and tokenized on the event loop, then generated one at a time on the
+device (mira.serve.worker); a client that disconnects cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException
+
+from mira.errors import MiraError
+from mira.runtime.engine import MiraModel
+from mira.runtime.generate import GenerationReport, SamplingConfig, encode_messages
+from mira.serve import protocol
+from mira.serve.metrics import Metrics
+from mira.serve.worker import DeviceWorker, Job, QueueFull
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(self.message, self.kind, self.param, self.code), self.status,
+                            headers=self.headers)
+
+
+def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_waiting: int = 16,
+               defaults: SamplingConfig | None = None) -> FastAPI:
+    """The API for `model`, served under the name `model_id`.
+
+    Args:
+        model: a loaded model; the app's worker thread is the only one to run it while the app is up.
+        model_id: the name `GET /v1/models` lists and requests must name (or leave out).
+        api_key: when given, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+        max_waiting: requests that may wait behind the running one; more are answered 429.
+        defaults: sampling settings for what a request leaves out, over the checkpoint's own.
+    """
+    metrics = Metrics()
+    worker = DeviceWorker(model, max_waiting, metrics)
+    defaults = defaults or SamplingConfig()
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.close()
+
+    app = FastAPI(title="Mira", lifespan=lifespan)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        metrics.request(_endpoint(request), error.status)
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        problem = error.errors()[0]
+        where = [str(part) for part in problem.get("loc", ()) if part != "body"]
+        if problem.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}"
+            where = []
+        else:
+            message = f"{'.'.join(where) or 'body'}: {problem['msg']}"
+        return await api_error(request, ApiError(400, message, param=".".join(where) or None))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return await api_error(request, ApiError(error.status_code, str(error.detail), headers=error.headers))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_id, "pending": worker.pending}
+
+    api = APIRouter(dependencies=[Depends(authorize)])
+
+    @api.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        pending = worker.pending
+        return PlainTextResponse(metrics.render(waiting=max(0, pending - 1), running=min(1, pending)),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.get("/v1/models")
+    async def models() -> dict:
+        return protocol.model_list(model_id, created)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        messages = [message.plain() for message in body.messages]
+        try:
+            input_ids = encode_messages(model, messages)
+        except (MiraError, TemplateError) as error:
+            raise ApiError(400, f"the messages do not fit the model's chat template: {error}", param="messages")
+        return await respond(request, "chat", body, input_ids)
+
+    @api.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        check_model(body.model)
+        if model.tokenizer is None:
+            raise ApiError(400, f"{model.store.path} has no tokenizer files")
+        input_ids = model.tokenizer(body.prompt, return_tensors="pt").input_ids
+        return await respond(request, "completions", body, input_ids)
+
+    app.include_router(api)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_id:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves {model_id!r} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+
+    def sampling_for(body: protocol.SamplingRequest, prompt_tokens: int) -> SamplingConfig:
+        room = model.max_context - prompt_tokens
+        wanted = body.requested_tokens()
+        if room < 1 or (wanted is not None and wanted > room):
+            prompt = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
+            raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
+                                f"{prompt_tokens} and {wanted or 1} more were asked for: shorten the prompt or "
+                                f"lower max_tokens", param=prompt, code="context_length_exceeded")
+        if body.min_tokens > (wanted or room):
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({wanted or room})",
+                           param="min_tokens")
+        sampling = SamplingConfig(
+            max_new_tokens=wanted or room, min_new_tokens=body.min_tokens, temperature=body.temperature,
+            top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=tuple(body.stop),
+            seed=body.seed)
+        return sampling.with_defaults(defaults)
+
+    async def respond(request: Request, endpoint: str, body: protocol.SamplingRequest, input_ids: torch.Tensor):
+        try:
+            job = worker.submit(input_ids, sampling_for(body, input_ids.shape[1]), stream=body.stream)
+        except QueueFull as full:
+            raise ApiError(429, "the server is busy: every place in its queue is taken; retry later",
+                           kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(full.retry_after)}) from None
+        request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat")
+        if body.stream:
+            metrics.request(_endpoint(request), 200)
+            return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
+        report = await collect(job, request)
+        if report is None:  # the client left; nobody reads an answer
+            metrics.request(_endpoint(request), 499)
+            return None
+        metrics.request(_endpoint(request), 200)
+        return reply.whole(report)
+
+    return app
+
+
+class Reply:
+    """The bodies of one request's answer: whole, or as server-sent events."""
+
+    def __init__(self, request_id: str, created: int, model_id: str, chat: bool):
+        self.request_id, self.created, self.model_id, self.chat = request_id, created, model_id, chat
+
+    def whole(self, report: GenerationReport) -> dict:
+        make = protocol.chat_completion if self.chat else protocol.completion
+        return make(self.request_id, self.created, self.model_id, report.text, report.finish_reason,
+                    report.prompt_tokens, report.new_tokens)
+
+    def chunk(self, text: str | None, finish_reason: str | None = None) -> str:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            body = protocol.chat_chunk(self.request_id, self.created, self.model_id, delta, finish_reason)
+        else:
+            body = protocol.completion(self.request_id, self.created, self.model_id, text or "", finish_reason)
+        return _event(body)
+
+    def opening(self) -> str | None:
+        if not self.chat:
+            return None
+        return _event(protocol.chat_chunk(self.request_id, self.created, self.model_id,
+                                          {"role": "assistant", "content": ""}))
+
+    def usage(self, report: GenerationReport) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return _event(protocol.usage_chunk(self.request_id, self.created, self.model_id, obj, report.prompt_tokens,
+                                           report.new_tokens))
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request: its route's path, or "other" for paths the API does not have."""
+    route = request.scope.get("route")
+    return getattr(route, "path", "other")
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of one generation, ending in [DONE]. When the client disconnects, Starlette
+    stops iterating and the generation is cancelled."""
+    try:
+        opening = reply.opening()
+        if opening:
+            yield opening
+        while True:
+            events = [await job.events.get()]
+            while not job.events.empty():  # what came meanwhile goes in the same chunk, when the loop lags
+                events.append(job.events.get_nowait())
+            text = "".join(value for kind, value in events if kind == "text")
+            if text:
+                yield reply.chunk(text)
+            kind, value = events[-1]  # "done" or "error" is always the last event
+            if kind == "text":
+                continue
+            if kind == "done":
+                yield reply.chunk(None, value.finish_reason)
+                if include_usage:
+                    yield reply.usage(value)
+            else:
+                yield _event(protocol.error_body(f"generation failed: {value}", "server_error"))
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # no-op once the generation has ended
+
+
+async def collect(job: Job, request: Request) -> GenerationReport | None:
+    """The finished generation, or None when the client disconnected first (which cancels it)."""
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return None
+            continue
+        if kind == "done":
+            return value
+        if kind == "error":
+            if isinstance(value, MiraError):
+                raise ApiError(400, str(value))
+            raise ApiError(500, f"generation failed: {value}", kind="server_error")

@@ -1,0 +1,96 @@
+"""`mira serve`: arguments in, a model loaded, the OpenAI-compatible API served with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+from mira.errors import MiraError
+
+API_KEY_VARIABLE = "MIRA_API_KEY"
+
+
+def add_command(subparsers) -> None:
+    from mira.cli import _add_model_options, _add_sampling_options  # (mira.cli has finished loading by now)
+
+    serve = subparsers.add_parser(
+        "serve", help="serve the OpenAI API (chat and completions) over HTTP",
+        description="Load one model and serve the OpenAI API over HTTP: GET /v1/models, POST /v1/chat/completions "
+                    "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
+                    "and GET /metrics (Prometheus). Generations run one at a time on the device; others wait in a "
+                    "bounded queue. Needs `pip install mira[serve]`.")
+    _add_model_options(serve)
+    _add_sampling_options(serve, generation=False)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    serve.add_argument("--api-key", metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                            f"${API_KEY_VARIABLE} when set, else no key)")
+    serve.add_argument("--max-queue", type=int, default=16, metavar="N",
+                       help="requests that may wait for the device behind the running one; more are answered 429 "
+                            "(default 16)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model's name in the API (default: the hub id, else the directory's name)")
+    serve.set_defaults(run=_serve)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (port 0: a free one), so the address can be told
+    before the server runs.
+
+    Raises:
+        MiraError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise MiraError(f"cannot listen on {host}:{port} ({error.strerror}); pass another --port or --host") from None
+    sock.listen(128)
+    return sock
+
+
+def model_name(model: str | None) -> str:
+    from mira.models.hub import locate
+    from mira.runtime.engine import BUNDLED_MODEL
+
+    if model is None:
+        return BUNDLED_MODEL.name
+    source = locate(model)
+    return source.repo_id or Path(model).resolve().name
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from mira.cli import _load, _sampling
+
+    try:
+        import uvicorn
+
+        from mira.serve.app import create_app
+    except ImportError as error:
+        raise MiraError(f"mira serve needs FastAPI and uvicorn ({error}); pip install 'mira[serve]'") from None
+    if args.raw:
+        raise MiraError("mira serve applies the chat template to chat requests and none to completions; drop --raw")
+    if args.max_queue < 0:
+        raise MiraError(f"--max-queue must be 0 or more, not {args.max_queue}")
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    name = args.served_model_name or model_name(args.model)
+    defaults = _sampling(args)
+    sock = listen(args.host, args.port)  # before loading: a port in use fails at once
+    host, port = sock.getsockname()[:2]
+    if not api_key and not ipaddress.ip_address(host).is_loopback:
+        print(f"mira: warning: serving on {host} without an API key: anyone who can reach it can use it; pass "
+              f"--api-key or set {API_KEY_VARIABLE}", file=sys.stderr)
+    model = _load(args)
+    app = create_app(model, name, api_key=api_key, max_waiting=args.max_queue, defaults=defaults)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"mira: serving {name} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning" if args.quiet else "info")).run(sockets=[sock])

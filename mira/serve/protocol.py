@@ -1,0 +1,134 @@
+"""The OpenAI API's shapes that `mira serve` speaks: request schemas (validated, with OpenAI's ranges)
+and the response, stream-chunk and error bodies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+
+class _Strict(BaseModel):
+    # strict: a string is not a number and a number is not a string; fields Mira does not know are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Settings common to both endpoints; None leaves a setting to the server's flags, then the checkpoint."""
+
+    model: str | None = None  # None: the one model this server serves
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)  # not in OpenAI's API: the end of sequence is held off this long
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not in OpenAI's API (clients pass it as an extra); 0 is off
+    repetition_penalty: float | None = Field(None, gt=0)  # likewise; transformers' multiplicative penalty
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(strings) > MAX_STOP_STRINGS or not all(strings):
+            raise ValueError(f"give at most {MAX_STOP_STRINGS} stop strings, none of them empty")
+        return strings
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def plain(self) -> dict[str, str]:
+        """The message as a chat template takes it; a developer message is the system message."""
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str:
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ValueError("give one prompt per request")
+            return prompt[0]
+        return prompt
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mira"}]}
+
+
+def chat_completion(request_id: str, created: int, model_id: str, text: str, finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(request_id: str, created: int, model_id: str, delta: dict, finish_reason: str | None = None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def completion(request_id: str, created: int, model_id: str, text: str, finish_reason: str | None,
+               prompt_tokens: int | None = None, completion_tokens: int | None = None) -> dict:
+    """A completion, or one chunk of a streamed one (no usage)."""
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model_id,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+    if prompt_tokens is not None:
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+    return body
+
+
+def usage_chunk(request_id: str, created: int, model_id: str, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The last chunk of a stream that asked for `stream_options.include_usage`: usage, no choices."""
+    return {"id": request_id, "object": obj, "created": created, "model": model_id, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,117 @@
+"""One generation at a time on the device: a thread that runs the server's requests in arrival order,
+a bounded number waiting behind it, each cancellable, its text handed back to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mira.runtime.engine import MiraModel
+from mira.runtime.generate import GenerationReport, SamplingConfig, stream_generate
+from mira.serve.metrics import Metrics
+
+
+class QueueFull(Exception):
+    """Every place in the queue is taken; `retry_after` seconds is a guess at when one frees."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Job:
+    """One request's generation. Its events, in order: ("text", piece) any number of times when it
+    streams, then ("done", GenerationReport) or ("error", exception). Setting `cancel` ends it at its next step,
+    or before it starts."""
+
+    input_ids: torch.Tensor  # [1, T]
+    sampling: SamplingConfig
+    loop: asyncio.AbstractEventLoop
+    stream: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def send(self, kind: str, value) -> None:
+        """Hand an event to the event loop (called from the device thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop has closed: the server is shutting down and nobody listens
+            pass
+
+
+class DeviceWorker:
+    """Runs jobs one at a time on `model` in a thread of its own; at most `max_waiting` wait."""
+
+    def __init__(self, model: MiraModel, max_waiting: int, metrics: Metrics):
+        self.model = model
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted and not finished: the one running plus those waiting
+        self._mean_job_s = 1.0  # running mean of how long a job holds the device, for Retry-After
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="mira-device", daemon=True)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Cancel what waits or runs and stop the thread once the current step ends."""
+        with self._jobs.mutex:
+            jobs = [*self._jobs.queue, self._current]
+        for job in jobs:
+            if job is not None:
+                job.cancel.set()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def submit(self, input_ids: torch.Tensor, sampling: SamplingConfig, stream: bool) -> Job:
+        """Queue a generation (called on the event loop).
+
+        Raises:
+            QueueFull: `max_waiting` jobs already wait behind the running one.
+        """
+        with self._lock:
+            if self._pending > self.max_waiting:
+                raise QueueFull(max(1, math.ceil(self._mean_job_s * (self._pending - self.max_waiting))))
+            self._pending += 1
+        job = Job(input_ids, sampling, asyncio.get_running_loop(), stream)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._current = job
+            started = time.perf_counter()
+            try:
+                event = ("done", self._generate(job))
+            except Exception as error:  # noqa: BLE001 - the request fails; the server keeps serving
+                event = ("error", error)
+            self._current = None
+            with self._lock:  # before the last event: its client may send its next request at once
+                self._pending -= 1
+                self._mean_job_s += 0.2 * (time.perf_counter() - started - self._mean_job_s)
+            job.send(*event)
+
+    def _generate(self, job: Job) -> GenerationReport:
+        if job.cancel.is_set():  # its client left while it waited
+            self.metrics.cancelled()
+            return GenerationReport("", job.input_ids.shape[1], 0, math.nan, math.nan, "cancelled")
+        waited = time.perf_counter() - job.submitted
+        on_text = (lambda text: job.send("text", text)) if job.stream else (lambda text: None)
+        report = stream_generate(self.model, job.input_ids, job.sampling, on_text, job.cancel)
+        self.metrics.generated(report, waited, self.model.stats())  # stats here: the device is ours
+        return report

@@ -1,0 +1,83 @@
+"""`mira serve`, `mira chat` and `mira generate --system / --messages / --prompt -` as a user runs them:
+fresh processes on the bundled model (CPU), loopback only."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+DEADLINE_S = 120
+
+
+def _command(*args):
+    entry = shutil.which("mira")
+    return [entry, *args] if entry else [sys.executable, "-m", "mira.cli", *args]
+
+
+def _mira(*args, stdin=None):
+    return subprocess.run(_command(*args), input=stdin, capture_output=True, text=True, timeout=DEADLINE_S)
+
+
+def test_generate_takes_a_system_message_a_prompt_on_stdin_or_a_conversation_file(tmp_path):
+    common = ("--device", "cpu", "--temperature", "0", "--max-new-tokens", "10", "--quiet")
+    piped = _mira("generate", "--system", "You answer briefly.", "--prompt", "-", *common, stdin="What is Python?")
+    assert piped.returncode == 0, piped.stderr
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "system", "content": "You answer briefly."},
+                                        {"role": "user", "content": "What is Python?"}]))
+    from_file = _mira("generate", "--messages", str(conversation), *common)
+    assert from_file.returncode == 0, from_file.stderr
+    assert piped.stdout == from_file.stdout and piped.stdout.strip()
+    plain = _mira("generate", "--prompt", "What is Python?", *common)
+    assert plain.stdout != piped.stdout  # the system message reached the model
+    conversation.write_text('{"role": "user"}')
+    bad = _mira("generate", "--messages", str(conversation), *common)
+    assert bad.returncode == 1 and bad.stderr.startswith("mira: error:") and "JSON list" in bad.stderr
+
+
+def test_chat_keeps_the_conversation_across_turns(tmp_path):
+    common = ("--device", "cpu", "--temperature", "0", "--max-new-tokens", "8", "--quiet")
+    chat = _mira("chat", *common, "--system", "You answer briefly.", stdin="What is Python?\nWho made it?\n")
+    assert chat.returncode == 0, chat.stderr
+    replies = chat.stdout.split("\n")[:-1]
+    assert len(replies) == 2 and all(replies)
+    conversation = tmp_path / "conversation.json"
+    conversation.write_text(json.dumps([{"role": "system", "content": "You answer briefly."},
+                                        {"role": "user", "content": "What is Python?"},
+                                        {"role": "assistant", "content": replies[0]},
+                                        {"role": "user", "content": "Who made it?"}]))
+    second = _mira("generate", "--messages", str(conversation), *common)
+    assert second.stdout == replies[1] + "\n"
+
+
+def test_serve_binds_loopback_and_answers_the_openai_client():
+    server = subprocess.Popen(_command("serve", "--device", "cpu", "--port", "0", "--quiet"),
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "MIRA_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        line = ""
+        while "serving" not in line:
+            assert time.monotonic() < deadline and server.poll() is None, "mira serve did not start"
+            line = server.stderr.readline()
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        while True:  # the socket listens before uvicorn runs: wait for its first answer
+            try:
+                assert httpx.get(url.removesuffix("/v1") + "/health").json()["model"] == "mira-tiny-moe"
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+        reply = client.chat.completions.create(model="mira-tiny-moe", max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hi"}])
+        assert reply.usage.completion_tokens >= 1 and reply.choices[0].message.content is not None
+    finally:
+        server.terminate()
+        server.wait(DEADLINE_S)

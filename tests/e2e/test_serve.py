@@ -1,0 +1,293 @@
+"""`mira serve` end to end: the bundled model on the CPU behind uvicorn on loopback, driven by the
+official `openai` client and plain HTTP; answers checked against the library's own generation."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import mira
+from mira.runtime.engine import BUNDLED_MODEL
+from mira.runtime.generate import SamplingConfig, encode_messages, stream_generate
+from mira.serve.app import create_app
+from mira.serve.command import listen
+from mira.store.convert import convert
+
+KEY = "sk-test-key"
+NAME = "mira-tiny-moe"
+WAITING = 7  # the concurrent test's 8 clients: one running, seven waiting
+DEADLINE_S = 60  # bound on every wait below
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+
+
+@contextmanager
+def serving(app):
+    """Run `app` with uvicorn on 127.0.0.1 at a free port in a thread; yields its base URL."""
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(DEADLINE_S)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    store = tmp_path_factory.mktemp("bundled") / "store"
+    convert(BUNDLED_MODEL, store, "int8-shared", progress=False)
+    return mira.load(store, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    with serving(create_app(model, NAME, api_key=KEY, max_waiting=WAITING)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=DEADLINE_S)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _idle(url):
+    """Wait until nothing runs or waits on the server's device."""
+    deadline = time.monotonic() + DEADLINE_S
+    while httpx.get(f"{url}/health").json()["pending"]:
+        assert time.monotonic() < deadline, "the server's queue did not drain"
+        time.sleep(0.05)
+
+
+def _metric(url, name):
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _alone(model, messages=None, prompt=None, **settings):
+    """The text the library generates for the same request, with nothing else running."""
+    ids = encode_messages(model, messages) if messages else model.tokenizer(prompt, return_tensors="pt").input_ids
+    report = stream_generate(model, ids, SamplingConfig(**settings), lambda text: None)
+    return report.text, report.finish_reason, report.new_tokens
+
+
+def test_models_lists_the_one_model(client):
+    assert [m.id for m in client.models.list()] == [NAME]
+
+
+def test_chat_uses_the_template_with_the_system_and_every_message(client, model):
+    messages = [SYSTEM, {"role": "user", "content": "What is Python?"},
+                {"role": "assistant", "content": "A programming language."},
+                {"role": "user", "content": "Who made it?"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    text, finish, tokens = _alone(model, messages, max_new_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == finish
+    assert reply.usage.completion_tokens == tokens
+    assert reply.usage.prompt_tokens == encode_messages(model, messages).shape[1]
+
+
+def test_streamed_chat_is_the_whole_answer_in_pieces(client):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    settings = dict(model=NAME, messages=messages, max_tokens=16, temperature=0.8, top_p=0.9, seed=5)
+    whole = client.chat.completions.create(**settings)
+    chunks = list(client.chat.completions.create(**settings, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_completions_streamed_and_not_with_stop_and_top_k(client, model):
+    prompt = "Once upon a time"
+    text, _, _ = _alone(model, prompt=prompt, max_new_tokens=20, temperature=0)
+    stop = text.split(" ")[3]
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert reply.choices[0].text == text[:text.index(stop)] and reply.choices[0].finish_reason == "stop"
+    sampled = dict(model=NAME, prompt=prompt, max_tokens=10, temperature=1.0, seed=3, extra_body={"top_k": 5})
+    whole = client.completions.create(**sampled)
+    assert whole.choices[0].text == _alone(model, prompt=prompt, max_new_tokens=10, temperature=1.0, top_k=5,
+                                           seed=3)[0]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**sampled, stream=True))
+    assert streamed == whole.choices[0].text
+
+
+def test_concurrent_clients_get_what_they_would_get_alone(url, client):
+    def request(client_index: int, round_index: int):
+        """One of 24 distinct seeded requests: chat or completion, streamed or not."""
+        seed = 100 * client_index + round_index
+        common = dict(model=NAME, max_tokens=6, temperature=1.0, seed=seed)
+        stream = client_index % 2 == 1
+        if (client_index + round_index) % 2 == 0:
+            messages = [SYSTEM, {"role": "user", "content": f"Name a color, number {seed}."}]
+            if stream:
+                chunks = list(client.chat.completions.create(messages=messages, stream=True, **common))
+                text = "".join(c.choices[0].delta.content or "" for c in chunks)
+                return text, chunks[-1].choices[0].finish_reason
+            reply = client.chat.completions.create(messages=messages, **common)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+        prompt = f"The number {seed} is"
+        if stream:
+            chunks = list(client.completions.create(prompt=prompt, stream=True, **common))
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        reply = client.completions.create(prompt=prompt, **common)
+        return reply.choices[0].text, reply.choices[0].finish_reason
+
+    def rounds(client_index: int):
+        return [request(client_index, r) for r in range(3)]
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(rounds, range(8)))
+    alone = [[request(c, r) for r in range(3)] for c in range(8)]
+    assert together == alone
+    assert all(finish in ("stop", "length") for answers in together for _, finish in answers)
+
+
+BAD = {
+    "malformed JSON": ('{"messages": [', "not valid JSON"),
+    "messages of the wrong type": (json.dumps({"messages": "hi"}), "messages"),
+    "a temperature as a string": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                              "temperature": "0.5"}), "temperature"),
+    "a temperature out of range": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                               "temperature": 3}), "temperature"),
+    "max_tokens of 0": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
+                        "max_tokens"),
+    "top_p of 0": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}), "top_p"),
+    "an unknown role": (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), "role"),
+    "no messages": (json.dumps({"messages": []}), "messages"),
+    "two choices": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}), "n"),
+    "five stop strings": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}),
+                          "stop"),
+    "a prompt longer than the context": (json.dumps({"messages": [{"role": "user", "content": "word " * 3000}]}),
+                                         "context"),
+    "more tokens than the context holds": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 5000}), "context"),
+    "an unknown model": (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
+                         "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_4xx_with_an_openai_error_body_and_the_server_keeps_serving(url, client, case):
+    body, says = BAD[case]
+    answer = httpx.post(f"{url}/v1/chat/completions", content=body,
+                        headers={**AUTH, "Content-Type": "application/json"}, timeout=DEADLINE_S)
+    assert 400 <= answer.status_code < 500, answer.text
+    error = answer.json()["error"]
+    assert says in error["message"] or says == error["param"], error
+    assert error["type"] == "invalid_request_error"
+    assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_bad_input_through_the_openai_client_raises_its_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=NAME, prompt="word " * 3000, max_tokens=5)
+    assert error.value.code == "context_length_exceeded" and error.value.param == "prompt"
+
+
+def test_api_key_missing_wrong_and_right(url):
+    assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path in ("/v1/models", "/metrics"):
+            answer = httpx.get(f"{url}{path}", headers=headers)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        posted = httpx.post(f"{url}/v1/completions", headers=headers, json={"prompt": "hi", "max_tokens": 1})
+        assert posted.status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+LONG = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 1500,
+        "min_tokens": 1500, "temperature": 0}
+
+
+def test_a_streaming_client_that_disconnects_cancels_its_generation(url):
+    cancelled = _metric(url, "mira_requests_cancelled_total")
+    generated = _metric(url, "mira_completion_tokens_total")
+    with httpx.Client(timeout=DEADLINE_S) as http:
+        with http.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json={**LONG, "stream": True}) as answer:
+            lines = answer.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            assert next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+    _idle(url)  # bounded: the remaining 1,500 tokens would take far longer than the deadline on the CPU
+    assert _metric(url, "mira_requests_cancelled_total") == cancelled + 1
+    assert _metric(url, "mira_completion_tokens_total") - generated < LONG["max_tokens"] / 2
+
+
+def test_a_waiting_client_that_disconnects_cancels_its_request(url):
+    cancelled = _metric(url, "mira_requests_cancelled_total")
+    generated = _metric(url, "mira_completion_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=LONG, timeout=1.0)
+    _idle(url)
+    assert _metric(url, "mira_requests_cancelled_total") == cancelled + 1
+    assert _metric(url, "mira_completion_tokens_total") - generated < LONG["max_tokens"] / 2
+
+
+def test_a_full_queue_answers_429_with_retry_after(url, client):
+    with httpx.Client(timeout=DEADLINE_S) as http, OpenStreams(http, url, WAITING + 1) as streams:
+        deadline = time.monotonic() + DEADLINE_S
+        while httpx.get(f"{url}/health").json()["pending"] < WAITING + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        full = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={**LONG, "max_tokens": 2,
+                                                                              "min_tokens": 0})
+        assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+        assert full.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+        assert len(streams) == WAITING + 1
+    _idle(url)  # closing the streams cancelled all of them
+    assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+class OpenStreams(list):
+    """`count` streaming long requests held open until the block ends, then closed (cancelling them)."""
+
+    def __init__(self, http, url, count):
+        super().__init__()
+        self.http, self.url, self.count = http, url, count
+
+    def __enter__(self):
+        for _ in range(self.count):
+            answer = self.http.send(self.http.build_request("POST", f"{self.url}/v1/chat/completions", headers=AUTH,
+                                                            json={**LONG, "stream": True}), stream=True)
+            assert answer.status_code == 200
+            self.append(answer)
+        return self
+
+    def __exit__(self, *exc):
+        for answer in self:
+            answer.close()
+
+
+def test_metrics_count_requests_tokens_and_tiers(url, client):
+    before = _metric(url, "mira_completion_tokens_total")
+    reply = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0,
+                                      extra_body={"min_tokens": 4})
+    assert reply.usage.completion_tokens == 4
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    assert _metric(url, "mira_completion_tokens_total") == before + 4
+    for name in ("mira_requests_total{", "mira_time_to_first_token_seconds_bucket", "mira_decode_tokens_per_second",
+                 'mira_expert_tokens_total{tier="miss"}', 'mira_pcie_bytes_total{kind="demand"}', "mira_queue_waiting"):
+        assert name in text
+    assert _metric(url, 'mira_requests_total{endpoint="/v1/completions",status="200"}') >= 1
+    assert _metric(url, 'mira_expert_tokens_total{tier="miss"}') > 0  # the CPU reads every expert in place
