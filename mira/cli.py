@@ -12,6 +12,7 @@ from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
 from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
+from mira.eval.command import add_command as add_eval_command
 from mira.predict.commands import add_commands as add_predictor_commands
 from mira.store.layout import SCHEMES
 
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predictor_commands(commands)
     add_bench_command(commands)
+    add_eval_command(commands)
     return parser
 
 
