@@ -98,7 +98,7 @@ def model_log_probs(model) -> LogProbs:
     one sequence, no KV cache kept."""
     device = next(model.hf_model.parameters()).device if hasattr(model, "hf_model") else model.device
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: buffers the model allocates on a first call must stay usable by generate
     def forward(ids: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=ids[None].to(device), use_cache=False).logits[0]  # [S, V]
         return torch.log_softmax(logits.float(), dim=-1)
