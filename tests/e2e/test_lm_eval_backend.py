@@ -1,6 +1,7 @@
 """The lm-eval backend `mira`: its requests against transformers' own model, and the committed local
 BIG-bench tasks run through lm-eval's Python API with no network."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import lm_eval  # in the test extra
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
+from mira.cli import main
 from mira.eval.lm_eval_backend import MiraLM
 from mira.runtime.engine import BUNDLED_MODEL
 
@@ -129,3 +131,13 @@ def test_local_bigbench_tasks_per_scheme_match_transformers(bundled_tokenizer):
             golds = [sample["target"] for sample in samples[scheme]]
             picks = [max(range(len(s["resps"])), key=lambda i, s=s: s["resps"][i][0][0]) for s in samples[scheme]]
             assert accuracy == pytest.approx(sum(p == g for p, g in zip(picks, golds)) / len(golds))
+
+
+def test_mira_eval_lm_eval_hands_its_arguments_to_the_harness_command_line(capsys):
+    argv = sys.argv
+    assert main(["eval", "lm-eval", "--model", "mira", "--model_args", "quant=int8-row", "--device", "cpu",
+                 "--include_path", str(TASKS), "--tasks", "mira_bigbench_cause_and_effect_one_sentence",
+                 "--limit", "3"]) == 0
+    assert sys.argv is argv
+    table = capsys.readouterr().out
+    assert "mira_bigbench_cause_and_effect_one_sentence" in table and "acc" in table and "mira ({'quant': 'int8-row'})" in table
