@@ -15,6 +15,7 @@ from mira.cli_args import (MiraArgumentParser, check_model_options, check_sampli
                            probability, size_or_share, temperature)
 from mira.config import POLICIES, PREFETCH, RESIDENCY
 from mira.errors import MiraError
+from mira.eval.command import add_command as add_eval_command
 from mira.predict.commands import add_commands as add_predictor_commands
 from mira.serve.command import add_command as add_serve_command
 from mira.store.command import add_command as add_store_command
@@ -347,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(commands)
     add_store_command(commands)
     add_serve_command(commands)
+    add_eval_command(commands)
     return parser
 
 

@@ -1,0 +1,155 @@
+"""`mira eval`: `ppl` (perplexity, KL and top-1 agreement of each expert scheme against the
+unquantized experts) and `lm-eval` (lm-evaluation-harness with Mira's backend registered)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from mira.store.layout import SCHEMES
+
+DEFAULT_CONTEXT = 512  # the bundled model's training context
+
+
+def add_command(subparsers) -> None:
+    evaluate = subparsers.add_parser(
+        "eval", help="what quantized experts cost in quality: perplexity, KL and agreement; lm-eval-harness tasks",
+        description="Measure what quantizing the experts costs: `mira eval ppl` scores a text with every scheme "
+                    "against the unquantized experts; `mira eval lm-eval` runs lm-evaluation-harness tasks "
+                    "through Mira (--model mira).")
+    commands = evaluate.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
+
+    ppl = commands.add_parser(
+        "ppl", help="perplexity of each expert scheme, and its KL divergence and top-1 agreement with the "
+                    "unquantized experts",
+        description="Score a text with the same checkpoint's experts stored in each scheme, in windows of --context "
+                    "tokens that advance by --stride (each token scored once), and compare every scheme's "
+                    "next-token distributions with those of the unquantized experts (`none`, always run) on the "
+                    "same windows: perplexity and its change, mean and largest per-token KL(none || scheme), and "
+                    "how often the top-1 tokens agree. Every model stays loaded; per window each runs once.")
+    ppl.add_argument("--model", help="Hugging Face model directory (converted into a store per scheme on first use); "
+                                     "default: the bundled mira-tiny-moe")
+    ppl.add_argument("--data", metavar="FILE.txt|FILE.jsonl",
+                     help="the text: a .txt file, or JSON lines with a \"text\" field, one document each (documents "
+                          "are scored one after another); default: the bundled model's held-out ShareGPT text")
+    ppl.add_argument("--quant", default=",".join(SCHEMES), metavar="SCHEME,...",
+                     help=f"comma-separated expert schemes out of {', '.join(SCHEMES)} (default: all); none, the "
+                          f"reference, is always run")
+    ppl.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens of the text")
+    ppl.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
+                     help=f"tokens per window (default {DEFAULT_CONTEXT})")
+    ppl.add_argument("--stride", type=int, metavar="N", help="tokens a window advances (default: half the context)")
+    ppl.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    ppl.add_argument("--vram-budget", metavar="SIZE",
+                     help="device memory each scheme's model may use, e.g. 12GiB (default on CUDA: the free memory "
+                          "less 1 GiB, shared evenly by the models)")
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    ppl.add_argument("--out", metavar="FILE.json", help="also write the JSON result to FILE (with command, commit, "
+                                                        "machine and date)")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bars")
+    ppl.set_defaults(run=_ppl)
+
+    harness = commands.add_parser(
+        "lm-eval", prefix_chars="+", add_help=False,
+        help="run lm-evaluation-harness with Mira's backend: mira eval lm-eval --model mira --model_args "
+             "pretrained=PATH,quant=int8-shared --tasks ...",
+        description="Everything after `lm-eval` goes to lm-evaluation-harness's own command line (pip install "
+                    "'mira[eval]'), with the model `mira` registered.")
+    harness.add_argument("harness_args", nargs=argparse.REMAINDER)
+    harness.set_defaults(run=_lm_eval)
+
+
+def parse_schemes(text: str) -> list[str]:
+    """'int8-row, none' -> the schemes asked for, the reference `none` first, each once.
+
+    Raises:
+        MiraError: a scheme the store does not know.
+    """
+    from mira.errors import MiraError
+    from mira.eval.ppl import REFERENCE
+
+    asked = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in asked if name not in SCHEMES]
+    if unknown:
+        raise MiraError(f"unknown quantization scheme {', '.join(unknown)}; choose from {', '.join(SCHEMES)}")
+    return list(dict.fromkeys([REFERENCE, *asked]))
+
+
+def _ppl(args: argparse.Namespace) -> None:
+    import torch
+
+    from mira.bench.provenance import result_header
+    from mira.cache.budget import parse_size
+    from mira.errors import MiraError
+    from mira.eval.data import HELDOUT_TEXT, read_documents, token_stream
+    from mira.eval.ppl import measure, model_log_probs, windows
+    from mira.runtime.engine import BUNDLED_MODEL, FREE_MEMORY_MARGIN, default_device, load
+    from mira.store.files import write_json_atomic
+    from mira.store.manifest import is_store
+
+    schemes = parse_schemes(args.quant)
+    model_path = Path(args.model) if args.model else BUNDLED_MODEL
+    if is_store(model_path):
+        raise MiraError(f"{model_path} is a store of one scheme; mira eval ppl compares schemes of one checkpoint, so "
+                        "pass --model with the Hugging Face model directory it was converted from")
+    data = Path(args.data) if args.data else HELDOUT_TEXT
+    documents = read_documents(data)
+    device = torch.device(args.device or default_device())
+    budget = parse_size(args.vram_budget) if args.vram_budget else None
+    if budget is None and device.type == "cuda" and torch.cuda.is_available():
+        budget = (torch.cuda.mem_get_info(device)[0] - FREE_MEMORY_MARGIN) // len(schemes)
+    models = {scheme: load(model_path, device=str(device), vram_budget=budget, quant=scheme, progress=not args.quiet,
+                           max_context=args.context, cuda_graphs=False)
+              for scheme in schemes}
+    ids = token_stream(models[schemes[0]].tokenizer, documents, args.max_tokens)
+    stride = args.stride or max(1, args.context // 2)
+    spans = windows(len(ids), args.context, stride)
+    figures = measure({scheme: model_log_probs(model) for scheme, model in models.items()}, ids, spans,
+                      progress=not args.quiet)
+    result = result_header("mira " + shlex.join(args.argv), device) | {
+        "model": str(model_path), "data": str(data), "documents": len(documents), "tokens": len(ids),
+        "scored_tokens": len(ids) - 1, "context": args.context, "stride": stride, "windows": len(spans),
+        "device": str(device), "dtype": models[schemes[0]].config.dtype, "reference": schemes[0], "schemes": figures,
+    }
+    if args.out:
+        write_json_atomic(Path(args.out), result)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+
+
+def format_table(result: dict) -> str:
+    """The result as a Markdown table, with a line saying what was scored."""
+    lines = [f"{result['model']}: {result['scored_tokens']} tokens of {Path(result['data']).name} scored in "
+             f"{result['windows']} windows of {result['context']} (stride {result['stride']}), {result['device']}, "
+             f"{result['dtype']}; KL and agreement against `{result['reference']}`",
+             "",
+             "| scheme | perplexity | change | mean KL (nats) | max KL | top-1 agreement |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for scheme, figures in result["schemes"].items():
+        if "mean_kl" in figures:
+            lines.append(f"| {scheme} | {figures['perplexity']:.4f} | {100 * figures['perplexity_change']:+.2f}% | "
+                         f"{figures['mean_kl']:.5f} | {figures['max_kl']:.4f} | "
+                         f"{100 * figures['top1_agreement']:.2f}% |")
+        else:
+            lines.append(f"| {scheme} (reference) | {figures['perplexity']:.4f} | | | | |")
+    return "\n".join(lines)
+
+
+def _lm_eval(args: argparse.Namespace) -> None:
+    from mira.errors import MiraError
+
+    try:
+        from lm_eval._cli import HarnessCLI
+
+        import mira.eval.lm_eval_backend  # noqa: F401  (registers the model `mira`)
+    except ImportError as error:
+        raise MiraError(f"lm-evaluation-harness is not installed ({error}); pip install 'mira[eval]'") from None
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args.harness_args]  # HarnessCLI parses sys.argv; restored below
+    try:
+        cli = HarnessCLI()
+        cli.execute(cli.parse_args())
+    finally:
+        sys.argv = saved

@@ -1,0 +1,117 @@
+"""lm-evaluation-harness backend `mira`: loglikelihood, rolling loglikelihood and generation tasks
+run through Mira's runtime (experts served from the store under a VRAM budget).
+
+Registered with the harness's `register_model` when this module is imported (`mira eval lm-eval`
+imports it), and declared in the `lm_eval.models` entry-point group for harness versions that
+discover plugins by themselves:
+
+    mira eval lm-eval --model mira --model_args pretrained=PATH,vram_budget=12GiB,quant=int8-shared --tasks ...
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from mira.cache.budget import parse_size
+from mira.errors import MiraError
+from mira.eval.ppl import model_log_probs, windows
+from mira.runtime.engine import load
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+@register_model("mira")
+class MiraLM(TemplateLM):
+    """A Mira model as an lm-eval LM; one sequence per forward.
+
+    Args (`--model_args`):
+        pretrained: model directory or store (default: the bundled model).
+        vram_budget: device memory for Mira, e.g. 12GiB, or bytes.
+        quant: expert scheme (int8-shared, int8-row, none).
+        device, policy, max_context: as for `mira.load`.
+        batch_size, max_batch_size: accepted from the harness's command line; requests run one at a time.
+    """
+
+    def __init__(self, pretrained: str | None = None, vram_budget: str | int | None = None, quant: str | None = None,
+                 device: str | None = None, policy: str = "mira", max_context: int | None = None,
+                 batch_size: int | str | None = None, max_batch_size: int | None = None) -> None:
+        super().__init__()
+        budget = parse_size(vram_budget) if isinstance(vram_budget, str) else vram_budget
+        self.model = load(pretrained, device=device, vram_budget=budget, quant=quant, policy=policy,
+                          max_context=max_context, progress=False)
+        if self.model.tokenizer is None:
+            raise MiraError(f"{pretrained} has no tokenizer files; lm-eval tasks need them")
+        self.tokenizer = self.model.tokenizer
+        self.max_length = self.model.max_context
+        self._log_probs = model_log_probs(self.model)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is replaced by: the BOS token where the tokenizer has one."""
+        return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer(string, add_special_tokens=bool(add_special_tokens), verbose=False).input_ids
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether each continuation token is the argmax) per request;
+        the context is cut from the left to fit max_context."""
+        results = []
+        for _, context, continuation in tqdm(requests, desc="loglikelihood", disable=disable_tqdm):
+            whole = torch.tensor((context + continuation)[-(self.max_length + 1):])
+            log_probs = self._log_probs(whole[:-1])[-len(continuation):]  # [C, V]
+            targets = whole[-len(continuation):].to(log_probs.device)
+            total = float(log_probs.gather(1, targets[:, None]).double().sum())
+            results.append((total, bool((log_probs.argmax(dim=1) == targets).all())))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), results[-1])
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of each whole string, its first token conditioned on the prefix token, in
+        windows of max_context that advance by half of it (mira.eval.ppl.windows)."""
+        results = []
+        for (string,) in tqdm([request.args for request in requests], desc="loglikelihood_rolling",
+                              disable=disable_tqdm):
+            ids = torch.tensor([self.prefix_token_id, *self.tok_encode(string)])
+            context = min(self.max_length, len(ids))
+            total = 0.0
+            for window in windows(len(ids), context, max(1, context // 2)):
+                log_probs = self._log_probs(ids[window.begin:window.end])
+                scored = slice(window.first_scored - window.begin - 1, window.end - window.begin - 1)
+                targets = ids[window.first_scored:window.end].to(log_probs.device)
+                total += float(log_probs[scored].gather(1, targets[:, None]).double().sum())
+            results.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, when the task asks) continuation of each context, cut at its first stop string."""
+        results = []
+        for context, gen_kwargs in tqdm([request.args for request in requests], desc="generate_until",
+                                        disable=disable_tqdm):
+            options = dict(gen_kwargs)
+            until = options.pop("until", None) or [self.tokenizer.decode([self.eot_token_id])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(options.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            do_sample = bool(options.pop("do_sample", False))
+            sampling = {"temperature": float(options.get("temperature", 1.0))} if do_sample else {}
+            ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=do_sample,
+                                      pad_token_id=self.eot_token_id, **sampling)
+            text = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0] if stop else text
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return results
