@@ -72,7 +72,8 @@ def test_ppl_table_and_scheme_subset(checkpoints, text_file, capsys):
     ("empty", [], r"data file \S+empty.txt holds no text; pass a file with some"),
     ("blank-jsonl", [], r"data file \S+blank.jsonl holds no text"),
     ("bad-jsonl", [], r"bad.jsonl line 2 has no \"text\" string; give every line one"),
-    ("short", [], r"the text has \d+ tokens, fewer than one window of 512; pass a longer text or a smaller --context"),
+    ("short", ["--context", "64"], r"the text has \d+ tokens, fewer than one window of 64; pass a longer text or a "
+                                   r"smaller --context"),
     ("short", ["--quant", "int8-shared,int4"], r"unknown quantization scheme int4; choose from int8-shared, int8-row, "
                                                r"none"),
     ("short", ["--context", "8", "--stride", "8"], r"--stride 8 must be at least 1 and less than the context of 8"),
