@@ -376,8 +376,8 @@ class MiraPolicy(Policy):
     same rule keeps the policy's decisions those of lagged residency, a step earlier.) Over the horizon the heat
     estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a miss takes a free
     slot when its expected uses exceed the admission's cost, and the slot of the least valuable
-    STAGE entry not used in the current step when its expected uses exceed the victim's by more
-    than that cost; otherwise it is served from the host without admission. STAGE is the probation area:
+    STAGE entry outside the current group when its expected uses exceed the victim's by more than
+    that cost; otherwise it is served from the host without admission. STAGE is the probation area:
     after every `config.rebalance_interval` tokens (`end_step`), at most `config.max_swaps` STAGE
     entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
     (a hand-over of slots: nothing is copied or evicted).
@@ -420,8 +420,12 @@ class MiraPolicy(Policy):
         rates = [prior.rate(uid) for uid in range(total_experts)] if prior is not None else [0.0] * total_experts
         self._prior_term = self._weight * np.array(rates)  # [total_experts]
         self._staged: set[int] = set()  # STAGE entries staged ahead of use, not yet released
-        self._touched: set[int] = set()  # accessed or staged in this step: not evicted before the step ends
-        self._victims: list[int] | None = None  # STAGE by expected reuse at the step's start, least first
+        # Victims, exactly and without ranking STAGE per miss: until the step ends only the experts
+        # accessed in it change value. The others keep their order of the step's start (_victims,
+        # least valuable first); the accessed ones sit in a heap by their latest value.
+        self._touched: dict[int, float] = {}  # accessed or staged in this step -> expected reuse now
+        self._touched_heap: list[tuple[float, int]] = []  # (expected reuse, uid), stale entries skipped
+        self._victims: list[int] | None = None
         self._next_victim = 0  # entries before it in _victims are gone or touched
         self._tokens = 0  # since the last rebalancing pass
         placed = prior.ranked()[:capacity] if prior is not None else []
@@ -430,14 +434,14 @@ class MiraPolicy(Policy):
 
     def expected_rate(self, uid: int) -> float:
         """Routed tokens per token step `uid` is expected to get: its heat blended with the prior."""
-        return float(self._rates(np.array([uid]))[0])
+        return (self._heat[uid] + float(self._prior_term[uid])) / (self._evidence + self._weight)
 
     def _rates(self, uids: np.ndarray) -> np.ndarray:
         return (self._heat.of(uids) + self._prior_term[uids]) / (self._evidence + self._weight)
 
     def _access(self, uid: int, tokens: int) -> Access:
         self._heat.add(uid, tokens)
-        self._touched.add(uid)
+        self._touch(uid)
         tier = self.tier_of(uid)
         if tier is not Tier.MISS:
             return Access(tier)
@@ -464,12 +468,14 @@ class MiraPolicy(Policy):
         rate = self.expected_rate(uid)
         return rate * self.horizon if math.isfinite(self.horizon) else rate
 
-    def _stage_victim(self) -> int | None:
-        """The least valuable STAGE entry not used in this step and not waiting for its layer.
+    def _touch(self, uid: int) -> None:
+        rate = self.expected_rate(uid)
+        self._touched[uid] = rate
+        heapq.heappush(self._touched_heap, (rate, uid))
 
-        STAGE is ranked once per step: until the step ends no expert's heat changes but those
-        accessed, which are not victims, so the ranking of the others holds (amortised O(1) a miss).
-        """
+    def _stage_victim(self) -> int | None:
+        """The least valuable STAGE entry outside the current group that is not waiting for its layer
+        (ties to the lower uid)."""
         if self._victims is None:
             self._victims = self._ranked(self._stage).tolist()
             self._next_victim = 0
@@ -477,10 +483,29 @@ class MiraPolicy(Policy):
         while self._next_victim < len(victims) and (victims[self._next_victim] not in self._stage
                                                     or victims[self._next_victim] in self._touched):
             self._next_victim += 1
-        for uid in victims[self._next_victim:]:
-            if uid in self._stage and uid not in self._touched and uid not in self._staged:
-                return uid
-        return None
+        untouched = next((uid for uid in victims[self._next_victim:] if uid in self._stage
+                          and uid not in self._touched and uid not in self._staged), None)
+        touched = self._touched_victim()
+        candidates = [(self._touched[uid] if uid in self._touched else self.expected_rate(uid), uid)
+                      for uid in (untouched, touched) if uid is not None]
+        return min(candidates)[1] if candidates else None
+
+    def _touched_victim(self) -> int | None:
+        """The least valuable STAGE entry accessed in this step that may go now, from the heap."""
+        heap, held = self._touched_heap, []
+        found = None
+        while heap:
+            rate, uid = heap[0]
+            if uid not in self._stage or self._touched.get(uid) != rate:
+                heapq.heappop(heap)  # left STAGE, or valued again since
+            elif uid in self._group or uid in self._staged:
+                held.append(heapq.heappop(heap))  # not now, maybe later in the step
+            else:
+                found = uid
+                break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
 
     def _ranked(self, uids: set[int], descending: bool = False) -> np.ndarray:
         """`uids` by expected reuse, least first (ties: lower uid first), or most first (higher uid first)."""
@@ -491,8 +516,8 @@ class MiraPolicy(Policy):
 
     def stage(self, uid: int) -> Access:
         """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
-        least valuable probation entry not used in this step (a prediction outranks probation);
-        declined when STAGE holds nothing else than staged experts and experts of this step. The
+        least valuable probation entry outside the current group (a prediction outranks probation);
+        declined when STAGE holds nothing else than staged experts and the current group. The
         expert stays until `release`."""
         tier = self.tier_of(uid)
         if tier is not Tier.MISS or self.stage_slots == 0:
@@ -505,7 +530,7 @@ class MiraPolicy(Policy):
             self._stage.remove(victim)
         self._stage.add(uid)
         self._staged.add(uid)
-        self._touched.add(uid)
+        self._touch(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
     def release(self, uid: int) -> None:
@@ -522,6 +547,7 @@ class MiraPolicy(Policy):
 
     def end_step(self, tokens: int) -> None:
         self._touched.clear()
+        self._touched_heap.clear()
         self._victims = None
         self._heat.advance(tokens)
         if math.isfinite(self.horizon):

@@ -198,17 +198,16 @@ def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_
     policy.release(9)
     assert policy.resident() == {2, 3, 8} and policy.tier_of(9) is Tier.MISS
     assert policy.access(5, 1) == MISS_ADMIT  # the released slot is free again
-    assert policy.stage(7) == Access(Tier.MISS)  # 5 is used in this step, 8 is staged
+    assert policy.stage(7) == Access(Tier.MISS)  # 5 is in the current group, 8 is staged
 
 
-def test_mira_never_evicts_an_expert_used_in_the_current_step():
+def test_mira_may_evict_an_expert_used_earlier_in_the_step_but_not_in_the_group():
     policy = mira(capacity=2, stage_slots=1)
-    steps(policy, [[1], [2]])  # HOT {2}, STAGE {1} after the rebalance
-    # one step: 1 is a STAGE hit, then 3 misses and finds no victim: STAGE's only entry was used
-    assert run(policy, [[1], [3]]) == [Access(Tier.STAGE), Access(Tier.MISS)]
-    policy.end_step(1)  # 1 (heat 0.625) is promoted over HOT's 2 (0.25)
-    assert (policy.tier_of(1), policy.tier_of(2)) == (Tier.HOT, Tier.STAGE)
-    assert run(policy, [[4]]) == [Access(Tier.MISS, True, 2)]  # a new step: 2 may go
+    steps(policy, [[1], [2]])  # HOT {2}, STAGE {1} after the rebalance; 1.75 steps of evidence
+    # one step: 1 is a STAGE hit (heat 1.25); 3 once (heat 1) is worth less; twice (2) more
+    assert run(policy, [[1], [3], [3]]) == [Access(Tier.STAGE), Access(Tier.MISS), Access(Tier.MISS, True, 1)]
+    # STAGE's only entry, 3, is in the current group: 4 is served from the host, not admitted
+    assert run(policy, [[3, 4]]) == [Access(Tier.STAGE), Access(Tier.MISS)]
 
 
 def test_mira_rebalance_leaves_staged_experts_to_the_prefetcher():
