@@ -32,7 +32,8 @@ def add_command(subparsers) -> None:
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "
                     "twice), mira-eager (no CUDA graphs, also "
                     "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
-                    "lru-lagged, lfu (on demand, least frequently used, inline), static (popularity placement; lagged, as it never admits a miss), hf-gpu "
+                    "lru-lagged, lfu (on demand, least frequently used, inline), static (popularity placement; "
+                    "lagged, as it never admits a miss), hf-gpu "
                     "(transformers, whole model on the GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()

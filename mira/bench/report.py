@@ -19,7 +19,8 @@ def format_table(result: dict) -> str:
         bound = row.get("bound", {})
         lines.append([
             row["budget"], row["config"], str(row.get("num_beams", 1)), str(row.get("slots", "")),
-            _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")), share,
+            _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")),
+            share,
             _num(row.get("pcie_gb")), f"{precision:.2f}/{recall:.2f}" if precision is not None else "",
             _num(bound.get("bound_tokens_per_s")), _num(row.get("achieved_over_bound")),
         ])

@@ -373,11 +373,11 @@ class MiraPolicy(Policy):
     A miss is read from the host either way; admitting it moves `admission_cost` more blobs over
     PCIe: one, since under lagged residency (the default on CUDA) the kernel has already read the
     miss zero-copy and the admission copies it again. (Inline, where the copy is the read, the
-    same rule keeps the policy's decisions those of lagged residency, a step earlier.) Over the horizon the heat
-    estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a miss takes a free
-    slot when its expected uses exceed the admission's cost, and the slot of the least valuable
-    STAGE entry outside the current group when its expected uses exceed the victim's by more than
-    that cost; otherwise it is served from the host without admission. STAGE is the probation area:
+    same rule keeps the policy's decisions those of lagged residency, a step earlier.) Over the
+    horizon the heat estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a
+    miss takes a free slot when its expected uses exceed the admission's cost, and the slot of the
+    least valuable STAGE entry outside the current group when its expected uses exceed the victim's
+    by more than that cost; otherwise it is served from the host without admission. STAGE is the probation area:
     after every `config.rebalance_interval` tokens (`end_step`), at most `config.max_swaps` STAGE
     entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
     (a hand-over of slots: nothing is copied or evicted).
