@@ -133,8 +133,10 @@ def test_simulate_replays_recorded_predictions_hand_worked(tmp_path):
     off = run("--policy", "mira", "--policy", "belady")
     assert (off["mira"]["preloaded"], off["mira"]["misses"], off["mira"]["admissions"]) == (3, 2, 0)
     assert (off["mira"]["copies"], off["mira"]["pcie_bytes"]) == (2, 2000)
-    # Belady, starting empty, misses 0, 4 and 10 once and serves 11 from the host twice.
+    # Belady, starting empty, misses 0, 4 and 10 once and serves 11 from the host twice: the bound on
+    # every policy's copies, counting the placement loaded before the first access.
     assert off["belady"]["misses"] == 5
+    assert off["mira"]["copies"] + off["mira"]["preloaded"] >= off["belady"]["misses"]
     # A perfect predictor names layer 2's expert at layer 0: 10 at token 0 (resident: skipped), then
     # 11, 10, 11, each staged in place of the other (the least valuable entry outside the group and
     # not staged) and released after layer 2: no miss at all, three prefetch copies.
@@ -149,6 +151,7 @@ def test_simulate_replays_recorded_predictions_hand_worked(tmp_path):
     previous = run("--policy", "mira", "--predictions", "previous")["mira"]
     assert (previous["misses"], previous["prefetch_issued"], previous["prefetch_wasted"]) == (4, 4, 4)
     assert (previous["admissions"], previous["copies"]) == (0, 8)
+    assert previous["copies"] >= off["belady"]["misses"]
 
 
 def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(tmp_path):
