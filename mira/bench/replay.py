@@ -22,6 +22,8 @@ import torch
 
 from mira.errors import MiraError
 from mira.predict.trace import RoutingTrace
+from mira.runtime.engine import MiraModel, step_inputs
+from mira.runtime.experts import MiraExperts
 
 
 class RoutingReplay:
@@ -29,16 +31,14 @@ class RoutingReplay:
 
     Args:
         trace: the recorded routing; its layers, experts per layer and top-k must be the model's.
-        model: a MiraModel (mira.runtime.engine).
+        model: the model to replay into.
         start: the row every prompt starts from.
 
     Raises:
         MiraError: the trace's layer, expert or top-k count differs from the model's.
     """
 
-    def __init__(self, trace: RoutingTrace, model, start: int = 0):
-        from mira.runtime.experts import MiraExperts
-
+    def __init__(self, trace: RoutingTrace, model: MiraModel, start: int = 0):
         layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
         store = model.store
         top_k = _top_k(model.hf_model.config)
@@ -58,9 +58,7 @@ class RoutingReplay:
             layer.register_forward_pre_hook(self._route)
 
     def _before_step(self, module, args, kwargs) -> None:
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        if inputs is None and args:
-            inputs = args[0]
+        inputs = step_inputs(args, kwargs)
         batch, positions = inputs.shape[0], inputs.shape[1]
         if positions > 1:
             self._cursor = self.start

@@ -410,7 +410,6 @@ class MiraPolicy(Policy):
         if admission_cost < 0:
             raise ValueError(f"admission_cost must be >= 0, got {admission_cost}")
         self.config = config
-        self.prior = prior
         self.admission_cost = admission_cost
         decay = config.heat_decay
         self.horizon = 1 / (1 - decay) if decay < 1 else math.inf  # steps the heat looks back (and ahead)

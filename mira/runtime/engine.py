@@ -89,9 +89,7 @@ class MiraModel:
             self.hf_model.forward = self._eager_forward
 
     def _before_step(self, module, args, kwargs) -> None:
-        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        if inputs is None and args:
-            inputs = args[0]
+        inputs = step_inputs(args, kwargs)
         self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
 
     def _after_step(self, module, args, output) -> None:
@@ -162,6 +160,13 @@ class MiraModel:
             "residency": "lagged" if self.cache.lagged is not None else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
         }
+
+
+def step_inputs(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The new positions of a forward step, [B, S] ids or [B, S, H] embeddings, from the model call's
+    arguments (as a forward pre-hook with kwargs sees them)."""
+    inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    return args[0] if inputs is None and args else inputs
 
 
 def _one_sequence(input_ids: torch.Tensor, kwargs: dict, defaults) -> bool:
