@@ -4,7 +4,7 @@ Per expert shape (Mixtral-8x7B, DeepSeek-V2-Lite, Qwen3-30B-A3B: random int8-sha
 activations, one token routed top-k over a layer's experts, as in decode), on one GPU:
 
 - copy alone: `--gb` GB of expert blobs from pinned host memory into device rows through Mira's
-  transfer layer (`mira.runtime.transfer.Transfer`, the prefetch stream, an event per row);
+  transfer layer (`mira.cache.transfer.Transfer`, the prefetch stream, an event per row);
 - compute alone: the fused decode kernels over resident experts, replayed from a CUDA graph;
 - mixed: the same copies and, at once on a stream of their own, as many replays as cover them. The
   copy bandwidth while compute runs is the figure the issue asks for (>= 90% of the copy alone),
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.kernels import Timer, random_slots, relative_error  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
-from mira.runtime.transfer import Transfer  # noqa: E402
+from mira.cache.transfer import Transfer  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.bench.provenance import result_header
 

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from mira.bench.provenance import result_header
-from mira.cache.simulate import MIXTRAL_EXPERT_BYTES, simulate
-from mira.config import CacheConfig
-from mira.predict.trace import RoutingTrace
+from mira.bench.simulate import MIXTRAL_EXPERT_BYTES, simulate
+from mira.cache.config import CacheConfig
+from mira.store.trace import RoutingTrace
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 import mira
-from mira.predict.baselines import GateSpeculation, model_routers
-from mira.predict.commands import record_with_features
+from mira.predict.baselines import GateSpeculation
+from mira.runtime.experts import model_routers
+from mira.cli.predictor import record_with_features
 from mira.predict.coverage import evaluate, format_coverage, plot_coverage
 from mira.predict.features import HeadInputs, features_path, load_features
 from mira.predict.heads import HeadConfig, TrainedPredictor, load_heads, save_heads

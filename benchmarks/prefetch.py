@@ -30,13 +30,14 @@ from pathlib import Path
 import torch
 
 import mira
-from mira.cache.simulate import load_predictions, simulate
-from mira.config import CacheConfig
+from mira.bench.simulate import load_predictions, simulate
+from mira.cache.config import CacheConfig
 from mira.predict.baselines import GateSpeculation
-from mira.predict.commands import record_with_features
+from mira.runtime.experts import model_routers
+from mira.cli.predictor import record_with_features
 from mira.predict.heads import TrainedPredictor, load_heads
-from mira.predict.prefetcher import PrefetchBook
-from mira.predict.trace import RoutingTrace
+from mira.cache.prefetcher import PrefetchBook
+from mira.store.trace import RoutingTrace
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
 from mira.bench.provenance import result_header
@@ -96,7 +97,7 @@ def _runtime(prompts: list[str], max_new_tokens: int, slots: int, prefetch: str)
                       prefetch="off" if prefetch == "off" else "gate", residency="inline", progress=False)
     if prefetch == "trained":  # the benchmark's heads, not the store's (the store may have none)
         heads, _ = load_heads(HEADS, model.store.manifest.source_fingerprint)
-        predictor = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
+        predictor = TrainedPredictor(heads, GateSpeculation(model_routers(model.hf_model), model.store.num_experts), "cpu")
         for module in model.hf_model.modules():
             if isinstance(module, MiraExperts):
                 module.predictor = predictor

@@ -21,7 +21,7 @@ import torch
 import mira
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from mira.bench.provenance import result_header
 
 ROOT = Path(__file__).resolve().parent.parent

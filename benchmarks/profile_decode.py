@@ -39,6 +39,7 @@ from transformers import LogitsProcessorList
 
 from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
+from mira.runtime.config import PrefetchConfig, RuntimeConfig
 from mira.bench.run import MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory
 from mira.bench.sources import open_source
 from mira.cache.policy import Popularity
@@ -189,7 +190,7 @@ def main() -> None:
     source = open_source(args.model, args.synthetic, device, progress=False)
     source.heads = args.heads
     context = args.prompt_tokens + 2 * args.steps + 8
-    probe = source.mira(UNLIMITED, "mira", "off", None, context)
+    probe = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=context, prefetch=PrefetchConfig("off")), None)
     reserve = probe.plan.reserve_bytes if probe.plan else 0
     total = probe.store.num_layers * probe.store.num_experts
     all_bytes = reserve + total * probe.store.blob_bytes

@@ -34,6 +34,7 @@ from mira.bench.synthetic import PRESETS, WEIGHT_STD, preset_config, synthetic_s
 from mira.eval.ppl import SchemeTotals, model_log_probs  # noqa: E402
 from mira.models.loader import moe_skeleton_layers  # noqa: E402
 from mira.models.registry import adapter_for  # noqa: E402
+from mira.runtime.config import RuntimeConfig
 from mira.runtime.engine import assemble, default_device  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
@@ -81,7 +82,7 @@ def scheme_log_probs(config, num_layers: int, scheme: str, ids: torch.Tensor, se
     store = build_store(config, num_layers, scheme, seed, device, progress)
     built = time.perf_counter()
     hf_model, sites, _ = synthetic_skeleton(config, device, seed)
-    model = assemble(hf_model, sites, store, None, max_context=ids.shape[1])
+    model = assemble(hf_model, sites, store, None, RuntimeConfig(max_context=ids.shape[1]))
     if device.type == "cuda" and not model.all_resident:
         raise SystemExit(f"{scheme}: only {model.cache.pool.num_slots} of {num_layers * store.num_experts} experts fit "
                          f"on the device; this benchmark compares schemes with every expert resident")

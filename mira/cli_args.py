@@ -9,7 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from mira.cache.config import POLICIES
 from mira.errors import MiraError
+from mira.runtime.config import PREFETCH, RESIDENCY, RuntimeConfig
+from mira.store.layout import SCHEMES
+
+QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
+              "matrices; the default), int8-row (INT8, one scale per row), none (the checkpoint's dtype)")
 
 
 class MiraArgumentParser(argparse.ArgumentParser):
@@ -154,3 +160,88 @@ def _number(text: str, kind: type, what: str):
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return value
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
+                                        "Mira store; default: the bundled mira-tiny-moe")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    parser.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
+                        help="device memory Mira may use, e.g. 12GiB, or 25%% for slots for a quarter of the experts "
+                             "beyond the rest of the model (default: free memory less 1 GiB on CUDA; on the CPU, "
+                             "experts are read in place unless a budget is given)")
+    parser.add_argument("--max-context", type=positive_int,
+                        help="tokens of KV cache to reserve, at most the model's positions (default: up to 4096)")
+    parser.add_argument("--quant", choices=SCHEMES, help=QUANT_HELP + "; default: the store's own")
+    parser.add_argument("--policy", choices=POLICIES,
+                        help="expert residency policy under a budget: mira (adaptive HOT+STAGE rebalancer, the "
+                             "default), lru, lfu, static (the experts most routed in --profile stay resident), "
+                             "on-demand (no caching)")
+    parser.add_argument("--profile", metavar="TRACE", type=existing_file,
+                        help="routing trace (.npz from `mira trace`) for --policy static")
+    parser.add_argument("--prefetch", choices=PREFETCH,
+                        help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
+                             "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
+                             "(the default: trained when the store has heads, else gate) or off. Acts where the "
+                             "policy has STAGE slots: inline through them; lagged on the device, one expert per "
+                             "layer into three of the budget's slots (auto stages lagged only with --residency "
+                             "lagged: small experts lagged by --residency auto decode faster without)")
+    parser.add_argument("--residency", choices=RESIDENCY,
+                        help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
+                             "graphs: missed experts are read from pinned host memory inside the kernel and the "
+                             "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
+                             "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
+                             "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
+                             "static and on-demand; inline otherwise)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
+                             "needs the host is captured once as a CUDA graph and replayed")
+    parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_threads_option(parser)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=positive_int,
+                        help="CPU threads to compute with (default: OMP_NUM_THREADS if set, else the physical cores "
+                             "less those other processes keep busy)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, generation: bool = True) -> None:
+    """Sampling flags; each left out falls back to the checkpoint's generation_config.json."""
+    parser.add_argument("--temperature", type=temperature,
+                        help="sampling temperature, 0 for greedy (default: the checkpoint's generation_config.json, "
+                             "else greedy)")
+    parser.add_argument("--top-p", type=probability,
+                        help="nucleus sampling mass in (0, 1] (default: the checkpoint's, else off)")
+    parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest tokens (default: the "
+                                                           "checkpoint's, else off)")
+    parser.add_argument("--repetition-penalty", type=positive_float,
+                        help="divide the logits of tokens already seen, e.g. 1.1 (default: the checkpoint's, else off)")
+    if generation:
+        parser.add_argument("--max-new-tokens", type=positive_int, default=128,
+                            help="tokens to generate (default 128)")
+        parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                            help="end the reply before this text (repeatable)")
+        parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def sampling_config(args: argparse.Namespace):
+    from mira.runtime.generate import SamplingConfig
+
+    generation = dict(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed) \
+        if hasattr(args, "max_new_tokens") else {}
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, **generation)
+
+
+def load_model(args: argparse.Namespace):
+    """The model the model options ask for, through `mira.load` with a RuntimeConfig built from them."""
+    from mira.runtime.engine import load
+
+    check_model_options(args)
+    config = RuntimeConfig(device=args.device, vram_budget=args.vram_budget, max_context=args.max_context,
+                           quant=args.quant, profile=args.profile, progress=not args.quiet)
+    settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency}
+    return load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
+                                                  **{k: v for k, v in settings.items() if v is not None}))

@@ -16,21 +16,11 @@ bound, slightly looser.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from mira.cache.belady import belady_misses
-from mira.predict.trace import RoutingTrace
-
-HBM_BYTES_PER_S = 4.29e12  # H200, measured (DESIGN.md 3)
-PCIE_BYTES_PER_S = 55e9  # pinned host-to-device, measured (DESIGN.md 3)
-
-
-@dataclass(frozen=True)
-class Machine:
-    hbm_bytes_per_s: float = HBM_BYTES_PER_S
-    pcie_bytes_per_s: float = PCIE_BYTES_PER_S
+from mira.kernels.machine import Machine, machine
+from mira.store.trace import RoutingTrace
 
 
 def warm_belady_misses(sequence: np.ndarray, slots: int) -> int:
@@ -43,7 +33,7 @@ def warm_belady_misses(sequence: np.ndarray, slots: int) -> int:
 
 
 def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
-                 machine: Machine = Machine()) -> dict:
+                 figures: Machine | None = None) -> dict:
     """The bound for the decode steps of `trace` (one token per step, batch 1).
 
     Args:
@@ -52,6 +42,7 @@ def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes:
         blob_bytes: bytes of one expert.
         weight_bytes: non-expert bytes one step reads.
         kv_bytes_per_token: KV-cache bytes of one token of context.
+        figures: the machine's bandwidths; default the reference machine's (mira.kernels.machine).
 
     Returns:
         decode steps, HBM and PCIe bytes, the bound in seconds (total and per step) and which
@@ -70,7 +61,8 @@ def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes:
     decode_trace = RoutingTrace(trace.topk_ids[decode], trace.num_experts)
     misses = warm_belady_misses(decode_trace.uid_sequence(), slots)
     pcie = misses * blob_bytes
-    hbm_s, pcie_s = hbm / machine.hbm_bytes_per_s, pcie / machine.pcie_bytes_per_s
+    figures = figures or machine()
+    hbm_s, pcie_s = hbm / figures.hbm_bytes_per_s, pcie / figures.pcie_bytes_per_s
     return {"decode_steps": steps, "hbm_bytes": hbm, "pcie_bytes": pcie, "belady_misses": misses,
             "bound_s": max(hbm_s, pcie_s), "bound_s_per_step": max(hbm_s, pcie_s) / steps,
             "bound_tokens_per_s": steps / max(hbm_s, pcie_s), "bound_by": "HBM" if hbm_s >= pcie_s else "PCIe"}

@@ -21,8 +21,8 @@ def add_command(subparsers) -> None:
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
         description="Run a prompt set through every configuration at every VRAM budget and report, per run: "
                     "TTFT, decode and end-to-end tokens/s, tokens served by tier (HOT/STAGE/miss), GB moved over "
-                    "PCIe, prefetch precision and recall, and the decode bound max(HBM bytes / 4.29 TB/s, "
-                    "Belady's PCIe bytes / 55 GB/s) with achieved/bound. Configurations: mira+p (prefetch: "
+                    "PCIe, prefetch precision and recall, and the decode bound max(HBM bytes / HBM bandwidth, "
+                    "Belady's PCIe bytes / PCIe bandwidth, as measured for the GPU) with achieved/bound. Configurations: mira+p (prefetch: "
                     "trained heads when given or in the store, else gate speculation; inline, staging through the "
                     "policy's STAGE slots), mira+p-lagged (the same prefetch staged on the device under lagged "
                     "residency: no host sync, steps replayed from CUDA graphs), mira+gate (prefetch by gate "
@@ -77,7 +77,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs (default 24GiB)")
     bench.add_argument("--beam-new-tokens", type=int, default=64, help="new tokens per beam-search run (default 64)")
     bench.add_argument("--offload-prompts", type=int, default=1,
-                       help="prompts hf-offload runs (it is slow: about 0.1 tokens/s for Mixtral); default 1")
+                       help="prompts hf-offload runs (it is slow: every token reads the offloaded weights over PCIe); default 1")
     bench.add_argument("--offload-new-tokens", type=int, default=4,
                        help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
     bench.add_argument("--offload-budgets", metavar="B,B,...",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from mira.kernels.machine import machine
 from mira.bench.bound import decode_bound
 from mira.bench.variety import decode_route_changes
 from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
@@ -164,8 +165,9 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
         timing = repeated(run, repeats)
     result = {**timing, **_difference(_cache_figures(model), before)}
     trace = recorder.trace()
+    figures = machine(torch.cuda.get_device_name(model.device)) if model.device.type == "cuda" else machine()
     bound = decode_bound(trace, model.cache.pool.num_slots, model.store.blob_bytes,
-                         _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model))
+                         _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model), figures)
     result["bound"] = bound
     result["decode_route_changes"] = decode_route_changes(trace)
     if timing.get("decode_tokens_per_s"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mira.errors import MiraError
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 from mira.runtime.engine import MiraModel, step_inputs
 from mira.runtime.experts import MiraExperts
 

@@ -27,14 +27,16 @@ def format_table(result: dict) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     title = f"{result['model']}, {result['routing']} routing, prompts: {result['prompt_set']}, {result['machine']}"
     body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
-    goals = [f"{name}: {goal}" for name, goal in result.get("goals", {}).items()]
+    compared = [f"{budget}: mira {c['mira']:.3g} tokens/s, {c['mira_over_best_baseline']:.3f}x the fastest baseline "
+                f"({c['best_baseline']}, {c['best_baseline_tokens_per_s']:.3g}); achieved/bound "
+                f"{_num(c['mira_achieved_over_bound']) or '-'}" for budget, c in result.get("comparison", {}).items()]
     steady = [row for row in result["runs"] if row.get("decode_route_changes", {}).get("low")]
     if steady:
         changes = steady[0]["decode_route_changes"]
         body.append(f"note: in {len(steady)} run(s) decode routing barely changes from step to step ({changes['value']} "
                     f"of layer-steps change their experts, {changes['uniform']} under uniform routing): their budgets "
                     "hardly matter (mira.bench.variety)")
-    return "\n".join([title, *body, "", "goals:", *goals])
+    return "\n".join([title, *body, "", "mira against the fastest baseline:", *compared])
 
 
 CONFIG_ORDER = ("mira", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline", "mira-lagged", "mira-eager", "lru",

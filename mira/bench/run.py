@@ -39,22 +39,23 @@ from mira.bench.sources import Source
 from mira.cache.budget import format_size, parse_size
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
+from mira.runtime.config import RuntimeConfig
 from mira.runtime.experts import MiraExperts
 from mira.store.files import write_json_atomic
 
-MIRA_CONFIGS = {  # name -> (policy, prefetch, residency, CUDA graphs)
-    "mira+p": ("mira", "auto", "inline", True),  # staging through the policy's STAGE slots
-    "mira+p-lagged": ("mira", "auto", "lagged", True),  # staging on the device (mira.cache.staging)
-    "mira+gate": ("mira", "gate", "inline", True),
-    "mira": ("mira", "off", "auto", True),  # lagged for small experts on CUDA, else inline (mira.runtime.residency)
-    "mira-inline": ("mira", "off", "inline", True),
-    "mira-lagged": ("mira", "off", "lagged", True),
-    "mira-eager": ("mira", "off", "inline", False),  # every step eager, also with every expert resident
-    "lru": ("lru", "off", "inline", True),  # mixtral-offloading's way
-    "lru-lagged": ("lru", "off", "lagged", True),
-    "lfu": ("lfu", "off", "inline", True),
-    "static": ("static", "off", "auto", True),  # lagged: it never admits a miss
+MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with_overrides)
+    "mira+p": dict(policy="mira", prefetch="auto", residency="inline"),  # staging through STAGE slots
+    "mira+p-lagged": dict(policy="mira", prefetch="auto", residency="lagged"),  # staging on the device
+    "mira+gate": dict(policy="mira", prefetch="gate", residency="inline"),
+    "mira": dict(policy="mira", prefetch="off", residency="auto"),  # what `mira generate` does
+    "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
+    "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),
+    "mira-eager": dict(policy="mira", prefetch="off", residency="inline", cuda_graphs=False),  # every step eager
+    "lru": dict(policy="lru", prefetch="off", residency="inline"),  # mixtral-offloading's way
+    "lru-lagged": dict(policy="lru", prefetch="off", residency="lagged"),
+    "lfu": dict(policy="lfu", prefetch="off", residency="inline"),
+    "static": dict(policy="static", prefetch="off", residency="auto"),  # lagged: it never admits a miss
 }
 BASELINES = ("hf-gpu", "hf-offload")
 ALL = "all"
@@ -101,7 +102,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
         _write_json(out, result)
 
     source.replay_from = 0  # with a routing trace: calibration replays its first rows, measured runs the next
-    warm = source.mira(UNLIMITED, "mira", "auto", None, max_context)
+    warm = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=max_context), None)
     time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
@@ -140,7 +141,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
         except Exception as error:  # a baseline that breaks must not lose the runs measured so far
             rows.append({"config": "baselines", "budget": ALL, "skipped": f"failed: {error!r}"})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
-    result["goals"] = goals(rows)
+    result["comparison"] = compare(rows)
     save()
     return result
 
@@ -152,11 +153,8 @@ def config_model(source: Source, name: str, budget: int, profile: Popularity, ma
     Raises:
         MiraError: the configuration cannot run at this budget (e.g. too small for one layer's experts).
     """
-    policy, prefetch, residency, graphs = MIRA_CONFIGS[name]
-    model = source.mira(budget, policy, prefetch, profile, max_context, residency)
-    if not graphs and model.decode_graphs is not None:
-        model.use_cuda_graphs(False)
-    return model
+    config = RuntimeConfig(vram_budget=budget, max_context=max_context).with_overrides(**MIRA_CONFIGS[name])
+    return source.mira(config, profile)
 
 
 def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[BenchPrompt], max_context: int,
@@ -239,59 +237,24 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
     free_memory(device)
 
 
-MIRA_P = ("mira+p", "mira+p-lagged")  # the goals take each system at its best at every budget
-MIRA = ("mira", "mira-inline", "mira-lagged")
-LRU = ("lru", "lru-lagged")
+BASELINE_CONFIGS = ("lru", "lru-lagged", "lfu", "static", *BASELINES)
 
 
-def goals(rows: list[dict]) -> dict:
-    """The issue's goals, each with its figures and whether it is met (None: not measured).
-
-    Mira+P, Mira and LRU are each taken at their fastest configuration of the budget (MIRA_P, MIRA,
-    LRU: inline or lagged), which `compared` names at the goals' budget.
-    """
-    rows = [r for r in rows if not r.get("beam_search") and not r.get("skipped")]
-    decode = {(r["config"], r["budget"]): r.get("decode_tokens_per_s") for r in rows}
-    ttft = {(r["config"], r["budget"]): r.get("ttft_s") for r in rows}
-    bound = {(r["config"], r["budget"]): r.get("achieved_over_bound") for r in rows}
-    hf_gpu = decode.get(("hf-gpu", ALL))
-    budgets = list(dict.fromkeys(r["budget"] for r in rows if r["config"] in MIRA_P))
-    sized = [b for b in budgets if b != ALL]
-
-    def best(configs: tuple[str, ...], budget: str) -> str | None:
-        ran = [c for c in configs if decode.get((c, budget))]
-        return max(ran, key=lambda c: decode[(c, budget)]) if ran else None
-
-    def ratio(a, b):
-        return round(a / b, 3) if a and b else None
-
-    out: dict = {}
-    at = "24GiB" if "24GiB" in budgets else (sized[len(sized) // 2] if sized else None)
-    if at:
-        mp_config, lru_config = best(MIRA_P, at), best(LRU, at)
-        mp = decode.get((mp_config, at))
-        out["budget_for_goals"] = at
-        out["compared"] = {"mira+p": mp_config, "mira": best(MIRA, at), "lru": lru_config}
-        out["mira+p_achieved_over_bound"] = {"value": bound.get((mp_config, at)), "goal": "<= 1.25"}
-        out["mira+p_over_hf_gpu"] = {"value": ratio(mp, hf_gpu), "goal": ">= 1"}
-        out["mira+p_over_hf_offload"] = {"value": ratio(mp, decode.get(("hf-offload", at))), "goal": ">= 50"}
-        out["mira+p_over_lru"] = {"value": ratio(mp, decode.get((lru_config, at))), "goal": ">= 1.5"}
-    gain = {b: ratio(decode.get((best(MIRA_P, b), b)), decode.get((best(MIRA, b), b))) for b in budgets}
-    out["prefetch_gain_by_budget"] = {"value": gain, "goal": "grows as the budget shrinks"}
-    if sized:
-        smallest = min(sized, key=lambda b: next(r["budget_bytes"] for r in rows if r["budget"] == b))
-        out["ttft_without_over_with_prefetch_at_smallest"] = {
-            "budget": smallest, "value": ratio(ttft.get((best(MIRA, smallest), smallest)),
-                                               ttft.get((best(MIRA_P, smallest), smallest))),
-            "goal": ">= 1.85"}
-    if ALL in budgets:
-        fastest = best(MIRA_P + MIRA, ALL)
-        out["all_resident_over_hf_gpu"] = {"value": ratio(decode.get((fastest, ALL)), hf_gpu), "goal": ">= 3",
-                                           "achieved_over_bound": bound.get((fastest, ALL))}
-    for goal in out.values():
-        if isinstance(goal, dict) and isinstance(goal.get("value"), (int, float)):
-            op, target = goal["goal"].split()
-            goal["met"] = goal["value"] <= float(target) if op == "<=" else goal["value"] >= float(target)
+def compare(rows: list[dict]) -> dict:
+    """Per budget, `mira` (what `mira generate` runs) against the fastest baseline's median decode
+    tokens/s, and mira's achieved/bound (beam-search and skipped rows left out)."""
+    rows = [r for r in rows if not r.get("beam_search") and not r.get("skipped") and r.get("decode_tokens_per_s")]
+    out = {}
+    for budget in dict.fromkeys(r["budget"] for r in rows):
+        here = {r["config"]: r for r in rows if r["budget"] == budget}
+        baselines = [c for c in BASELINE_CONFIGS if c in here]
+        if "mira" not in here or not baselines:
+            continue
+        best = max(baselines, key=lambda c: here[c]["decode_tokens_per_s"])
+        mira = here["mira"]["decode_tokens_per_s"]
+        out[budget] = {"mira": mira, "best_baseline": best, "best_baseline_tokens_per_s": here[best]["decode_tokens_per_s"],
+                       "mira_over_best_baseline": round(mira / here[best]["decode_tokens_per_s"], 3),
+                       "mira_achieved_over_bound": here["mira"].get("achieved_over_bound")}
     return out
 
 

@@ -17,9 +17,10 @@ from mira.cache.policy import Popularity
 from mira.bench.replay import RoutingReplay
 from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic_store
 from mira.errors import MiraError
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 from mira.models.loader import build_model, moe_skeleton_layers, read_config
-from mira.runtime.engine import BUNDLED_MODEL, MiraModel, assemble, store_tokenizer, resolve_store
+from mira.runtime.config import RuntimeConfig
+from mira.runtime.engine import BUNDLED_MODEL, MiraModel, assemble, resolve_store, store_tokenizer
 from mira.store.manifest import is_store
 from mira.store.store import ExpertStore
 
@@ -44,9 +45,12 @@ class Source:
             return f"replayed from {Path(self.trace.source).name} (real, recorded)"
         return "synthetic" if self.synthetic else "real"
 
-    def mira(self, budget: int, policy: str, prefetch: str, profile: Popularity | None,
-             max_context: int, residency: str = "auto") -> MiraModel:
+    def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
+        """A Mira model of this source with `config` (its trained heads, if any, added)."""
         raise NotImplementedError
+
+    def _config(self, config: RuntimeConfig) -> RuntimeConfig:
+        return config.with_overrides(heads=self.heads) if self.heads else config
 
     def _replaying(self, model: MiraModel) -> MiraModel:
         if self.trace is not None:
@@ -72,11 +76,10 @@ class CheckpointSource(Source):
         self.store = ExpertStore.open(self.store_path, pin=device.type == "cuda", progress=progress)
         self.tokenizer = store_tokenizer(self.store_path)
 
-    def mira(self, budget, policy, prefetch, profile, max_context, residency="auto") -> MiraModel:
+    def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         hf_model, sites = build_model(self.store_path, dtype, self.device)
-        return self._replaying(assemble(hf_model, sites, self.store, self.tokenizer, budget, policy, max_context,
-                                        profile, prefetch, self.heads, residency))
+        return self._replaying(assemble(hf_model, sites, self.store, self.tokenizer, self._config(config), profile))
 
     def full_model(self, device):
         if is_store(self.model_dir):
@@ -96,10 +99,9 @@ class SyntheticSource(Source):
         self.store = synthetic_store(self.config, len(moe_skeleton_layers(self.config)), "int8-shared",
                                      pin=device.type == "cuda", progress=progress, name=self.name)
 
-    def mira(self, budget, policy, prefetch, profile, max_context, residency="auto") -> MiraModel:
+    def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
         hf_model, sites, _ = synthetic_skeleton(self.config, self.device)
-        return self._replaying(assemble(hf_model, sites, self.store, None, budget, policy, max_context, profile,
-                                        prefetch, self.heads, residency))
+        return self._replaying(assemble(hf_model, sites, self.store, None, self._config(config), profile))
 
     def full_model(self, device):
         return hf.full_model(self.config, device)

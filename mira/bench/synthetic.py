@@ -15,13 +15,9 @@ Attention that normalizes its queries and keys (Qwen3-MoE's and OLMoE's q_norm /
 norms' gains multiplied by `QK_NORM_GAIN`. With transformers' unit gains every attention logit is
 about one in size, so each token attends nearly uniformly and receives the average of the
 sequence: layer after layer the residual streams fill with one shared vector, and the routers
-send every token to the same few experts (benchmarks/results/synthetic-routing-cpu.json at
-109028e: the Qwen3 preset used 8-20 of 32 experts per layer for 48 tokens). Gains of 4 make
-attention peaked, as in trained models, and routing varied: on the CPU (benchmarks/
-synthetic_routing.py, synthetic-routing-cpu.json at 7796b45) the Qwen3 preset with 32 experts per
-layer used 26-32 of them per layer over its 48 layers, the OLMoE preset 53-64 of 64, with their
-residual streams 20-70% shared instead of 89-99%. The Mixtral and DeepSeek-V2-Lite presets have
-no such norms and route varied as they are.
+send every token to the same few experts. Gains of 4 make attention peaked, as in trained models,
+and routing varied (`benchmarks/synthetic_routing.py` counts the experts used per layer). The
+Mixtral and DeepSeek-V2-Lite presets have no such norms and route varied as they are.
 """
 
 from __future__ import annotations

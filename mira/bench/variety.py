@@ -13,7 +13,7 @@ from math import comb
 
 import numpy as np
 
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 
 LOW = 0.5  # of the uniform expectation: below it a run's budgets hardly matter
 

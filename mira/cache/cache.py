@@ -3,9 +3,9 @@
 For each MoE layer call it asks the policy about every routed expert, copies admitted experts from
 the host store into slots, and hands the kernel one blob per routed expert: a slot row when the
 expert is resident, the store's own blob otherwise. It stages predicted experts ahead of use and
-releases them once their layer is done (mira.predict.prefetcher decides which). Which expert goes
+releases them once their layer is done (mira.cache.prefetcher decides which). Which expert goes
 where is the policy's business (mira.cache.policy); how bytes move is the transfer layer's
-(mira.runtime.transfer).
+(mira.cache.transfer).
 
 Under lagged residency (mira.cache.lagged; DESIGN.md 2.8) decode calls skip the cache: they count
 their routing on the device and read every expert through the layer's address table, which this
@@ -24,8 +24,8 @@ from mira.cache.staging import ISSUED, ROWS, UID, USED, LaggedStaging
 from mira.cache.policy import Access, Policy, Static, Tier
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
-from mira.predict.prefetcher import PrefetchBook
-from mira.runtime.transfer import Transfer
+from mira.cache.prefetcher import PrefetchBook
+from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
 

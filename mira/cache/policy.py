@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mira.config import CacheConfig
+from mira.cache.config import CacheConfig
 
 
 class Tier(enum.IntEnum):
@@ -245,7 +245,7 @@ class Popularity:
 
     @classmethod
     def of_trace(cls, trace) -> Popularity:
-        """From a routing trace (mira.predict.trace.RoutingTrace): its routed tokens per uid."""
+        """From a routing trace (mira.store.trace.RoutingTrace): its routed tokens per uid."""
         return cls(tuple(int(count) for count in trace.expert_counts()), trace.num_tokens)
 
     def rate(self, uid: int) -> float:
@@ -588,7 +588,7 @@ def make_policy(
     profile: Popularity | None = None,
     stage_slots: int | None = None,
 ) -> Policy:
-    """Build a policy by name (the names of `mira.config.POLICIES`).
+    """Build a policy by name (the names of `mira.cache.config.POLICIES`).
 
     Args:
         name: mira, lru, lfu, static or on-demand.
@@ -620,7 +620,7 @@ _POLICIES: dict[str, type[Policy]] = {"mira": MiraPolicy, "lru": LRU, "lfu": LFU
 
 
 def policy_class(name: str) -> type[Policy]:
-    """The policy class of a name of `mira.config.POLICIES`.
+    """The policy class of a name of `mira.cache.config.POLICIES`.
 
     Raises:
         ValueError: an unknown name.
@@ -628,3 +628,8 @@ def policy_class(name: str) -> type[Policy]:
     if name not in _POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(_POLICIES)}")
     return _POLICIES[name]
+
+
+def stage_slots(name: str, capacity: int, total_experts: int, config: CacheConfig) -> int:
+    """The STAGE slots policy `name` keeps at `capacity` slots (only mira has a STAGE tier), without building it."""
+    return split_slots(capacity, total_experts, config)[1] if policy_class(name) is MiraPolicy else 0

@@ -1,7 +1,7 @@
 """Prefetching under lagged residency: staging decided and carried out on the device (paper IV-E).
 
 Inline, a layer's predicted experts for the layer two on are read back to the host, offered to the
-policy and copied into STAGE slots (mira.predict.prefetcher): a host sync per layer, so the step
+policy and copied into STAGE slots (mira.cache.prefetcher): a host sync per layer, so the step
 cannot be replayed from a CUDA graph. Lagged (mira.cache.lagged), the predictor's best expert for
 layer i+2 stays a device tensor and kernels on the prefetch stream act on it by address
 (mira.kernels.staging): if it has no slot, its blob is copied into one of three stage rows kept
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from mira.cache.lagged import LaggedResidency
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
 ROWS = 3  # target layers staged at once: i (being computed), i+1 and i+2

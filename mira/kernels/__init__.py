@@ -27,6 +27,10 @@ from mira.kernels.reference import moe_ffn_reference
 from mira.store.layout import ExpertLayout
 
 BACKENDS = ("auto", "triton", "reference")
+# A MoE layer call of at most this many tokens is a decode step: the experts module and the
+# predictors serve it from buffers allocated once, so it allocates no device memory (DESIGN.md
+# 2.5). Larger calls (prefill) allocate their own. 16 covers batch-1 and small-batch decode.
+DECODE_TOKENS = 16
 
 
 class ReferenceMoEFFN:

@@ -72,10 +72,8 @@ _SHARED, _ROW = 0, 1
 # Adjacent products a thread of a CUDA-core GEMV adds up before accumulating: the 16 weights of
 # one 16-byte load, which the compiler's layout gives one thread when a tile has at least 16
 # columns per thread (as every tuned launch has), so that sum needs no exchange between threads.
-# Against whole-tile accumulators they shrink 16x: Mixtral's tuned launches compile to 80 and 56
-# registers instead of 134 and 120 (sm_90, tools/kernel_sass.py with PARTIAL_SUM 16 and 1), more
-# programs fit per SM, and one Mixtral expert at batch 1 took 47.6 us on the H200 with retuned
-# launches instead of 58.6 (benchmarks/results/kernels-h200.json).
+# Against whole-tile accumulators they need far fewer registers (tools/kernel_sass.py shows how
+# many), so more programs fit per SM (benchmarks/kernels.py times both).
 PARTIAL_SUM = 16
 _SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mira.config import DECODE_TOKENS
+from mira.kernels import DECODE_TOKENS
 from mira.predict.features import RoutingHistory, routed_mass
 
 
@@ -36,28 +36,6 @@ class Predictor(Protocol):
 
     def scores(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor,
                top_k_index: torch.Tensor) -> torch.Tensor: ...
-
-
-def model_routers(hf_model: nn.Module) -> list[nn.Module]:
-    """The router of every MoE layer of a model Mira has bound, in MoE layer order.
-
-    In every supported family the router is the sibling `gate` of the experts module; it maps
-    hidden [T, H] to (router_logits [T, E], weights [T, K], indices [T, K]).
-
-    Args:
-        hf_model: `MiraModel.hf_model`.
-
-    Returns:
-        One module per MoE layer position.
-    """
-    from mira.runtime.experts import MiraExperts
-
-    routers = {}
-    for module in hf_model.modules():
-        for child in module.children():
-            if isinstance(child, MiraExperts):
-                routers[child.layer_position] = module.gate
-    return [routers[position] for position in sorted(routers)]
 
 
 class RouterRule:
@@ -164,7 +142,7 @@ class GateSpeculation:
     them never see these calls.
 
     Args:
-        routers: the router of each MoE layer, in order (`model_routers`); they share their shapes.
+        routers: the router of each MoE layer, in order (`mira.runtime.experts.model_routers`); they share their shapes.
         num_experts: E.
         max_tokens: the most tokens a call serves from the buffers made once.
     """
@@ -177,11 +155,6 @@ class GateSpeculation:
         device = self._rules[0].weight.device
         self._workspace = SpeculationWorkspace(self._rules[0], max_tokens, device)
         self._scores = torch.zeros(self.num_layers, num_experts, device=device)  # [L, E]: one row per source layer
-
-    @classmethod
-    def from_model(cls, model) -> GateSpeculation:
-        """Gate speculation with the routers of a `MiraModel`."""
-        return cls(model_routers(model.hf_model), model.store.num_experts)
 
     def observe(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Nothing to remember: gate speculation looks at the current step only."""

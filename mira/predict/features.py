@@ -39,7 +39,7 @@ import torch
 
 from mira.errors import MiraError
 from mira.store.files import write_npz_atomic
-from mira.predict.trace import RoutingTrace, _read_npz
+from mira.store.trace import RoutingTrace, _read_npz
 
 # Steps of target-layer routing the history feature averages. On the validation split of
 # benchmarks/predictor.py's training traces, W made no difference to the MixtureHead (decode
@@ -284,85 +284,3 @@ def step_counts(trace: RoutingTrace, step_start: np.ndarray) -> np.ndarray:
     layers, experts = trace.num_layers, trace.num_experts
     flat = (step_of_token[:, None, None] * layers + np.arange(layers)[None, :, None]) * experts + trace.topk_ids
     return np.bincount(flat.ravel(), minlength=steps * layers * experts).reshape(steps, layers, experts).astype(np.int32)
-
-
-class FeatureRecorder:
-    """Records the features of every step while a Mira model runs (the `mira trace --features` side).
-
-    Hooks observe and change nothing: a forward hook on each MoE layer's router keeps its logits, a
-    forward pre-hook on each Mira experts module sees (hidden, top_k_index, top_k_weights) of that
-    layer, and a forward hook on the whole model closes the step. While it records, decode steps
-    run eagerly (no CUDA graphs, whose replays would skip the routers' hooks). Use it as a context manager next
-    to `RoutingRecorder` (the trace), around the same forward passes; `features()` returns what was seen.
-
-    Args:
-        model: a loaded `MiraModel`.
-    """
-
-    def __init__(self, model):
-        from mira.predict.baselines import GateSpeculation, model_routers
-        from mira.runtime.experts import MiraExperts
-
-        self.model = model
-        self._experts = sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)),
-                               key=lambda m: m.layer_position)
-        self._routers = model_routers(model.hf_model)
-        self._speculation = GateSpeculation(self._routers, model.store.num_experts)
-        self._logits: dict[int, torch.Tensor] = {}
-        self._layer: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._steps: list[tuple[np.ndarray, ...]] = []
-        self._tokens: list[int] = []
-        self._top_k = 0
-        self._handles: list = []
-        self._graphs = False  # whether the model replayed decode steps from CUDA graphs before recording
-
-    def __enter__(self) -> FeatureRecorder:
-        # a decode step replayed from a CUDA graph would not run the routers' hooks
-        self._graphs = self.model.decode_graphs is not None
-        if self._graphs:
-            self.model.use_cuda_graphs(False)
-        for position, (experts, router) in enumerate(zip(self._experts, self._routers)):
-            self._handles.append(router.register_forward_hook(
-                lambda module, args, output, position=position: self._logits.__setitem__(position, output[0])))
-            self._handles.append(experts.register_forward_pre_hook(
-                lambda module, args, position=position: self._see_layer(position, args[0], args[1])))
-        self._handles.append(self.model.hf_model.register_forward_hook(self._close_step))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if self._graphs:
-            self.model.use_cuda_graphs(True)
-
-    def _see_layer(self, position: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        # T tokens, H hidden, E experts, K routed per token
-        experts = self.model.store.num_experts
-        routed = torch.zeros(experts, dtype=torch.int32, device=hidden.device)
-        routed.scatter_add_(0, top_k_index.reshape(-1), torch.ones_like(top_k_index.reshape(-1), dtype=torch.int32))
-        speculation = (self._speculation.scores(position, hidden) if position < len(self._experts) - 2
-                       else torch.zeros(experts, device=hidden.device))
-        self._layer[position] = (hidden.float().mean(0), self._logits.pop(position).float().mean(0), routed,
-                                 speculation)  # [H], [E], [E], [E]
-        self._top_k = top_k_index.shape[1]
-
-    def _close_step(self, module, args, output) -> None:
-        layers = [self._layer[p] for p in range(len(self._experts))]
-        self._layer.clear()
-        hidden, logits, routed, speculation = (torch.stack(parts).cpu() for parts in zip(*layers))  # [L, *]
-        self._steps.append((hidden.to(torch.float16).numpy(), logits.numpy(), routed.numpy(),
-                            speculation[:-2].numpy()))
-        self._tokens.append(int(routed[0].sum()) // self._top_k)
-
-    def features(self) -> FeatureSet:
-        """The features of every step recorded so far.
-
-        Raises:
-            MiraError: no step was recorded.
-        """
-        if not self._steps:
-            raise MiraError("no steps were recorded")
-        hidden, logits, routed, speculation = (np.stack(parts) for parts in zip(*self._steps))
-        return FeatureSet(np.concatenate([[0], np.cumsum(self._tokens)]).astype(np.int64), hidden, logits, routed,
-                          speculation, self._top_k, self.model.store.manifest.source_fingerprint)

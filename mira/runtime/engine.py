@@ -7,6 +7,7 @@ experts module bound at every MoE site.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -16,32 +17,28 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
-from mira.cache.policy import Popularity, make_policy, policy_class
+from mira.cache.config import CacheConfig
+from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
 from mira.cache.slots import SlotPool
-from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.cache.telemetry import Telemetry
-from mira.config import POLICIES, PREFETCH, RESIDENCY, CacheConfig, RuntimeConfig
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.hub import locate
 from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor
-from mira.predict.heads import TrainedPredictor, load_heads, load_predictor
+from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graphs import DecodeGraphs
-from mira.runtime.residency import lags, stages
-from mira.runtime.transfer import Transfer
+from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
+from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
-from mira.store.layout import SCHEMES
 from mira.store.manifest import Manifest, is_store, looks_like_store
 from mira.store.store import ExpertStore
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
-DEFAULT_MAX_CONTEXT = 4096
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class MiraModel:
@@ -184,118 +181,90 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load(path: str | os.PathLike | None = None, device: str | None = None, vram_budget: int | str | None = None,
-         quant: str | None = None, policy: str = "mira", max_context: int | None = None, dtype: str | None = None,
-         profile: str | os.PathLike | None = None, prefetch: str = "auto", progress: bool = True,
-         heads: str | os.PathLike | None = None, cuda_graphs: bool = True, residency: str = "auto") -> MiraModel:
+def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = None, **overrides) -> MiraModel:
     """Load a model for generation with its experts served from a Mira store.
 
     Args:
         path: a Hugging Face model directory (converted on first use into a store under the cache
             directory, `$MIRA_CACHE` or $XDG_CACHE_HOME/mira, default ~/.cache/mira), a hub id (org/name)
             or repo folder in the local Hugging Face cache, or a store; None for the bundled model.
-        device: "cuda", "cuda:N" or "cpu"; default CUDA when present.
-        vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or
-            a share of all experts to give slots beyond those ("25%", as in `mira bench`); default:
-            free device memory less 1 GiB on CUDA; on the CPU, no slots (experts are read in place
-            from the store in RAM) unless a budget is given.
-        quant: expert scheme; default int8-shared, or the store's own when `path` is a store.
-        policy: expert residency policy: mira (the adaptive HOT+STAGE rebalancer), lru, lfu, static
-            (a fixed placement of the experts most routed in `profile`) or on-demand (no caching).
-        max_context: tokens of KV cache to reserve; default min(model maximum, 4096).
-        dtype: compute dtype; default bfloat16 on CUDA, float32 on the CPU.
-        profile: a routing trace (.npz, `mira trace`) whose routed-token counts place the static
-            policy's experts.
-        prefetch: predictive staging into STAGE (paper IV-E): "trained" (the heads `mira
-            train-predictor` saved beside the store), "gate" (layer i+2's router applied to layer
-            i's input; needs no training), "auto" (trained when the store has heads, else gate) or
-            "off". It acts only where the policy has STAGE slots (the mira policy under a budget):
-            inline through them, or lagged on the device, one expert per layer into three rows of
-            the budget's slots (mira.cache.staging). Lagged, "auto" stages only when `residency`
-            is "lagged" by name: under "auto" residency the small experts it lags decode faster
-            without prefetching (mira.runtime.residency).
-        progress: show progress bars.
-        heads: trained predictor heads (`mira train-predictor`) to use for "auto"/"trained" instead
-            of the store's own.
-        cuda_graphs: on CUDA, replay decode steps from CUDA graphs where no MoE layer needs the host
-            (mira.runtime.graphs); False runs every step eagerly. Ignored on the CPU.
-        residency: how decode layers under a budget meet the cache: "lagged" (no host sync: routing
-            is counted on the device, missed experts are read from the pinned store inside the
-            kernel, and the policy sees the step's routing after it; mira.cache.lagged), "inline"
-            (one host sync per MoE layer: the policy places each routed expert before the kernel
-            runs, and a miss is copied in once) or "auto" (lagged for policies that never admit a
-            miss, static and on-demand, where it moves no more bytes, and always on CUDA with the
-            fused kernels; inline otherwise: mira.runtime.residency).
+        config: the settings (mira.runtime.config.RuntimeConfig); default: every one left to Mira.
+        overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
+            or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
+            on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
+            cuda_graphs.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
     """
-    torch_device = _check_arguments(device, vram_budget, quant, policy, max_context, dtype, profile, prefetch, heads,
-                                    residency)
+    config = (config or RuntimeConfig()).with_overrides(**overrides)
+    torch_device = parse_device(config.device)
+    for flag, file in (("--profile", config.profile), ("--heads", config.prefetch.heads)):
+        if file is not None and not Path(file).is_file():
+            raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
     model_path = Path(path) if path is not None else BUNDLED_MODEL
     _check_model_path(model_path)
-    _check_max_context(model_path, max_context)
-    store_path = resolve_store(model_path, quant, progress)
-    store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=progress)
-    compute_dtype = RuntimeConfig(device=torch_device.type, dtype=dtype or "").dtype
-    hf_model, sites = build_model(store_path, getattr(torch, compute_dtype), torch_device)
-    popularity = _popularity(profile, store.num_layers * store.num_experts) if profile is not None else None
-    if isinstance(vram_budget, str):
-        vram_budget = _share_budget(_budget_share(vram_budget), hf_model, store, max_context)
-    model = assemble(hf_model, sites, store, store_tokenizer(store_path), vram_budget, policy, max_context,
-                     popularity, prefetch, heads, residency)
-    if not cuda_graphs and model.decode_graphs is not None:
-        model.use_cuda_graphs(False)
-    return model
+    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None)
+    setup = resolve_setup(dataclasses.replace(config, device=str(torch_device)),
+                          cuda_available=torch.cuda.is_available(), model_positions=positions)
+    store_path = resolve_store(model_path, config.quant, config.progress)
+    store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=config.progress)
+    hf_model, sites = build_model(store_path, getattr(torch, setup.dtype), torch_device)
+    total_experts = store.num_layers * store.num_experts
+    popularity = _popularity(config.profile, total_experts) if config.profile is not None else None
+    budget = config.vram_budget
+    if isinstance(budget, str):
+        budget = _share_budget(budget_share(budget), hf_model, store, setup.max_context)
+    config = dataclasses.replace(config, device=setup.device, dtype=setup.dtype, vram_budget=budget,
+                                 max_context=setup.max_context, quant=store.manifest.scheme)
+    return assemble(hf_model, sites, store, store_tokenizer(store_path), config, popularity)
 
 
 def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreTrainedTokenizerBase | None,
-             vram_budget: int | None = None, policy: str = "mira", max_context: int | None = None,
-             profile: Popularity | None = None, prefetch: str = "auto",
-             heads: str | os.PathLike | None = None, residency: str = "auto") -> MiraModel:
+             config: RuntimeConfig | None = None, profile: Popularity | None = None) -> MiraModel:
     """Bind Mira's experts to a built model: the slot plan, cache, transfer layer, kernel and predictor.
 
     `load` calls this for a model read from a store; `mira bench` calls it for synthetic models
-    whose store lives only in memory. Arguments as for `load`; `hf_model` is on its device and in
-    its compute dtype, `sites` are its MoE sites (mira.models.loader), `profile` the routed tokens
-    per expert that place the static policy's experts and give the mira policy its prior, `heads` a
-    file of trained predictor heads to use instead of the store's own.
+    whose store lives only in memory. `hf_model` is on its device and in its compute dtype, `sites`
+    are its MoE sites (mira.models.loader), `config` the settings (its device and dtype are the
+    model's; a share-of-experts budget must already be in bytes), `profile` the routed tokens per
+    expert that place the static policy's experts and give the mira policy its prior.
     """
     torch_device = next(hf_model.parameters()).device
     total_experts = store.num_layers * store.num_experts
     if profile is not None and len(profile.counts) != total_experts:
         raise MiraError(f"the profile routes over {len(profile.counts)} experts but this model has {total_experts}; "
                         "record the profile with `mira trace` on the same model")
-    config = RuntimeConfig(device=str(torch_device), dtype=str(hf_model.dtype).removeprefix("torch."),
-                           vram_budget=vram_budget, max_context=max_context or DEFAULT_MAX_CONTEXT,
-                           quant=store.manifest.scheme, cache=CacheConfig(policy=policy))
-    model_config = hf_model.config
-    max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(model_config, "max_position_embeddings", 1 << 30))
-
-    plan = _plan(config, hf_model, store, max_ctx)
+    setup = resolve_setup(config or RuntimeConfig(), cuda_available=torch_device.type == "cuda",
+                          model_positions=getattr(hf_model.config, "max_position_embeddings", None))
+    config = dataclasses.replace(config or RuntimeConfig(), device=str(torch_device),
+                                 dtype=str(hf_model.dtype).removeprefix("torch."), max_context=setup.max_context,
+                                 quant=store.manifest.scheme)
+    plan = _plan(config, hf_model, store, setup.max_context)
     capacity = plan.slots if plan else 0
-    if capacity >= total_experts:  # every expert fits: all resident from the start, nothing left to decide
-        policy, profile = "static", Popularity((1,) * total_experts, 1)
+    ffn = make_moe_ffn(torch_device, store.layout, hf_model.config.hidden_act, num_experts=store.num_experts)
+    heads = config.prefetch.heads
+    facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
+                  fused_kernels=hasattr(ffn, "forward_bases"),
+                  admits_misses=_policy_class(config.cache.policy).admits_misses,
+                  stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
+                  has_heads=heads is not None or predictor_file(store.path).is_file())
+    decided = resolve(config, facts)
+    if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
+        profile = Popularity((1,) * total_experts, 1)
+    placement = _policy(decided.policy, decided.policy_slots, total_experts, config.cache, profile)
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
-    if prefetch not in PREFETCH:
-        raise MiraError(f"unknown --prefetch {prefetch!r}; choose one of {', '.join(PREFETCH)}")
-    ffn = make_moe_ffn(torch_device, store.layout, model_config.hidden_act, num_experts=store.num_experts)
-    lagged = lags(residency, admits_misses=_policy_class(policy).admits_misses,
-                  under_budget=capacity < total_experts, device=torch_device,
-                  fused_kernels=hasattr(ffn, "forward_bases"))
-    placement = _policy(policy, capacity, total_experts, config.cache, profile)
-    staging = stages(prefetch, residency, lagged, placement.stage_slots)
-    if staging and lagged:  # lagged staging keeps STAGING_ROWS of the slots (a budget has at least a layer's
-        # experts: mira.cache.budget) apart from the policy's
-        placement = _policy(policy, capacity - STAGING_ROWS, total_experts, config.cache, profile)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.parent.gate for site in sites]
-    predictor = _predictor(prefetch, routers, store, torch_device, heads) if staging else None
+    predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
-                                                    lagged=lagged))
-    return MiraModel(hf_model, tokenizer, config, store, cache, plan, max_ctx)
+                                                    lagged=decided.lagged))
+    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context)
+    if not config.graphs.enabled and model.decode_graphs is not None:
+        model.use_cuda_graphs(False)
+    return model
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):
@@ -346,34 +315,6 @@ def _check_model_path(path: Path) -> None:
                         f"MODEL_DIR --out {path}`, MODEL_DIR being the model it was converted from")
 
 
-def _check_arguments(device: str | None, vram_budget: int | str | None, quant: str | None, policy: str,
-                     max_context: int | None, dtype: str | None, profile, prefetch: str, heads,
-                     residency: str) -> torch.device:
-    """Check `load`'s arguments before anything is read or converted; returns the device.
-
-    Raises:
-        MiraError: an argument out of its range or naming something absent, with the fix.
-    """
-    torch_device = parse_device(device)
-    if vram_budget is not None and not (isinstance(vram_budget, str) and _budget_share(vram_budget) is not None):
-        if isinstance(vram_budget, bool) or not isinstance(vram_budget, int) or vram_budget <= 0:
-            raise MiraError(f"the VRAM budget {vram_budget!r} is not a positive number of bytes or a share "
-                            "like 25%; pass --vram-budget like 12GiB or 25%")
-    choices = {"quant": (quant, (None, *SCHEMES)), "policy": (policy, POLICIES), "prefetch": (prefetch, PREFETCH),
-               "residency": (residency, RESIDENCY), "dtype": (dtype, (None, *DTYPES))}
-    for name, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
-    if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                    or max_context < 1):
-        raise MiraError(f"--max-context {max_context} is not a positive number of tokens; pass at least 1 (the "
-                        "prompt plus the new tokens must fit)")
-    for flag, file in (("--profile", profile), ("--heads", heads)):
-        if file is not None and not Path(file).is_file():
-            raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
-    return torch_device
-
-
 def parse_device(device: str | None) -> torch.device:
     """"cpu", "cuda" or "cuda:N" (default: CUDA when present) as a torch.device that exists here.
 
@@ -399,25 +340,6 @@ def parse_device(device: str | None) -> torch.device:
     return torch_device
 
 
-def _check_max_context(model_path: Path, max_context: int | None) -> None:
-    """An explicit `max_context` within the model's positions (the default is capped silently)."""
-    if max_context is None:
-        return
-    positions = getattr(read_config(model_path), "max_position_embeddings", None)
-    if positions is not None and max_context > positions:
-        raise MiraError(f"--max-context {max_context} is beyond the {positions} positions this model was made "
-                        f"for; pass --max-context {positions} or less")
-
-
-def _budget_share(text: str) -> float | None:
-    """The share of all experts a budget like "25%" asks slots for, or None if it is not a share."""
-    try:
-        share = float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else None
-    except ValueError:
-        return None
-    return share if share is not None and 0 < share <= 1 else None
-
-
 def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int) -> SlotPlan | None:
     device = torch.device(config.device)
     budget = config.vram_budget
@@ -441,30 +363,28 @@ def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: in
     return non_expert, kv_bytes, workspace
 
 
-def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int | None) -> int:
+def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) -> int:
     """The budget that gives slots to `share` of all experts beyond the reserve (as `mira bench`'s 25%)."""
-    max_ctx = min(max_context or DEFAULT_MAX_CONTEXT, getattr(hf_model.config, "max_position_embeddings", 1 << 30))
+    max_ctx = max_context
     slots = max(1, round(share * store.num_layers * store.num_experts))
     device = next(hf_model.parameters()).device
     return sum(_reserve(device, hf_model, store, max_ctx)) + slots * store.blob_bytes
 
 
-def _predictor(prefetch: str, routers: list, store: ExpertStore, device: torch.device,
-               heads: str | os.PathLike | None = None) -> Predictor | None:
-    if prefetch == "off":
-        return None
-    if heads is not None and prefetch in ("auto", "trained"):
+def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
+               heads: str | os.PathLike | None) -> Predictor:
+    """The predictor `resolve` chose: "trained" (the given heads, else the store's) or "gate"."""
+    gate = GateSpeculation(routers, store.num_experts)
+    if kind == "gate":
+        return gate
+    if heads is not None:
         trained_heads, _ = load_heads(heads, store.manifest.source_fingerprint)
-        return TrainedPredictor(trained_heads, GateSpeculation(routers, store.num_experts), device)
-    trained = load_predictor(store.path, routers, device) if prefetch in ("auto", "trained") else None
-    if prefetch == "trained" and trained is None:
-        raise MiraError(f"store {store.path} has no trained predictor heads; run `mira train-predictor`, or pass "
-                        "--prefetch gate")
-    return trained or GateSpeculation(routers, store.num_experts)
+        return TrainedPredictor(trained_heads, gate, device)
+    return load_predictor(store.path, routers, device)
 
 
 def _popularity(path: str | os.PathLike, total_experts: int) -> Popularity:
-    from mira.predict.trace import RoutingTrace
+    from mira.store.trace import RoutingTrace
 
     popularity = Popularity.of_trace(RoutingTrace.load(path))
     if len(popularity.counts) != total_experts:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mira.cache.cache import ExpertCache
-from mira.config import DECODE_TOKENS
+from mira.kernels import DECODE_TOKENS
 from mira.kernels.addresses import AddressTable
 from mira.predict.baselines import Predictor
 
@@ -212,3 +212,23 @@ class MiraExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}, lagged={self._lagged}"
+
+
+def model_routers(hf_model: nn.Module) -> list[nn.Module]:
+    """The router of every MoE layer of a model Mira has bound, in MoE layer order.
+
+    In every supported family the router is the sibling `gate` of the experts module; it maps
+    hidden [T, H] to (router_logits [T, E], weights [T, K], indices [T, K]).
+
+    Args:
+        hf_model: `MiraModel.hf_model`.
+
+    Returns:
+        One module per MoE layer position.
+    """
+    routers = {}
+    for module in hf_model.modules():
+        for child in module.children():
+            if isinstance(child, MiraExperts):
+                routers[child.layer_position] = module.gate
+    return [routers[position] for position in sorted(routers)]

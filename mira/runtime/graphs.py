@@ -2,8 +2,7 @@
 
 A decode step is some hundreds of small kernel launches from Python: transformers' attention,
 norms and routers, and Mira's expert kernels. On a host that launches slowly the GPU mostly waits
-(`benchmarks/results/profile-decode-mixtral-8x7b-all.json`: 88.7 ms per step, the device busy for
-13.4 ms of it). When no MoE layer needs the host during a decode step (`MiraExperts.host_free`),
+(`benchmarks/profile_decode.py` shows how long). When no MoE layer needs the host during a decode step (`MiraExperts.host_free`),
 the step is captured once as a CUDA graph and then replayed: one launch per token.
 
 A graph replays fixed kernels on fixed addresses, so a step is captured per signature: the

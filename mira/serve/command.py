@@ -15,7 +15,7 @@ API_KEY_VARIABLE = "MIRA_API_KEY"
 
 
 def add_command(subparsers) -> None:
-    from mira.cli import _add_model_options, _add_sampling_options  # (mira.cli has finished loading by now)
+    from mira.cli_args import add_model_options, add_sampling_options
 
     serve = subparsers.add_parser(
         "serve", help="serve the OpenAI API (chat and completions) over HTTP",
@@ -23,8 +23,8 @@ def add_command(subparsers) -> None:
                     "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
                     "and GET /metrics (Prometheus). Generations run one at a time on the device; others wait in a "
                     "bounded queue. Needs `pip install mira[serve]`.")
-    _add_model_options(serve)
-    _add_sampling_options(serve, generation=False)
+    add_model_options(serve)
+    add_sampling_options(serve, generation=False)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
@@ -69,7 +69,7 @@ def model_name(model: str | None) -> str:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from mira.cli import _load, _sampling
+    from mira.cli_args import load_model, sampling_config
 
     try:
         import uvicorn
@@ -83,13 +83,13 @@ def _serve(args: argparse.Namespace) -> None:
         raise MiraError(f"--max-queue must be 0 or more, not {args.max_queue}")
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     name = args.served_model_name or model_name(args.model)
-    defaults = _sampling(args)
+    defaults = sampling_config(args)
     sock = listen(args.host, args.port)  # before loading: a port in use fails at once
     host, port = sock.getsockname()[:2]
     if not api_key and not ipaddress.ip_address(host).is_loopback:
         print(f"mira: warning: serving on {host} without an API key: anyone who can reach it can use it; pass "
               f"--api-key or set {API_KEY_VARIABLE}", file=sys.stderr)
-    model = _load(args)
+    model = load_model(args)
     app = create_app(model, name, api_key=api_key, max_waiting=args.max_queue, defaults=defaults)
     shown = f"[{host}]" if ":" in host else host
     print(f"mira: serving {name} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)

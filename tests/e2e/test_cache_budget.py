@@ -121,3 +121,17 @@ def test_heads_given_to_load_replace_the_stores_own_and_must_match_the_model(sto
                if isinstance(m, MiraExperts))  # the store itself has no heads
     with pytest.raises(mira.MiraError, match="trained on another model"):
         mira.load(other, device="cpu", vram_budget=budget_for_12_slots(other), heads=heads, progress=False)
+
+
+def test_a_runtime_config_and_overrides_on_top_of_it_load_the_same_model(stores):
+    store = stores["mixtral", "int8-row"]
+    config = mira.RuntimeConfig(device="cpu", vram_budget="50%", progress=False).with_overrides(policy="lru")
+    by_config = mira.load(store, config, residency="inline")
+    by_name = mira.load(store, device="cpu", vram_budget="50%", policy="lru", residency="inline", progress=False)
+    for model in (by_config, by_name):
+        stats = model.stats()
+        assert (stats["policy"], stats["residency"]) == ("lru", "inline")
+        assert stats["slots"] == round(0.5 * stats["total_experts"])
+    assert by_config.config == by_name.config
+    with pytest.raises(mira.MiraError, match="unknown setting vram"):
+        mira.load(store, config, vram="1GiB")

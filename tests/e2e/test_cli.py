@@ -67,7 +67,7 @@ def test_trace_then_simulate_replays_the_recorded_routing(checkpoints, tmp_path)
                    "--max-new-tokens", "6", "--device", "cpu", "--raw", "--quiet",
                    env={"MIRA_CACHE": str(tmp_path / "cache")})
     assert traced.returncode == 0, traced.stderr
-    from mira.predict.trace import RoutingTrace
+    from mira.store.trace import RoutingTrace
 
     trace = RoutingTrace.load(trace_file)
     assert trace.num_layers == 3 and trace.top_k == 2 and trace.num_experts == 8
@@ -103,7 +103,7 @@ def _four_token_trace_with_features(tmp_path):
     import numpy as np
 
     from mira.predict.features import FeatureSet, features_path, step_counts
-    from mira.predict.trace import RoutingTrace
+    from mira.store.trace import RoutingTrace
 
     ids = np.array([[[0], [0], [2 + t % 2]] for t in range(4)], dtype=np.int16)
     trace = RoutingTrace(ids, 4)

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 import mira
 from allocations import NewTensors
 from host_reads import host_reads
-from mira.config import DECODE_TOKENS
+from mira.kernels import DECODE_TOKENS
 from mira.kernels import make_moe_ffn
 from mira.kernels.reference import moe_ffn_reference
 from mira.predict.baselines import GateSpeculation
+from mira.runtime.experts import model_routers
 from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
@@ -61,7 +62,7 @@ def test_layer_outputs_are_right_and_never_overwritten_by_another_layer(mixtral,
 
 
 def test_gate_speculation_and_trained_heads_allocate_nothing_in_decode(mixtral):
-    speculation = GateSpeculation.from_model(mixtral)
+    speculation = GateSpeculation(model_routers(mixtral.hf_model), mixtral.store.num_experts)
     heads = PredictorHeads(HeadConfig(num_layers=3, num_experts=E, top_k=K, hidden_size=H, history_window=2)).eval()
     trained = TrainedPredictor(heads, speculation, "cpu")
     hidden, index, _ = _call(0, tokens=4)
@@ -89,7 +90,7 @@ def test_a_decode_step_allocates_nothing_inside_the_experts_but_the_kernel(check
                      key=lambda m: m.layer_position)
     if predictor == "trained":
         heads = PredictorHeads(HeadConfig(num_layers=3, num_experts=E, top_k=K, hidden_size=H)).eval()
-        trained = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
+        trained = TrainedPredictor(heads, GateSpeculation(model_routers(model.hf_model), model.store.num_experts), "cpu")
         for module in experts:
             module.predictor = trained
     new = NewTensors()

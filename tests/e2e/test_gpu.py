@@ -90,7 +90,7 @@ def test_no_stage_slot_is_read_before_its_prefetch_copy_has_landed(mixtral_store
     """Every prefetch copy is held back ~1 ms on its stream and every slot starts as garbage
     (0xFF: int8 -1, bf16 NaN scales): a kernel that read a STAGE slot early would compute NaN or
     another expert's output, and the greedy text would differ from the all-resident run."""
-    from mira.runtime.transfer import Transfer
+    from mira.cache.transfer import Transfer
 
     everything = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, prefetch="off",
                            progress=False)

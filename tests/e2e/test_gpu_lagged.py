@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import mira
-from mira.predict.baselines import GateSpeculation, model_routers
+from mira.predict.baselines import GateSpeculation
+from mira.runtime.experts import model_routers
 from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
 from mira.runtime.experts import MiraExperts
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from gpu_counts import InsideModules, cuda_allocations, sync_warnings, syncs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

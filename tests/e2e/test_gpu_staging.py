@@ -19,7 +19,7 @@ import torch
 import mira
 from mira.cache.policy import Tier
 from mira.predict.heads import HeadConfig, PredictorHeads, predictor_file, save_heads
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from mira.store.manifest import Manifest
 from tiny_models import COMMON, make_checkpoint
 

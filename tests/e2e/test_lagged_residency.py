@@ -22,14 +22,14 @@ from mira.cache.cache import ExpertCache
 from mira.cache.policy import LRU, Tier
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
-from mira.config import DECODE_TOKENS
+from mira.kernels import DECODE_TOKENS
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.kernels.reference import moe_ffn_reference
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
 from mira.runtime.tracing import RoutingRecorder
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
 L, E, K, H = 3, 8, 2, 64  # the tiny Mixtral: 3 MoE layers, top-2 of 8 experts, hidden 64

@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 
 import mira
 from mira.errors import MiraError
-from mira.predict.baselines import GateSpeculation, model_routers
-from mira.predict.commands import add_commands, record_with_features
+from mira.predict.baselines import GateSpeculation
+from mira.runtime.experts import model_routers
+from mira.cli.predictor import add_commands, record_with_features
 from mira.predict.features import HeadInputs
 from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor, load_predictor, predictor_file
 from mira.runtime.experts import MiraExperts
@@ -77,7 +78,7 @@ def test_the_runtime_predictor_scores_as_the_heads_do_offline(store, tmp_path):
     config = HeadConfig(num_layers=LAYERS, num_experts=8, top_k=2, hidden_size=64, history_window=3)
     torch.manual_seed(1)
     heads = PredictorHeads(config).eval()
-    predictor = TrainedPredictor(heads, GateSpeculation.from_model(model), "cpu")
+    predictor = TrainedPredictor(heads, GateSpeculation(model_routers(model.hf_model), model.store.num_experts), "cpu")
     online, logits = [], {}
     routers = model_routers(model.hf_model)
     experts = sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)),
@@ -156,7 +157,7 @@ def test_heads_or_features_of_another_model_are_refused(store, checkpoints, tmp_
 
 def test_feature_recording_switches_cuda_graphs_off_meanwhile_and_back_on(store, monkeypatch):
     """A replayed decode step would skip the routers' hooks the recorder relies on."""
-    from mira.predict.features import FeatureRecorder
+    from mira.runtime.tracing import FeatureRecorder
 
     model = _load(store)
     switches = []

@@ -14,7 +14,7 @@ from transformers import MixtralConfig
 from mira.bench.replay import RoutingReplay
 from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic_store
 from mira.errors import MiraError
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 from mira.runtime.engine import assemble
 from mira.runtime.experts import MiraExperts
 

@@ -24,7 +24,7 @@ import torch
 from mira.cache.lagged import LaggedResidency
 from mira.cache.slots import SlotPool
 from mira.cache.staging import ISSUED, PLACED, ROWS, UID, USED, LaggedStaging
-from mira.runtime.transfer import Transfer
+from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
 E = 8

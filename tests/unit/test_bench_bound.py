@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from belady_reference import brute_force_misses
-from mira.bench.bound import Machine, decode_bound, warm_belady_misses
-from mira.bench.run import goals
-from mira.predict.trace import RoutingTrace
+from mira.bench.bound import decode_bound, warm_belady_misses
+from mira.kernels.machine import Machine
+from mira.bench.run import compare
+from mira.store.trace import RoutingTrace
 
 
 def brute_force_warm_misses(sequence: list[int], slots: int) -> int:
@@ -46,7 +47,7 @@ def test_decode_bound_by_hand():
     #   again, so the optimum bypasses them: 2 misses. With no slot every one of the 12 accesses misses.
     trace = _trace()
     machine = Machine(hbm_bytes_per_s=1000.0, pcie_bytes_per_s=1.0)
-    bound = decode_bound(trace, slots=4, blob_bytes=10, weight_bytes=100, kv_bytes_per_token=2, machine=machine)
+    bound = decode_bound(trace, slots=4, blob_bytes=10, weight_bytes=100, kv_bytes_per_token=2, figures=machine)
     # 3 decode steps x 100 weight bytes + 12 experts x 10 + KV of contexts 3, 4 and 2 tokens x 2 bytes
     assert bound["hbm_bytes"] == 300 + 120 + 18
     assert bound["belady_misses"] == 2 and bound["pcie_bytes"] == 20
@@ -71,51 +72,22 @@ def _row(config, budget, decode, ttft=1.0, nbytes=0, **extra):
             "ttft_s": ttft, **extra}
 
 
-def test_goals_compare_the_runs_of_the_same_budget_and_ignore_beams_and_skips():
+def test_mira_is_compared_with_the_fastest_baseline_of_each_budget_ignoring_beams_and_skips():
     rows = [
-        _row("mira+p", "8GiB", 4.0, ttft=1.0, nbytes=8, achieved_over_bound=1.5),
-        _row("mira", "8GiB", 2.0, ttft=2.0, nbytes=8),
-        _row("mira+p", "24GiB", 30.0, nbytes=24, achieved_over_bound=1.2),
-        _row("mira", "24GiB", 25.0, nbytes=24),
-        _row("lru", "24GiB", 10.0, nbytes=24),
-        _row("lru-lagged", "24GiB", 7.5, nbytes=24),  # the slower LRU: the goal takes the faster one
-        _row("lru-lagged", "8GiB", 3.0, nbytes=8),
-        _row("hf-offload", "24GiB", 0.5, nbytes=24),
-        _row("mira+p", "24GiB", 1.0, nbytes=24, num_beams=1, beam_search=True),  # must not replace the row above
-        _row("mira+p", "all", 90.0, nbytes=48),
-        _row("mira", "all", 100.0, nbytes=48, achieved_over_bound=2.0),
+        _row("mira", "8GiB", 6.0, nbytes=8, achieved_over_bound=1.5),
+        _row("lru", "8GiB", 4.0, nbytes=8),
+        _row("lru-lagged", "8GiB", 8.0, nbytes=8),  # the faster LRU is the one compared
+        _row("lfu", "8GiB", 5.0, nbytes=8),
+        _row("mira+p", "8GiB", 50.0, nbytes=8),  # a Mira variant, not a baseline
+        _row("lru-lagged", "8GiB", 99.0, nbytes=8, num_beams=2, beam_search=True),
+        {"config": "static", "budget": "8GiB", "skipped": "too small"},
+        _row("mira", "all", 100.0, nbytes=48),
         _row("hf-gpu", "all", 25.0),
-        {"config": "lru", "budget": "8GiB", "skipped": "too small"},
+        _row("lru", "24GiB", 10.0, nbytes=24),  # no mira row: no comparison
     ]
-    result = goals(rows)
-    assert result["budget_for_goals"] == "24GiB"
-    assert result["mira+p_achieved_over_bound"] == {"value": 1.2, "goal": "<= 1.25", "met": True}
-    assert result["mira+p_over_hf_gpu"]["value"] == 1.2 and result["mira+p_over_hf_gpu"]["met"]
-    assert result["mira+p_over_hf_offload"]["value"] == 60 and result["mira+p_over_hf_offload"]["met"]
-    assert result["mira+p_over_lru"]["value"] == 3 and result["mira+p_over_lru"]["met"]
-    assert result["prefetch_gain_by_budget"]["value"] == {"8GiB": 2.0, "24GiB": 1.2, "all": 0.9}
-    assert result["ttft_without_over_with_prefetch_at_smallest"]["budget"] == "8GiB"
-    assert result["ttft_without_over_with_prefetch_at_smallest"]["value"] == 2.0
-    assert result["all_resident_over_hf_gpu"] == {"value": 4.0, "goal": ">= 3", "achieved_over_bound": 2.0,
-                                                  "met": True}
-    assert result["compared"] == {"mira+p": "mira+p", "mira": "mira", "lru": "lru"}
-
-
-def test_the_lru_goal_compares_with_the_faster_of_the_two_lru_configurations():
-    rows = [_row("mira+p", "24GiB", 12.0, nbytes=24), _row("lru", "24GiB", 4.0, nbytes=24),
-            _row("lru-lagged", "24GiB", 8.0, nbytes=24)]
-    assert goals(rows)["mira+p_over_lru"] == {"value": 1.5, "goal": ">= 1.5", "met": True}
-    assert goals(rows[:2])["mira+p_over_lru"]["value"] == 3
-
-
-def test_the_goals_take_mira_p_and_mira_at_their_faster_residency():
-    rows = [_row("mira+p", "24GiB", 6.0, ttft=4.0, nbytes=24, achieved_over_bound=5.0),
-            _row("mira+p-lagged", "24GiB", 30.0, ttft=1.0, nbytes=24, achieved_over_bound=1.0),
-            _row("mira", "24GiB", 10.0, ttft=3.0, nbytes=24), _row("mira-lagged", "24GiB", 20.0, ttft=2.0, nbytes=24),
-            _row("lru", "24GiB", 20.0, nbytes=24), _row("hf-gpu", "all", 15.0)]
-    result = goals(rows)
-    assert result["compared"] == {"mira+p": "mira+p-lagged", "mira": "mira-lagged", "lru": "lru"}
-    assert result["mira+p_achieved_over_bound"] == {"value": 1.0, "goal": "<= 1.25", "met": True}
-    assert result["mira+p_over_hf_gpu"]["value"] == 2 and result["mira+p_over_lru"]["value"] == 1.5
-    assert result["prefetch_gain_by_budget"]["value"] == {"24GiB": 1.5}
-    assert result["ttft_without_over_with_prefetch_at_smallest"]["value"] == 2  # 2.0 s lagged Mira, 1.0 s Mira+P
+    assert compare(rows) == {
+        "8GiB": {"mira": 6.0, "best_baseline": "lru-lagged", "best_baseline_tokens_per_s": 8.0,
+                 "mira_over_best_baseline": 0.75, "mira_achieved_over_bound": 1.5},
+        "all": {"mira": 100.0, "best_baseline": "hf-gpu", "best_baseline_tokens_per_s": 25.0,
+                "mira_over_best_baseline": 4.0, "mira_achieved_over_bound": None},
+    }

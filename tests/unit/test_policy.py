@@ -6,7 +6,7 @@ import pytest
 
 from mira.cache.policy import (LFU, LRU, Access, Heat, MiraPolicy, OnDemand, Popularity, Static, Tier, make_policy,
                                split_slots)
-from mira.config import CacheConfig
+from mira.cache.config import CacheConfig
 
 
 def run(policy, groups):

@@ -9,13 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import mira
-from mira.predict.baselines import GateSpeculation, Popularity, PreviousStep, model_routers
+from mira.predict.baselines import GateSpeculation, Popularity, PreviousStep
+from mira.runtime.experts import model_routers
 from tiny_models import CONFIGS, FAMILIES
 
 
 def test_gate_speculation_is_layer_i_plus_2s_router_on_layer_is_input(checkpoints):
     model = mira.load(checkpoints["mixtral"], device="cpu", progress=False)  # 3 MoE layers, top-2 of 8
-    speculation = GateSpeculation.from_model(model)
+    speculation = GateSpeculation(model_routers(model.hf_model), model.store.num_experts)
     assert speculation.routers == [layer.mlp.gate for layer in model.hf_model.model.layers]
     hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))  # [T, H]
     got = speculation.scores(0, hidden)
@@ -55,7 +56,7 @@ def test_gate_speculation_bypasses_hooks_on_the_routers(checkpoints):
     calls = []
     router = model_routers(model.hf_model)[2]
     handle = router.register_forward_hook(lambda *args: calls.append(1))
-    GateSpeculation.from_model(model).scores(0, torch.randn(3, 64))
+    GateSpeculation(model_routers(model.hf_model), model.store.num_experts).scores(0, torch.randn(3, 64))
     handle.remove()
     assert calls == []
 

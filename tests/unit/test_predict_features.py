@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mira.errors import MiraError
 from mira.predict.features import (FeatureSet, RoutingHistory, features_path, history, routed_mass, step_counts,
                                    top_mask)
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 
 
 def test_routed_mass_is_the_share_of_routed_slots_per_expert():

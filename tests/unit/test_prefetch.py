@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mira.cache.policy import MiraPolicy
-from mira.cache.simulate import PolicyContractError, replay, simulate
-from mira.config import CacheConfig
-from mira.predict.prefetcher import PrefetchBook
-from mira.predict.trace import RoutingTrace
+from mira.bench.simulate import PolicyContractError, replay, simulate
+from mira.cache.config import CacheConfig
+from mira.cache.prefetcher import PrefetchBook
+from mira.store.trace import RoutingTrace
 from test_simulate import ONLINE, routing
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mira.cache.policy import LRU, Access, Policy, Popularity, Tier, make_policy
-from mira.cache.simulate import (
+from mira.bench.simulate import (
     POLICIES,
     PolicyContractError,
     format_table,
@@ -19,8 +19,8 @@ from mira.cache.simulate import (
     simulate,
     sweep,
 )
-from mira.config import CacheConfig
-from mira.predict.trace import RoutingTrace
+from mira.cache.config import CacheConfig
+from mira.store.trace import RoutingTrace
 
 ONLINE = [name for name in POLICIES if name != "belady"]
 

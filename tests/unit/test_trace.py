@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mira.errors import MiraError
-from mira.predict.trace import RoutingTrace, TraceError
+from mira.store.trace import RoutingTrace, TraceError
 
 
 def _trace(ids, num_experts=4, **optional) -> RoutingTrace:

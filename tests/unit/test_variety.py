@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mira.bench.variety import decode_route_changes
-from mira.predict.trace import RoutingTrace
+from mira.store.trace import RoutingTrace
 
 
 def _trace(steps: list[list[list[int]]], seq: list[int], prefill: list[bool]) -> RoutingTrace:

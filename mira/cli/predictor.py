@@ -30,7 +30,8 @@ def record_with_features(model, prompts: list[str], max_new_tokens: int, out: Pa
     Returns:
         (RoutingTrace, FeatureSet) as written.
     """
-    from mira.predict.features import FeatureRecorder, features_path
+    from mira.predict.features import features_path
+    from mira.runtime.tracing import FeatureRecorder
     from mira.runtime.tracing import record_trace
 
     with FeatureRecorder(model) as recorder:
@@ -77,7 +78,7 @@ def _eval(args: argparse.Namespace) -> None:
     from mira.predict.coverage import evaluate, format_coverage, plot_coverage
     from mira.predict.features import load_features
     from mira.predict.heads import load_heads, predictor_file
-    from mira.predict.trace import RoutingTrace
+    from mira.store.trace import RoutingTrace
     from mira.store.manifest import Manifest
 
     store = _store(args.model)

@@ -20,17 +20,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from mira.cache.belady import belady_misses
+from mira.kernels.machine import machine
 from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
-from mira.config import CacheConfig
-from mira.predict.prefetcher import PrefetchBook
-from mira.predict.trace import RoutingTrace
+from mira.cache.config import CacheConfig
+from mira.cache.prefetcher import PrefetchBook
+from mira.store.trace import RoutingTrace
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
 RESIDENCY = ("inline", "lagged")  # when the policy acts: before each layer, or after each step
 # Defaults: a Mixtral-8x7B expert in int8-shared (w1|w3 and w2 int8 [14336 x 4096] each, one bf16
-# scale vector [4096]), and the pinned host-to-device bandwidth measured on the H200 (DESIGN.md 3).
+# scale vector [4096]), and the reference machine's pinned host-to-device bandwidth.
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 + 2 * 4096
-BANDWIDTH_GBPS = 55.0
+BANDWIDTH_GBPS = machine().pcie_bytes_per_s / 1e9  # the reference machine's (mira.kernels.machine)
 
 
 class PolicyContractError(RuntimeError):
@@ -68,7 +69,7 @@ def simulate(
             against the mechanism (slower; the tests use it).
         predictions: int [T, L, P], the experts predicted for each (token, layer), best first, -1
             for none (`load_predictions`); made at layer - 2 and staged right after that layer's
-            group, as the runtime does (mira.predict.prefetcher), and released once the layer has
+            group, as the runtime does (mira.cache.prefetcher), and released once the layer has
             run for the whole step (a prompt's tokens are one step). None: no prefetching.
             Belady ignores it.
         staged_per_layer: how many of the predictions of a (token, layer) are staged.

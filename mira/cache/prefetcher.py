@@ -9,14 +9,9 @@ other prediction may take a staged expert's slot (mira.cache.policy.MiraPolicy).
 
 A prefetch that its layer uses replaces the copy its miss would have made; it hides a copy, it does
 not save one, while a wasted prefetch and the cache entry a staged expert displaced each cost one
-more. So only the best prediction per target layer is staged. On the bundled model's held-out
-prompts at 10 / 24 / 48 of 96 slots, the runtime on the CPU served 29%, 29%, 27% fewer misses per
-token with gate speculation than without prefetching (7.78 -> 5.55, 5.94 -> 4.24, 3.25 -> 2.39) for
-13%, 11%, 11% more copies in all (misses + prefetches), and the trained heads 32%, 33%, 30% fewer
-for 9%, 7%, 7% more (benchmarks/results/prefetch-tiny.json). Staging as many experts as the step
-routes, displaceable by later predictions and misses, had moved 69-80% more (the same benchmark's
-results as of commit a0076d4). Even perfect predictions move more than none (+2% to +4% in the
-simulator), since a staged expert holds a slot the cache would have used.
+more. So only the best prediction per target layer is staged (`benchmarks/prefetch.py` measures misses
+and copies with and without). Even perfect predictions move more bytes than none, since a staged
+expert holds a slot the cache would have used.
 """
 
 from __future__ import annotations

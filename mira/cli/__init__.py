@@ -7,23 +7,18 @@ import sys
 from pathlib import Path
 
 from mira.bench.command import add_command as add_bench_command
-from mira.cache.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
-from mira.cache.simulate import POLICIES as SIMULATED_POLICIES
-from mira.cache.simulate import RESIDENCY as SIMULATED_RESIDENCY
-from mira.cli_args import (MiraArgumentParser, check_model_options, check_sampling, end_quietly_on_broken_pipe,
-                           existing_file, nonnegative_int, output_dir, output_file, positive_float, positive_int,
-                           probability, size_or_share, temperature)
-from mira.config import POLICIES, PREFETCH, RESIDENCY
+from mira.bench.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
+from mira.bench.simulate import POLICIES as SIMULATED_POLICIES
+from mira.bench.simulate import RESIDENCY as SIMULATED_RESIDENCY
+from mira.cli_args import (QUANT_HELP, MiraArgumentParser, add_model_options, add_sampling_options,
+                           add_threads_option, check_sampling, end_quietly_on_broken_pipe, existing_file, load_model,
+                           nonnegative_int, output_dir, output_file, positive_float, positive_int, sampling_config)
 from mira.errors import MiraError
 from mira.eval.command import add_command as add_eval_command
-from mira.predict.commands import add_commands as add_predictor_commands
+from mira.cli.predictor import add_commands as add_predictor_commands
 from mira.serve.command import add_command as add_serve_command
 from mira.store.command import add_command as add_store_command
 from mira.store.layout import SCHEMES
-
-QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
-              "matrices; the default), int8-row (INT8, one scale per row), none (the checkpoint's dtype)")
-
 
 def _convert(args: argparse.Namespace) -> None:
     from mira.store.convert import convert
@@ -33,26 +28,16 @@ def _convert(args: argparse.Namespace) -> None:
           f"{manifest.scheme}, {manifest.layout['nbytes'] / 2**20:.2f} MiB per expert")
 
 
-def _load(args: argparse.Namespace):
-    from mira.runtime.engine import load
-
-    check_model_options(args)
-    return load(args.model, device=args.device, vram_budget=args.vram_budget, quant=args.quant,
-                policy=args.policy or "mira", max_context=args.max_context, profile=args.profile,
-                prefetch=args.prefetch or "auto", progress=not args.quiet, cuda_graphs=not args.no_cuda_graphs,
-                residency=args.residency or "auto")
-
-
 def _trace(args: argparse.Namespace) -> None:
-    from mira.predict.commands import record_with_features
+    from mira.cli.predictor import record_with_features
     from mira.runtime.tracing import read_prompts, record_trace
 
     prompts = read_prompts(Path(args.prompts))
     if args.features:
-        trace, _ = record_with_features(_load(args), prompts, args.max_new_tokens, Path(args.out), raw=args.raw,
+        trace, _ = record_with_features(load_model(args), prompts, args.max_new_tokens, Path(args.out), raw=args.raw,
                                         progress=not args.quiet)
     else:
-        trace = record_trace(_load(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
+        trace = record_trace(load_model(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
         trace.save(args.out)
     print(f"trace {args.out}: {trace.num_tokens} tokens ({int(trace.is_prefill.sum())} prompt, "
           f"{int((~trace.is_prefill).sum())} generated) from {len(prompts)} prompts, {trace.num_layers} MoE layers, "
@@ -62,8 +47,8 @@ def _trace(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     import json
 
-    from mira.cache.simulate import format_table, load_predictions, plot_sweep, simulate
-    from mira.predict.trace import RoutingTrace
+    from mira.bench.simulate import format_table, load_predictions, plot_sweep, simulate
+    from mira.store.trace import RoutingTrace
 
     trace = RoutingTrace.load(args.trace)
     profile = RoutingTrace.load(args.profile) if args.profile else None
@@ -101,79 +86,6 @@ def _slot_list(text: str) -> list[int]:
     return counts
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
-                                        "Mira store; default: the bundled mira-tiny-moe")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    parser.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
-                        help="device memory Mira may use, e.g. 12GiB, or 25%% for slots for a quarter of the experts "
-                             "beyond the rest of the model (default: free memory less 1 GiB on CUDA; on the CPU, "
-                             "experts are read in place unless a budget is given)")
-    parser.add_argument("--max-context", type=positive_int,
-                        help="tokens of KV cache to reserve, at most the model's positions (default: up to 4096)")
-    parser.add_argument("--quant", choices=SCHEMES, help=QUANT_HELP + "; default: the store's own")
-    parser.add_argument("--policy", choices=POLICIES,
-                        help="expert residency policy under a budget: mira (adaptive HOT+STAGE rebalancer, the "
-                             "default), lru, lfu, static (the experts most routed in --profile stay resident), "
-                             "on-demand (no caching)")
-    parser.add_argument("--profile", metavar="TRACE", type=existing_file,
-                        help="routing trace (.npz from `mira trace`) for --policy static")
-    parser.add_argument("--prefetch", choices=PREFETCH,
-                        help="stage the experts predicted for layer i+2 while layer i runs: trained (heads from "
-                             "`mira train-predictor`), gate (layer i+2's router applied to layer i's input), auto "
-                             "(the default: trained when the store has heads, else gate) or off. Acts where the "
-                             "policy has STAGE slots: inline through them; lagged on the device, one expert per "
-                             "layer into three of the budget's slots (auto stages lagged only with --residency "
-                             "lagged: small experts lagged by --residency auto decode faster without)")
-    parser.add_argument("--residency", choices=RESIDENCY,
-                        help="under a budget: lagged (no host sync per MoE layer, so decode steps can be CUDA "
-                             "graphs: missed experts are read from pinned host memory inside the kernel and the "
-                             "policy acts after each step, so an admitted miss crosses PCIe twice), inline (one "
-                             "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
-                             "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
-                             "static and on-demand; inline otherwise)")
-    parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
-                             "needs the host is captured once as a CUDA graph and replayed")
-    parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    _add_threads_option(parser)
-
-
-def _add_threads_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=positive_int,
-                        help="CPU threads to compute with (default: OMP_NUM_THREADS if set, else the physical cores "
-                             "less those other processes keep busy)")
-
-
-def _add_sampling_options(parser: argparse.ArgumentParser, generation: bool = True) -> None:
-    """Sampling flags; each left out falls back to the checkpoint's generation_config.json."""
-    parser.add_argument("--temperature", type=temperature,
-                        help="sampling temperature, 0 for greedy (default: the checkpoint's generation_config.json, "
-                             "else greedy)")
-    parser.add_argument("--top-p", type=probability,
-                        help="nucleus sampling mass in (0, 1] (default: the checkpoint's, else off)")
-    parser.add_argument("--top-k", type=positive_int, help="sample from the k likeliest tokens (default: the "
-                                                           "checkpoint's, else off)")
-    parser.add_argument("--repetition-penalty", type=positive_float,
-                        help="divide the logits of tokens already seen, e.g. 1.1 (default: the checkpoint's, else off)")
-    if generation:
-        parser.add_argument("--max-new-tokens", type=positive_int, default=128,
-                            help="tokens to generate (default 128)")
-        parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                            help="end the reply before this text (repeatable)")
-        parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-
-
-def _sampling(args: argparse.Namespace):
-    from mira.runtime.generate import SamplingConfig
-
-    generation = dict(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed) \
-        if hasattr(args, "max_new_tokens") else {}
-    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          repetition_penalty=args.repetition_penalty, **generation)
-
-
 def _messages(args: argparse.Namespace) -> str | list[dict]:
     """`mira generate`'s input: --messages FILE.json, or --prompt (`-`: standard input) after --system."""
     import json
@@ -204,9 +116,9 @@ def _generate(args: argparse.Namespace) -> None:
     from mira.store.files import write_json_atomic
 
     check_sampling(args)
-    sampling = _sampling(args)
+    sampling = sampling_config(args)
     messages = _messages(args)
-    model = _load(args)
+    model = load_model(args)
     report = generate_text(model, messages, sampling, raw=args.raw)
     stats = model.stats()
     cache = stats["cache"]
@@ -233,8 +145,8 @@ def _chat(args: argparse.Namespace) -> None:
 
     if args.raw:
         raise MiraError("mira chat sends the conversation through the chat template; drop --raw")
-    sampling = _sampling(args)
-    model = _load(args)
+    sampling = sampling_config(args)
+    model = load_model(args)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"[mira] {COMMANDS}", file=sys.stderr)
@@ -262,19 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true",
                          help="replace the Mira store in --out even if it holds another model or scheme")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_threads_option(convert)
+    add_threads_option(convert)
     convert.set_defaults(run=_convert)
 
     gen = commands.add_parser("generate", help="generate text, streamed as it comes",
                               description="Generate text from a prompt, streaming it to stdout; timings and "
                                           "cache statistics go to stderr at the end.")
-    _add_model_options(gen)
+    add_model_options(gen)
     given = gen.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the user's message; - reads it from standard input")
     given.add_argument("--messages", metavar="FILE.json", type=existing_file,
                        help='the conversation so far: a JSON list of {"role": ..., "content": ...} objects')
     gen.add_argument("--system", help="a system message before the prompt")
-    _add_sampling_options(gen)
+    add_sampling_options(gen)
     gen.add_argument("--stats-json", metavar="FILE", type=output_file,
                      help="write timings and cache statistics to FILE")
     gen.set_defaults(run=_generate)
@@ -283,16 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
                                description="A conversation at the terminal: each reply streams as it comes and "
                                            "every turn is sent with the whole conversation before it. /reset starts "
                                            "over, /exit or end of input leaves.")
-    _add_model_options(chat)
+    add_model_options(chat)
     chat.add_argument("--system", help="the system message that opens the conversation")
-    _add_sampling_options(chat)
+    add_sampling_options(chat)
     chat.set_defaults(run=_chat)
 
     trace = commands.add_parser("trace", help="record the routing of every token while generating",
                                 description="Greedy-generate from every prompt of a file and record, for every "
                                             "token and MoE layer, the experts the router chose (an .npz in the "
                                             "trace format that `mira simulate` replays).")
-    _add_model_options(trace)
+    add_model_options(trace)
     trace.add_argument("--prompts", required=True, metavar="FILE", type=existing_file,
                        help="one prompt per line, or JSON lines with a \"prompt\" field")
     trace.add_argument("--out", required=True, metavar="T.npz", type=output_file, help="the trace to write")
@@ -318,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--expert-bytes", type=positive_int, default=MIXTRAL_EXPERT_BYTES,
                      help="bytes of one expert, the PCIe cost of a miss (default: a Mixtral-8x7B int8-shared expert)")
     sim.add_argument("--bandwidth", type=positive_float, default=BANDWIDTH_GBPS, metavar="GBPS",
-                     help="host-to-device bandwidth in GB/s (default 55, PCIe 5 x16 as measured)")
+                     help="host-to-device bandwidth in GB/s (default: the pinned copy rate measured on the reference GPU)")
     sim.add_argument("--profile", metavar="TRACE", type=existing_file,
                      help="trace placing the static policy's experts and giving the mira policy its prior "
                           "(default: the replayed trace itself, an oracle profile) and ranking --predictions "
@@ -383,6 +295,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,224 @@
+"""What a model runs with, and the one place where every "auto" becomes a decision.
+
+`RuntimeConfig` holds the user's choices, with None or "auto" wherever Mira should decide. Two pure
+functions decide: `resolve_setup` before the model is built (device, dtype, context) and `resolve`
+once the budget's slot count is known (policy, residency, staging). Neither touches a device or a
+file, so both are tested on their own; `mira.runtime.engine` gathers the facts and applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from mira.cache.config import POLICIES, CacheConfig
+from mira.cache.staging import ROWS as STAGING_ROWS
+from mira.errors import MiraError
+from mira.store.layout import SCHEMES
+
+PREFETCH = ("auto", "trained", "gate", "off")
+RESIDENCY = ("auto", "lagged", "inline")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Staging the experts predicted for layer i+2 while layer i runs (paper IV-E).
+
+    mode: "trained" (heads from `mira train-predictor`), "gate" (layer i+2's router applied to
+        layer i's input), "auto" (trained when there are heads, else gate) or "off".
+    heads: a file of trained heads to use instead of the store's own.
+    """
+
+    mode: str = "auto"
+    heads: str | None = None
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    """When the policy meets a decode layer under a budget.
+
+    mode: "lagged" (after the step: no host sync, missed experts read from pinned memory by the
+        kernel, an admitted miss crosses PCIe twice), "inline" (before each layer: one host sync,
+        a miss crosses once) or "auto" (see `resolve`).
+    """
+
+    mode: str = "auto"
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """enabled: on CUDA, replay decode steps in which no MoE layer needs the host from CUDA graphs."""
+
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how a model runs; None means "let Mira decide".
+
+    device: "cuda", "cuda:N" or "cpu"; None: CUDA when present.
+    dtype: compute dtype of the non-expert weights and activations; None: bfloat16 on CUDA, float32
+        on the CPU (where bf16 matmuls are slow and float32 keeps the CPU path an exact reference).
+    vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or a
+        share of all experts to give slots beyond the rest ("25%"); None: free memory less a margin
+        on CUDA, and no slots on the CPU (experts are read in place).
+    max_context: tokens of KV cache; None: the model's positions, at most DEFAULT_MAX_CONTEXT.
+    quant: expert scheme; None: the store's own, or int8-shared when converting.
+    profile: a routing trace (`mira trace`) whose counts place static's experts and give the mira
+        policy its prior.
+    """
+
+    device: str | None = None
+    dtype: str | None = None
+    vram_budget: int | str | None = None
+    max_context: int | None = None
+    quant: str | None = None
+    profile: str | None = None
+    progress: bool = True
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+
+    def __post_init__(self) -> None:
+        choices = {"quant": (self.quant, (None, *SCHEMES)), "policy": (self.cache.policy, POLICIES),
+                   "prefetch": (self.prefetch.mode, PREFETCH), "residency": (self.residency.mode, RESIDENCY),
+                   "dtype": (self.dtype, (None, *DTYPES))}
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
+        budget = self.vram_budget
+        if budget is not None and not (isinstance(budget, str) and budget_share(budget) is not None) and (
+                isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise MiraError(f"the VRAM budget {budget!r} is not a positive number of bytes or a share like 25%; "
+                            "pass --vram-budget like 12GiB or 25%")
+        if self.max_context is not None and (isinstance(self.max_context, bool)
+                                             or not isinstance(self.max_context, int) or self.max_context < 1):
+            raise MiraError(f"--max-context {self.max_context} is not a positive number of tokens; pass at least 1 "
+                            "(the prompt plus the new tokens must fit)")
+
+    def with_overrides(self, **overrides) -> RuntimeConfig:
+        """This configuration with `mira.load`'s keyword names applied: the fields above, and
+        policy, prefetch (a mode), heads, residency (a mode) and cuda_graphs for the nested ones.
+
+        Raises:
+            MiraError: a name that is not a setting.
+        """
+        nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
+                  "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled")}
+        flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs"}
+        unknown = sorted(set(overrides) - flat - set(nested))
+        if unknown:
+            raise MiraError(f"unknown setting {', '.join(unknown)}; choose from {', '.join(sorted(flat | set(nested)))}")
+        config = self
+        for name, value in overrides.items():
+            if name in nested:
+                part, attribute = nested[name]
+                try:
+                    value = dataclasses.replace(getattr(config, part), **{attribute: value})
+                except ValueError as error:  # the cache's own checks
+                    raise MiraError(str(error)) from None
+                name = part
+            config = dataclasses.replace(config, **{name: value})
+        return config
+
+
+def budget_share(text: str) -> float | None:
+    """The share of all experts a budget like "25%" asks slots for, or None if it is not a share."""
+    try:
+        share = float(text.strip().removesuffix("%")) / 100 if text.strip().endswith("%") else None
+    except ValueError:
+        return None
+    return share if share is not None and 0 < share <= 1 else None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What `resolve_setup` decides before the model is built."""
+
+    device: str
+    dtype: str
+    max_context: int
+
+
+def resolve_setup(config: RuntimeConfig, *, cuda_available: bool, model_positions: int | None) -> Setup:
+    """Device, dtype and context: CUDA when present; bf16 on CUDA, float32 on the CPU; the model's
+    positions up to DEFAULT_MAX_CONTEXT.
+
+    Raises:
+        MiraError: an explicit max_context beyond the model's positions.
+    """
+    device = config.device or ("cuda" if cuda_available else "cpu")
+    dtype = config.dtype or ("float32" if device == "cpu" else "bfloat16")
+    positions = model_positions or 1 << 30
+    if config.max_context is not None and config.max_context > positions:
+        raise MiraError(f"--max-context {config.max_context} is beyond the {positions} positions this model was made "
+                        f"for; pass --max-context {positions} or less")
+    return Setup(device, dtype, config.max_context or min(DEFAULT_MAX_CONTEXT, positions))
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What `resolve` needs to know about the machine, the model and the budget.
+
+    device_type: "cuda" or "cpu".
+    capacity: expert slots the budget gives.
+    total_experts: experts over all MoE layers.
+    fused_kernels: the expert FFN reads blobs by address (so misses can be read in place on CUDA).
+    admits_misses: the configured policy admits missed experts into slots (mira.cache.policy).
+    stage_slots: STAGE slots the configured policy would keep at `capacity`.
+    has_heads: trained predictor heads are at hand (beside the store, or given).
+    """
+
+    device_type: str
+    capacity: int
+    total_experts: int
+    fused_kernels: bool
+    admits_misses: bool
+    stage_slots: int
+    has_heads: bool
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """policy: the policy that runs (static, placing every expert, when all fit).
+    lagged: decode layers under the budget meet the cache after the step (mira.cache.lagged).
+    predictor: "trained", "gate", or None for no staging.
+    policy_slots: slots the policy manages (lagged staging keeps STAGING_ROWS of the capacity).
+    """
+
+    policy: str
+    lagged: bool
+    predictor: str | None
+    policy_slots: int
+
+
+def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
+    """Every "auto" of the cache, residency and prefetch settings, decided.
+
+    Residency "auto" lags on CUDA whenever the fused kernels can read missed experts from pinned
+    memory (no host sync, so decode steps replay as CUDA graphs), and on the CPU only for policies
+    that never admit a miss, which lose nothing by it; nothing lags when every expert fits. Staging
+    needs STAGE slots and a predictor; lagged, "auto" prefetching stages only when residency is
+    "lagged" by name, since under "auto" residency decoding measured faster without it.
+
+    Raises:
+        MiraError: prefetch "trained" where there are no heads.
+    """
+    under_budget = facts.capacity < facts.total_experts
+    if not under_budget:
+        return Decisions("static", False, None, facts.capacity)
+    mode = config.residency.mode
+    possible = facts.device_type == "cpu" or facts.fused_kernels
+    lagged = possible and mode != "inline" and (
+        mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda")
+    prefetch = config.prefetch.mode
+    stages = facts.stage_slots > 0 and prefetch != "off" and (not lagged or prefetch != "auto" or mode == "lagged")
+    if stages and prefetch == "trained" and not facts.has_heads:
+        raise MiraError("the store has no trained predictor heads; run `mira train-predictor`, or pass --prefetch gate")
+    predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
+        if stages else None
+    slots = facts.capacity - STAGING_ROWS if stages and lagged else facts.capacity
+    return Decisions(config.cache.policy, lagged, predictor, slots)

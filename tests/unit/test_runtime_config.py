@@ -1,0 +1,85 @@
+"""`resolve_setup` and `resolve`: every "auto" of a RuntimeConfig decided, from plain facts, by hand-worked cases."""
+
+import pytest
+
+from mira.cache.config import CacheConfig
+from mira.errors import MiraError
+from mira.runtime.config import (DEFAULT_MAX_CONTEXT, STAGING_ROWS, Decisions, Facts, PrefetchConfig, RuntimeConfig,
+                                 resolve, resolve_setup)
+
+
+def _facts(**changes) -> Facts:
+    facts = dict(device_type="cuda", capacity=40, total_experts=96, fused_kernels=True, admits_misses=True,
+                 stage_slots=8, has_heads=False)
+    return Facts(**{**facts, **changes})
+
+
+def _decide(residency="auto", prefetch="off", policy="mira", **facts) -> Decisions:
+    return resolve(RuntimeConfig().with_overrides(residency=residency, prefetch=prefetch, policy=policy), _facts(**facts))
+
+
+def test_setup_defaults_follow_the_device_and_the_model():
+    cuda = resolve_setup(RuntimeConfig(), cuda_available=True, model_positions=32768)
+    assert (cuda.device, cuda.dtype, cuda.max_context) == ("cuda", "bfloat16", 4096)
+    cpu = resolve_setup(RuntimeConfig(), cuda_available=False, model_positions=512)
+    assert (cpu.device, cpu.dtype, cpu.max_context) == ("cpu", "float32", 512)
+    assert resolve_setup(RuntimeConfig(), cuda_available=False, model_positions=None).max_context == DEFAULT_MAX_CONTEXT
+    chosen = resolve_setup(RuntimeConfig(device="cpu", dtype="bfloat16", max_context=100), cuda_available=True,
+                           model_positions=512)
+    assert (chosen.device, chosen.dtype, chosen.max_context) == ("cpu", "bfloat16", 100)
+    with pytest.raises(MiraError, match="beyond the 512 positions"):
+        resolve_setup(RuntimeConfig(max_context=513), cuda_available=False, model_positions=512)
+
+
+def test_auto_residency_lags_on_cuda_with_the_fused_kernels_and_not_on_the_cpu():
+    assert _decide().lagged
+    assert not _decide(device_type="cpu").lagged
+    assert not _decide(fused_kernels=False).lagged and _decide(fused_kernels=False, device_type="cpu",
+                                                               residency="lagged").lagged
+
+
+def test_policies_that_never_admit_a_miss_lag_under_a_budget_on_either_device():
+    assert _decide(policy="static", admits_misses=False, device_type="cpu").lagged
+    assert _decide(policy="on-demand", admits_misses=False).lagged
+    assert not _decide(policy="static", admits_misses=False, residency="inline").lagged
+
+
+def test_every_expert_fitting_makes_a_static_placement_with_nothing_lagged_or_staged():
+    assert _decide(capacity=96, prefetch="gate", residency="lagged") == Decisions("static", False, None, 96)
+
+
+@pytest.mark.parametrize("residency", ["auto", "inline"])
+def test_inline_models_stage_whenever_a_predictor_may_run(residency):
+    inline = dict(residency=residency, device_type="cpu")
+    assert _decide(prefetch="auto", **inline).predictor == "gate"
+    assert _decide(prefetch="auto", has_heads=True, **inline).predictor == "trained"
+    assert _decide(prefetch="off", **inline).predictor is None
+    assert _decide(prefetch="gate", stage_slots=0, **inline).predictor is None  # LRU, static: no STAGE
+    assert _decide(prefetch="gate", **inline).policy_slots == 40  # inline staging uses the policy's own slots
+
+
+def test_lagged_models_stage_on_the_device_only_for_a_named_predictor_or_residency():
+    assert _decide(prefetch="auto").predictor is None  # measured faster without
+    assert _decide(prefetch="gate") == Decisions("mira", True, "gate", 40 - STAGING_ROWS)
+    assert _decide(prefetch="auto", residency="lagged", has_heads=True).predictor == "trained"
+    with pytest.raises(MiraError, match="no trained predictor heads"):
+        _decide(prefetch="trained")
+
+
+def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
+    config = RuntimeConfig().with_overrides(policy="lru", prefetch="gate", heads="h.safetensors", residency="inline",
+                                            cuda_graphs=False, vram_budget="25%")
+    assert config.cache == CacheConfig(policy="lru") and config.prefetch == PrefetchConfig("gate", "h.safetensors")
+    assert (config.residency.mode, config.graphs.enabled, config.vram_budget) == ("inline", False, "25%")
+    with pytest.raises(MiraError, match="unknown setting polcy"):
+        RuntimeConfig().with_overrides(polcy="lru")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(policy="fifo"), "unknown policy 'fifo'"), (dict(residency="late"), "choose one of auto, lagged, inline"),
+    (dict(quant="int3"), "unknown quant"), (dict(vram_budget=0), "not a positive number of bytes"),
+    (dict(vram_budget="150%"), "or a share like 25%"), (dict(max_context=0), "not a positive number of tokens"),
+])
+def test_bad_settings_are_refused_with_the_fix(settings, message):
+    with pytest.raises(MiraError, match=message):
+        RuntimeConfig().with_overrides(**settings)
