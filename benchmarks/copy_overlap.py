@@ -71,7 +71,7 @@ class ShapeRun:
         for row in range(self.copies):
             self.host[row].copy_(self.slots[row % resident])
         self.rows = torch.empty(self.copies, nbytes, dtype=torch.uint8, device=device)  # copy destinations
-        self.transfer = Transfer(device, self.copies, nbytes, experts)
+        self.transfer = Transfer(device, self.copies)
         self.ffn = TritonMoEFFN(self.layout, device, num_experts=experts)
         self.x = [torch.randn(1, hidden, generator=gen, device=device).to(torch.bfloat16) for _ in range(GRAPH_CALLS)]
         self.out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
@@ -141,7 +141,7 @@ class ShapeRun:
         stream.wait_stream(torch.cuda.current_stream())
         start.record(stream)
         for row in range(self.copies):
-            self.transfer.load(self.host[row], self.rows[row], row, prefetch=True)
+            self.transfer.load(self.host[row], self.rows[row], row)
         end.record(stream)
         return start, end
 

@@ -1,6 +1,6 @@
 """PCIe traffic of lagged against inline residency on the bundled model's real routing (CPU).
 
-Lagged residency (mira.cache.lagged) removes the host sync of every MoE layer call, but an expert
+Lagged residency (mira.cache.tables) removes the host sync of every MoE layer call, but an expert
 the policy admits after a miss crosses PCIe twice: the kernel reads it from pinned host memory
 during the step, and the admission copies it into its slot after the step. Inline, a miss
 crosses once (copied into its slot, or into a transient row). On the H200 with random routing

@@ -1,4 +1,4 @@
-"""Predictive staging on the bundled model's real routing (issue #6; paper IV-C, IV-E, Table III).
+"""Predictive staging on the bundled model's real routing (paper IV-C, IV-E, Table III).
 
 1. Simulator: replays the held-out trace that benchmarks/predictor.py records with predictor
    features (100 held-out ShareGPT prompts, 64 new tokens each; recorded here when missing) at
@@ -6,7 +6,7 @@
    policy with prefetch off, and with the predictions `mira simulate --predictions` replays: gate
    speculation, the trained MixtureHeads (benchmarks/results/predictor-tiny-heads.safetensors),
    the previous step, popularity (ranked by the committed training-split trace) and perfect
-   predictions (the ceiling); one expert staged per target layer (the default) and two. Misses,
+   predictions (the ceiling); one expert staged per target layer and step, as at run time. Misses,
    prefetch copies and all PCIe copies (misses + prefetches) per token, and the issue's goal,
    (LFU - misses) / (LFU - Belady) >= 0.5. The simulator counts one access per token, layer and
    expert, prompt tokens one by one (DESIGN.md 5).
@@ -36,7 +36,6 @@ from mira.predict.baselines import GateSpeculation
 from mira.runtime.experts import model_routers
 from mira.cli.predictor import record_with_features
 from mira.predict.heads import TrainedPredictor, load_heads
-from mira.cache.prefetcher import PrefetchBook
 from mira.store.trace import RoutingTrace
 from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
@@ -65,20 +64,18 @@ def _simulated(trace: RoutingTrace, blob_bytes: int) -> list[dict]:
     profile = RoutingTrace.load(PROFILE)
     predictions = {name: load_predictions(name, trace, heads=HEADS, profile=profile)
                    for name in ("gate", "trained", "previous", "popularity", "oracle")}
-    settings = [(name, 1) for name in predictions] + [("gate", 2), ("trained", 2)]
     rows = []
     for slots in (round(share * trace.num_uids) for share in SHARES):
         lfu = simulate(trace, "lfu", slots, expert_bytes=blob_bytes)
         belady = simulate(trace, "belady", slots, expert_bytes=blob_bytes)
-        runs = [("lfu", None, 0, lfu), ("belady", None, 0, belady),
-                ("mira, prefetch off", None, 0, simulate(trace, "mira", slots, expert_bytes=blob_bytes))]
-        for name, per_layer in settings:
-            result = simulate(trace, "mira", slots, expert_bytes=blob_bytes, predictions=predictions[name],
-                              staged_per_layer=per_layer)
-            runs.append((f"mira, prefetch {name}", name, per_layer, result))
-        for setting, predictor, per_layer, result in runs:
+        runs = [("lfu", None, lfu), ("belady", None, belady),
+                ("mira, prefetch off", None, simulate(trace, "mira", slots, expert_bytes=blob_bytes))]
+        for name in predictions:
+            result = simulate(trace, "mira", slots, expert_bytes=blob_bytes, predictions=predictions[name])
+            runs.append((f"mira, prefetch {name}", name, result))
+        for setting, predictor, result in runs:
             rows.append({
-                "slots": slots, "setting": setting, "predictor": predictor, "staged_per_layer": per_layer,
+                "slots": slots, "setting": setting, "predictor": predictor,
                 **{key: result[key] for key in ("tokens", "accesses", "misses", "copies", "hits_hot", "hits_stage")},
                 **{key: value for key, value in result.items() if key.startswith("prefetch_")},
                 "misses_per_token": result["misses"] / trace.num_tokens,
@@ -128,10 +125,10 @@ def main() -> None:
           f"({int((~trace.is_prefill).sum())} generated), {trace.num_uids} experts")
 
     simulated = _simulated(trace, blob_bytes)
-    print(f"\nsimulated, per token of the trace:\n{'slots':>5}  {'setting':28s} {'per layer':>9} {'misses':>7} "
+    print(f"\nsimulated, per token of the trace:\n{'slots':>5}  {'setting':28s} {'misses':>7} "
           f"{'prefetches':>10} {'copies':>7} {'goal':>6}")
     for r in simulated:
-        print(f"{r['slots']:5d}  {r['setting']:28s} {r['staged_per_layer'] or '-':>9} {r['misses_per_token']:7.3f} "
+        print(f"{r['slots']:5d}  {r['setting']:28s} {r['misses_per_token']:7.3f} "
               f"{r['prefetches_per_token']:10.3f} {r['copies_per_token']:7.3f} "
               f"{r['goal_lfu_minus_misses_over_lfu_minus_belady']:6.2f}")
 
@@ -150,8 +147,7 @@ def main() -> None:
                   "trace": str(trace_path.relative_to(ROOT)), "trace_tokens": trace.num_tokens,
                   "experts": trace.num_uids, "heads": str(HEADS.relative_to(ROOT)),
                   "popularity_profile": str(PROFILE.relative_to(ROOT)), "expert_bytes": blob_bytes,
-                  "cache_config": dataclasses.asdict(CacheConfig()),
-                  "staged_per_layer_default": PrefetchBook.per_layer, **vars(args)},
+                  "cache_config": dataclasses.asdict(CacheConfig()), **vars(args)},
         "copies": "misses + prefetch copies: every expert blob moved over PCIe (a miss is one copy, admitted or not)",
         "simulated": simulated,
         "runtime": runtime,

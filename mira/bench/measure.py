@@ -199,10 +199,11 @@ _RATIOS = ("slots", "hit_rate", "prefetch_precision", "prefetch_recall")
 def _cache_figures(model: MiraModel) -> dict:
     stats = model.stats()
     cache, prefetch = stats["cache"], stats["prefetch"]
-    # inline, each miss is one copy (into a slot or a transient row); lagged, each miss is one read
-    # of the pinned blob by the kernel, and an admission after it one more copy
+    # inline, each miss is one copy into a slot or one read of the pinned blob by the kernel; lagged,
+    # always that read, and an admission after it one more copy; a staged expert, once admitted, too
     misses = cache["lookups"]["miss"]
-    admitted_again = cache["bytes_to_device"] if model.cache.lagged is not None else 0
+    lagged = stats["residency"] == "lagged"
+    admitted_again = cache["bytes_to_device"] if lagged else prefetch["admitted"] * model.store.blob_bytes
     on_gpu = model.device.type == "cuda"  # on the CPU, slots are RAM and nothing crosses PCIe
     pcie = misses * model.store.blob_bytes + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
     issued = prefetch["issued"]

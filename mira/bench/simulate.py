@@ -6,7 +6,7 @@ module makes that comparison on any trace of DESIGN.md 5 without a GPU: every po
 checks the policy keeps its contract), and `belady` gives the bound of DESIGN.md 4. A miss costs
 one expert blob over PCIe (the kernel reads it from the host store, or its copy into a slot is
 the read), and so does a prefetch (paper IV-E: recorded predictions replayed with
-`predictions=`). Under lagged residency the policy acts after the step, so an admission copies
+`predictions=`, staged as the runtime stages them: mira.cache.staging). Under lagged residency the policy acts after the step, so an admission copies
 a miss the kernel has already read: one more blob. So PCIe bytes = (misses + prefetches, plus
 admissions when lagged) x expert bytes.
 """
@@ -23,7 +23,6 @@ from mira.cache.belady import belady_misses
 from mira.kernels.machine import machine
 from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
 from mira.cache.config import CacheConfig
-from mira.cache.prefetcher import PrefetchBook
 from mira.store.trace import RoutingTrace
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
@@ -49,7 +48,6 @@ def simulate(
     profile: RoutingTrace | None = None,
     check: bool = False,
     predictions: np.ndarray | None = None,
-    staged_per_layer: int = PrefetchBook.per_layer,
     residency: str = "inline",
 ) -> dict:
     """Replay `trace` through one policy with `slots` expert slots shared by all layers.
@@ -68,11 +66,11 @@ def simulate(
         check: after every group, also check the policy's whole resident set and tier sizes
             against the mechanism (slower; the tests use it).
         predictions: int [T, L, P], the experts predicted for each (token, layer), best first, -1
-            for none (`load_predictions`); made at layer - 2 and staged right after that layer's
-            group, as the runtime does (mira.cache.prefetcher), and released once the layer has
-            run for the whole step (a prompt's tokens are one step). None: no prefetching.
-            Belady ignores it.
-        staged_per_layer: how many of the predictions of a (token, layer) are staged.
+            for none (`load_predictions`); as the runtime does (mira.cache.staging), the best one
+            for layer l is staged at layer l - 2, once per step, into a stage row outside the
+            policy's slots when it holds no slot; an access to it at layer l is then served from
+            STAGE without a miss, and the policy still sees it. None: no prefetching. Belady
+            ignores it.
         residency: "inline" (the policy places each expert before its layer: an admission is the
             miss's own copy) or "lagged" (the policy acts after the step: an admission is one more
             blob). The decisions are the same; Belady is the inline optimum either way.
@@ -85,7 +83,8 @@ def simulate(
         PCIe), pcie_bytes,
         pcie_seconds_per_token, expert_bytes, bandwidth_gbps, residency; for the online policies also
         admissions, tokens_routed/_hot/_stage/_miss and, with predictions, prefetch counts
-        (prefetch_issued, _skipped, _declined, _used, _wasted) and prefetch_bytes; for mira the
+        (prefetch_issued, _used, _wasted, _admitted: staged experts the policy then admitted) and
+        prefetch_bytes; for mira the
         config it ran with, for static the profile it used. Belady has no tiers: hot_slots and
         stage_slots are absent and all its hits count as hits_hot.
 
@@ -110,7 +109,7 @@ def simulate(
             )
         popularity = Popularity.of_trace(profile if profile is not None else trace)
         instance = make_policy(policy, slots, trace.num_uids, config, popularity, stage_slots)
-        counts = replay(trace, instance, check=check, predictions=predictions, staged_per_layer=staged_per_layer)
+        counts = replay(trace, instance, check=check, predictions=predictions)
         extra = {"hot_slots": instance.hot_slots, "stage_slots": instance.stage_slots}
         if policy == "mira":
             extra["config"] = dataclasses.asdict(config)
@@ -119,6 +118,8 @@ def simulate(
     copies = counts["misses"] + counts.get("prefetch_issued", 0)
     if residency == "lagged":
         copies += counts.get("admissions", 0)
+    else:  # inline, an admission is its miss's own copy, but not that of an expert served from a stage row
+        copies += counts.get("prefetch_admitted", 0)
     pcie_bytes = copies * expert_bytes
     if "prefetch_issued" in counts:
         counts["prefetch_bytes"] = counts["prefetch_issued"] * expert_bytes
@@ -217,28 +218,26 @@ def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
 
 
 def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
-           predictions: np.ndarray | None = None, staged_per_layer: int = PrefetchBook.per_layer) -> dict[str, int]:
+           predictions: np.ndarray | None = None) -> dict[str, int]:
     """Drive `policy` through the trace's accesses behind a model of the slot mechanism.
 
     Steps are as the runtime runs them: a prompt's tokens (`is_prefill`, one `seq_id`) are one
     forward step, every other token one; `policy.end_step` comes once per step with its token
-    count, and staged experts are released when their layer has run for the step's last token.
-    The mechanism loads `policy.resident()` first (static placement), then for each access checks
-    that the answer can be carried out: a hit is resident, a miss is not, an admission takes a free
-    slot or the slot of a resident outside the current group and not staged for a layer still to
-    come, and an admission is a miss.
+    count. The mechanism loads `policy.resident()` first (static placement), then for each access
+    checks that the answer can be carried out: a hit is resident, a miss is not, an admission
+    takes a free slot or the slot of a resident outside the current group, and an admission is a
+    miss. With predictions, staging is modelled as `simulate` says.
 
     Args:
         trace: the routing trace.
         policy: a fresh policy.
         check: also compare the whole resident set and the HOT/STAGE sizes after every group.
         predictions: int [T, L, P] experts predicted per (token, layer), -1 for none (see simulate).
-        staged_per_layer: see simulate.
 
     Returns:
         Counts: preloaded (residents loaded before the first access, not counted as misses),
         accesses, hits, misses, hits_hot, hits_stage, admissions, tokens_routed, tokens_hot,
-        tokens_stage, tokens_miss.
+        tokens_stage, tokens_miss, and with predictions prefetch_issued, _used and _wasted.
 
     Raises:
         PolicyContractError: the first broken rule, named.
@@ -247,14 +246,15 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
         raise ValueError(f"predictions of shape {predictions.shape} do not match the trace's "
                          f"{trace.num_tokens} tokens x {trace.num_layers} layers")
     mechanism = _Slots(policy)
-    book = PrefetchBook(per_layer=staged_per_layer)
     counts = dict.fromkeys(("accesses", "hits", "misses", "hits_hot", "hits_stage", "admissions"), 0)
     counts["preloaded"] = len(mechanism.slot_of)
+    prefetch = dict.fromkeys(("issued", "used", "admitted"), 0)
     tokens = [0, 0, 0]  # served from HOT, STAGE, MISS
     last_layer = trace.num_layers - 1
     E = trace.num_experts
     step_ends = _last_token_of_step(trace)
-    routed_in_step: dict[int, set[int]] = {}  # layer -> uids routed there by the step's tokens so far
+    staged: dict[int, int | None] = {}  # target layer -> the uid staged for it in this step (None: nothing copied)
+    used: set[int] = set()  # target layers whose staged expert was routed in this step
     step_start = 0  # first token of the current step
     for group in trace.accesses():
         policy.begin_group()
@@ -262,28 +262,35 @@ def replay(trace: RoutingTrace, policy: Policy, check: bool = False,
         for uid, routed in group.experts:
             answer = policy.access(uid, routed)
             mechanism.carry_out(uid, answer)
-            tokens[answer.tier] += routed
+            from_stage = uid == staged.get(group.layer) and answer.tier is Tier.MISS
+            tier = Tier.STAGE if from_stage else answer.tier
+            if from_stage and group.layer not in used:
+                used.add(group.layer)
+                prefetch["used"] += 1
+            prefetch["admitted"] += from_stage and answer.admit  # copied again: the staged copy was not a slot's
+            tokens[tier] += routed
             counts["accesses"] += 1
             counts["admissions"] += answer.admit
-            counts["misses" if answer.tier is Tier.MISS else "hits"] += 1
-            counts["hits_hot"] += answer.tier is Tier.HOT
-            counts["hits_stage"] += answer.tier is Tier.STAGE
-        if predictions is not None and group.layer + 2 <= last_layer:  # the runtime's order: fetch, stage, compute
-            target = group.layer + 2
-            book.stage(policy, target, [target * E + int(e) for e in predictions[group.token, target] if e >= 0],
-                       admit=mechanism.admit_staged)
-        routed_in_step.setdefault(group.layer, set()).update(uid for uid, _ in group.experts)
-        if step_ends[group.token]:  # the runtime computes a step's tokens in one call per layer
-            for uid in book.after_layer(policy, group.layer, routed_in_step.pop(group.layer)):
-                mechanism.release(uid)
-            if group.layer == last_layer:
-                policy.end_step(group.token + 1 - step_start)
-                step_start = group.token + 1
+            counts["misses" if tier is Tier.MISS else "hits"] += 1
+            counts["hits_hot"] += tier is Tier.HOT
+            counts["hits_stage"] += tier is Tier.STAGE
+        target = group.layer + 2
+        if predictions is not None and target <= last_layer and target not in staged:  # once per step
+            best = int(predictions[group.token, target, 0])
+            uid = target * E + best if best >= 0 else None
+            staged[target] = uid if uid is not None and policy.tier_of(uid) is Tier.MISS else None
+            prefetch["issued"] += staged[target] is not None
+        if step_ends[group.token] and group.layer == last_layer:
+            policy.end_step(group.token + 1 - step_start)
+            step_start = group.token + 1
+            staged.clear()
+            used.clear()
         if check:
             mechanism.check_all()
     counts.update(tokens_routed=sum(tokens), tokens_hot=tokens[0], tokens_stage=tokens[1], tokens_miss=tokens[2])
     if predictions is not None:
-        counts.update({f"prefetch_{name}": value for name, value in book.counts.as_dict().items()})
+        counts.update(prefetch_issued=prefetch["issued"], prefetch_used=prefetch["used"],
+                      prefetch_wasted=prefetch["issued"] - prefetch["used"], prefetch_admitted=prefetch["admitted"])
     return counts
 
 
@@ -312,7 +319,6 @@ class _Slots:
         self.slot_of = {uid: slot for slot, uid in enumerate(placed)}
         self._free = list(range(policy.capacity - 1, len(placed) - 1, -1))
         self._group: set[int] = set()
-        self._staged: set[int] = set()  # copied ahead of use, not yet released
 
     def begin_group(self) -> None:
         self._group = set()
@@ -330,20 +336,6 @@ class _Slots:
             raise PolicyContractError(f"{name}: admits uid {uid}, which already holds a slot")
         self.slot_of[uid] = self._take_slot(answer.evict, name)
 
-    def admit_staged(self, uid: int, answer: Access) -> None:
-        """Copy `uid` into STAGE ahead of use, as `Policy.stage` answered."""
-        if uid in self.slot_of or not answer.admit:
-            raise PolicyContractError(f"{self._policy.name}: stages uid {uid} with {answer}")
-        self.slot_of[uid] = self._take_slot(answer.evict, self._policy.name)
-        self._staged.add(uid)
-
-    def release(self, uid: int) -> None:
-        """The policy released `uid`'s STAGE slot."""
-        if uid in self._policy.resident():
-            raise PolicyContractError(f"{self._policy.name}: released uid {uid} but still holds it")
-        self._free.append(self.slot_of.pop(uid))
-        self._staged.discard(uid)
-
     def _take_slot(self, evict: int | None, name: str) -> int:
         if evict is None:
             if not self._free:
@@ -353,8 +345,6 @@ class _Slots:
             raise PolicyContractError(f"{name}: evicts uid {evict}, which holds no slot")
         if evict in self._group:
             raise PolicyContractError(f"{name}: evicts uid {evict}, accessed in the current group")
-        if evict in self._staged:
-            raise PolicyContractError(f"{name}: evicts uid {evict}, staged for a layer that has not run yet")
         return self.slot_of.pop(evict)
 
     def check_all(self) -> None:

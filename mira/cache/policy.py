@@ -105,22 +105,6 @@ class Policy(ABC):
         """The tier `uid` sits in now: HOT or STAGE when it holds a slot, else MISS."""
         return Tier.HOT if uid in self.resident() else Tier.MISS
 
-    def stage(self, uid: int) -> Access:
-        """The prefetcher asks for `uid` ahead of use (paper IV-E); policies without STAGE decline.
-
-        Returns:
-            Access(tier_of(uid)) when declined or already resident; an admission otherwise, carried
-            out like one answered by `access` (the uid is copied into a free slot or the slot of
-            `evict`).
-        """
-        return Access(self.tier_of(uid))
-
-    def release(self, uid: int) -> None:
-        """Give up `uid`'s STAGE slot (a prefetch done with, or never used); the mechanism frees it.
-
-        Policies without STAGE hold nothing to release.
-        """
-
     def end_step(self, tokens: int) -> None:
         """A token step of `tokens` tokens has finished (interval-driven policies act here)."""
 
@@ -382,10 +366,6 @@ class MiraPolicy(Policy):
     entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
     (a hand-over of slots: nothing is copied or evicted).
 
-    The prefetcher stages predicted experts into STAGE too (`stage`). A staged expert belongs to
-    the prefetcher until it is released after its target layer: no miss and no other prediction
-    may take its slot, and the rebalancer leaves it alone.
-
     Args:
         capacity: expert slots.
         total_experts: experts over all MoE layers (selects small- or large-VRAM mode).
@@ -418,11 +398,10 @@ class MiraPolicy(Policy):
         self._weight = config.prior_weight if prior is not None else 0.0
         rates = [prior.rate(uid) for uid in range(total_experts)] if prior is not None else [0.0] * total_experts
         self._prior_term = self._weight * np.array(rates)  # [total_experts]
-        self._staged: set[int] = set()  # STAGE entries staged ahead of use, not yet released
         # Victims, exactly and without ranking STAGE per miss: until the step ends only the experts
         # accessed in it change value. The others keep their order of the step's start (_victims,
         # least valuable first); the accessed ones sit in a heap by their latest value.
-        self._touched: dict[int, float] = {}  # accessed or staged in this step -> expected reuse now
+        self._touched: dict[int, float] = {}  # accessed in this step -> expected reuse now
         self._touched_heap: list[tuple[float, int]] = []  # (expected reuse, uid), stale entries skipped
         self._victims: list[int] | None = None
         self._next_victim = 0  # entries before it in _victims are gone or touched
@@ -473,8 +452,7 @@ class MiraPolicy(Policy):
         heapq.heappush(self._touched_heap, (rate, uid))
 
     def _stage_victim(self) -> int | None:
-        """The least valuable STAGE entry outside the current group that is not waiting for its layer
-        (ties to the lower uid)."""
+        """The least valuable STAGE entry outside the current group (ties to the lower uid)."""
         if self._victims is None:
             self._victims = self._ranked(self._stage).tolist()
             self._next_victim = 0
@@ -483,7 +461,7 @@ class MiraPolicy(Policy):
                                                     or victims[self._next_victim] in self._touched):
             self._next_victim += 1
         untouched = next((uid for uid in victims[self._next_victim:] if uid in self._stage
-                          and uid not in self._touched and uid not in self._staged), None)
+                          and uid not in self._touched), None)
         touched = self._touched_victim()
         candidates = [(self._touched[uid] if uid in self._touched else self.expected_rate(uid), uid)
                       for uid in (untouched, touched) if uid is not None]
@@ -497,7 +475,7 @@ class MiraPolicy(Policy):
             rate, uid = heap[0]
             if uid not in self._stage or self._touched.get(uid) != rate:
                 heapq.heappop(heap)  # left STAGE, or valued again since
-            elif uid in self._group or uid in self._staged:
+            elif uid in self._group:
                 held.append(heapq.heappop(heap))  # not now, maybe later in the step
             else:
                 found = uid
@@ -512,29 +490,6 @@ class MiraPolicy(Policy):
         rates = self._rates(array)
         order = np.lexsort((-array, -rates) if descending else (array, rates))
         return array[order]
-
-    def stage(self, uid: int) -> Access:
-        """Admit `uid` into STAGE ahead of use (paper IV-E): a free STAGE slot, else the slot of the
-        least valuable probation entry outside the current group (a prediction outranks probation);
-        declined when STAGE holds nothing else than staged experts and the current group. The
-        expert stays until `release`."""
-        tier = self.tier_of(uid)
-        if tier is not Tier.MISS or self.stage_slots == 0:
-            return Access(tier)
-        victim = None
-        if len(self._stage) >= self.stage_slots:
-            victim = self._stage_victim()
-            if victim is None:
-                return Access(Tier.MISS)
-            self._stage.remove(victim)
-        self._stage.add(uid)
-        self._staged.add(uid)
-        self._touch(uid)
-        return Access(Tier.MISS, admit=True, evict=victim)
-
-    def release(self, uid: int) -> None:
-        self._stage.discard(uid)
-        self._staged.discard(uid)
 
     def resident(self) -> set[int]:
         return self._hot | self._stage
@@ -567,7 +522,7 @@ class MiraPolicy(Policy):
             The (promoted, demoted) uid pairs, in the order they were swapped.
         """
         victims = self._ranked(self._hot)[: self.config.max_swaps].tolist()
-        candidates = self._ranked(self._stage - self._staged, descending=True).tolist()
+        candidates = self._ranked(self._stage, descending=True).tolist()
         swaps = []
         for promoted, demoted in zip(candidates, victims):
             if self.expected_rate(promoted) <= self.expected_rate(demoted):

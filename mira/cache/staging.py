@@ -1,39 +1,36 @@
-"""Prefetching under lagged residency: staging decided and carried out on the device (paper IV-E).
+"""Prefetching: staging decided and carried out on the device, two layers ahead (paper IV-E).
 
-Inline, a layer's predicted experts for the layer two on are read back to the host, offered to the
-policy and copied into STAGE slots (mira.cache.prefetcher): a host sync per layer, so the step
-cannot be replayed from a CUDA graph. Lagged (mira.cache.lagged), the predictor's best expert for
-layer i+2 stays a device tensor and kernels on the prefetch stream act on it by address
-(mira.kernels.staging): if it has no slot, its blob is copied into one of three stage rows kept
-apart from the policy's slots, and its entry in the address table points at the row once the copy
-has landed; layer i+2's kernel reads it from HBM then, or from the host if the copy is late. After
-layer i+2 the entry goes back to the host blob. Per MoE layer i, with C the compute stream and P
-the prefetch stream:
+The predictor's best expert for layer i+2 stays a device tensor and kernels on the prefetch stream
+act on it by address (mira.kernels.staging): if it has no slot, its blob is copied into one of
+three stage rows kept apart from the policy's slots, and its entry in the address table
+(mira.cache.tables) points at the row once the copy has landed; layer i+2's kernel reads it from
+HBM then, or from the host if the copy is late. After layer i+2 the entry goes back to the host
+blob. Per MoE layer i, with C the compute stream and P the prefetch stream:
 
     C: count routing, predict layer i+2's expert    P (after C so far): restore layer i-1's entry;
     C: layer i's kernel                                 stage layer i+2's expert into row (i+2) % 3
 
 Row (i+2) % 3 last held layer i-1's expert, whose kernel has run and whose entry P restored just
 before. The last layer restores its own entry and C waits for P, so a step ends with every entry
-back on its host blob or slot: the policy, which learns of the step a step late (`ExpertCache.settle`),
-never sees a stage row. Nothing syncs with the host, allocates, or depends on a host value that
-changes between steps, so a step with staging is captured and replayed like any lagged step.
+back on its host blob or slot: the policy never sees a stage row. Nothing syncs with the host,
+allocates, or depends on a host value that changes between steps, so a step with staging is
+captured and replayed like any step without.
 
 Each target layer keeps its state as 4 int64 (mira.kernels.staging: uid, placed row address,
-issued, used)
-beside its routed-token counters, so `LaggedResidency.drain`'s one read-back per step returns
-both. On the CPU there are no streams and the same steps run at once, in PyTorch on the same
-tables, also keeping lagged residency's list of rows for the reference FFN: the reference of the
-kernels.
+issued, used) beside its routed-token counters, so one read-back returns both. On the CPU there
+are no streams and the same steps run at once, in PyTorch on the same tables, also keeping the
+tables' list of rows for the reference FFN: the reference of the kernels.
 
 L MoE layers, E experts per layer, B bytes per blob.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mira.cache.lagged import LaggedResidency
+from mira.cache.tables import ExpertTables
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
@@ -41,17 +38,28 @@ ROWS = 3  # target layers staged at once: i (being computed), i+1 and i+2
 UID, PLACED, ISSUED, USED = range(4)  # a target layer's state columns (mira.kernels.staging; PLACED: an address)
 
 
-class LaggedStaging:
+@dataclass
+class PrefetchCounts:
+    issued: int = 0  # copies ahead of use into a stage row
+    used: int = 0  # staged and then routed at its target layer
+    wasted: int = 0  # staged and not routed there
+    admitted: int = 0  # staged, routed, and then admitted into a slot by the policy: copied once more
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class DeviceStaging:
     """Stages one predicted expert per MoE layer, two layers ahead, with no host in the loop.
 
     Args:
-        residency: lagged residency's tables and counters; `residency.staging` holds the states.
+        residency: the address tables and counters; `residency.staging` holds the states.
         store: the expert store (host blobs).
         rows: ROWS device rows of B bytes each, kept from the slot pool for staging only.
         transfer: the transfer layer (its prefetch stream).
     """
 
-    def __init__(self, residency: LaggedResidency, store: ExpertStore, rows: list[torch.Tensor], transfer: Transfer):
+    def __init__(self, residency: ExpertTables, store: ExpertStore, rows: list[torch.Tensor], transfer: Transfer):
         if len(rows) != ROWS:
             raise ValueError(f"staging needs {ROWS} rows, got {len(rows)}")
         self._residency = residency
@@ -67,6 +75,7 @@ class LaggedStaging:
             self._kernels = kernels
             self._stream = transfer.prefetch_stream
             self._compute_done = torch.cuda.Event()
+            self._staged = [torch.cuda.Event() for _ in range(ROWS)]  # row r: its last stage_commit
 
     def before_layer(self, layer: int, expert: torch.Tensor | None) -> None:
         """Layer `layer` is about to compute: restore layer-1's staged entry and stage `expert`
@@ -87,6 +96,13 @@ class LaggedStaging:
                 self._restore_on_device(layer - 1)
             if expert is not None:
                 self._stage_on_device(layer + 2, expert)
+                self._staged[(layer + 2) % ROWS].record(self._stream)
+
+    def wait_for(self, layer: int) -> None:
+        """The compute stream waits until what was staged for `layer` is in place (and its state
+        written), without waiting for later layers' staging (no host sync)."""
+        if self._cuda:
+            torch.cuda.current_stream().wait_event(self._staged[layer % ROWS])
 
     def after_layer(self, layer: int) -> None:
         """Layer `layer`'s kernel is enqueued: the last layer restores its own entry, and the compute

@@ -1,18 +1,15 @@
 """Token-level telemetry of the expert cache (paper IV-D): per expert, tokens routed and served by tier.
 
-The mechanism records every served expert; these cumulative figures feed reports and
-`--stats-json`. (Policies keep their own sliding windows from the accesses they see.) A layer
-whose experts are all resident for good records on the device instead, with no host sync
-(`device_counters`); those counters are folded into the figures whenever they are read. Lagged
-layers' tokens are recorded when the cache settles them after their step
-(`ExpertCache.settle`), with the tier the policy reports then: a hit whose copy was still in
-flight when its layer ran was in fact read zero-copy from the host store.
+The mechanism records every settled expert (mira.cache.cache); these cumulative figures feed
+reports and `--stats-json`. (Policies keep their own sliding windows from the accesses they see.)
+Lagged layers' tokens are recorded when the cache settles them after their step, with the tier the
+policy reports then: a hit whose copy was still in flight when its layer ran was in fact read
+zero-copy from the host store.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from mira.cache.policy import Tier
 
@@ -25,34 +22,20 @@ class Telemetry:
         self.accesses = np.zeros(len(Tier), dtype=np.int64)  # (layer, expert) lookups by tier
         self.bytes_to_device = 0  # on-demand copies (misses admitted into a slot)
         self.copies = 0
-        self.prefetch_bytes = 0  # copies ahead of use into STAGE
+        self.prefetch_bytes = 0  # staging's copies ahead of use
         self.prefetch_copies = 0
-        self._on_device: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, routed [E], lookups [E])
 
     @property
     def counts(self) -> np.ndarray:
         """int64 [L, E, 1 + tiers]: tokens routed, then tokens served by each tier."""
-        self._fold()
         return self._counts
 
-    def device_counters(self, layer_position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Counters a layer adds to on the device for experts served from HOT: tokens routed [E] and
-        lookups [E] (1 per call that routes the expert)."""
-        num_experts = self._counts.shape[1]
-        routed = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        lookups = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        self._on_device.append((layer_position, routed, lookups))
-        return routed, lookups
-
-    def _fold(self) -> None:
-        """Move the device counters into the host figures (a host sync, only when figures are read)."""
-        for layer_position, routed, lookups in self._on_device:
-            tokens = np.asarray(routed.tolist(), dtype=np.int64)
-            self._counts[layer_position, :, 0] += tokens
-            self._counts[layer_position, :, 1 + Tier.HOT] += tokens
-            self.accesses[Tier.HOT] += sum(lookups.tolist())
-            routed.zero_()
-            lookups.zero_()
+    def record_layers(self, tokens: np.ndarray, tier: Tier) -> None:
+        """Tokens routed per expert of every layer, int [L, E], all served from `tier` (one lookup
+        per routed expert)."""
+        self._counts[:, :, 0] += tokens
+        self._counts[:, :, 1 + tier] += tokens
+        self.accesses[tier] += int(np.count_nonzero(tokens))
 
     def record(self, layer_position: int, expert: int, tokens: int, tier: Tier) -> None:
         row = self._counts[layer_position, expert]
@@ -69,7 +52,7 @@ class Telemetry:
             self.copies += 1
 
     def summary(self) -> dict:
-        totals = self.counts.sum(axis=(0, 1))  # (folds the device counters first)
+        totals = self.counts.sum(axis=(0, 1))
         lookups = int(self.accesses.sum())
         return {
             "tokens_routed": int(totals[0]),

@@ -12,7 +12,7 @@ Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K],
 buffer, or its blob in the pinned host store, which the Triton kernels read directly over PCIe) or
 None when it is not routed. The result is [T, H] in hidden's dtype, written into `out` when given.
 The fused kernels also take the blobs' addresses as a device table (`TritonMoEFFN.forward_bases`),
-which the runtime fills with `mira.kernels.addresses.AddressTable` instead of passing the list.
+which the runtime keeps per layer (mira.cache.tables) instead of passing the list.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class ReferenceMoEFFN:
         *,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if hidden.device.type != "cpu":  # a routed expert without a slot is read from the host store: copy it over
+            blobs = list(blobs)
+            for expert in top_k_index.unique().tolist():
+                blobs[expert] = blobs[expert].to(hidden.device, non_blocking=True)
         result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act)
         if out is None:
             return result

@@ -1,9 +1,9 @@
 """Staging an expert chosen on the device, without the host (mira.cache.staging; DESIGN.md 2.8).
 
-Under lagged residency a layer's predictor picks the expert to stage for the layer two on as a
-device tensor; the host never learns which. These kernels act on that choice by address, through
-lagged residency's flat entry table (one int64 address per expert uid: its slot row, or its host
-blob, mira.cache.lagged) and the fixed table of host blob addresses:
+A layer's predictor picks the expert to stage for the layer two on as a device tensor; the host
+never learns which. These kernels act on that choice by address, through the flat entry table of
+mira.cache.tables (one int64 address per expert uid: its slot row, or its host blob) and the fixed
+table of host blob addresses:
 
 1. `stage_copy`: if the chosen expert's entry is still its host blob (it has no slot), copy the
    blob into a stage row: every program copies one chunk, reading the pinned host store over
@@ -19,7 +19,7 @@ blob, mira.cache.lagged) and the fixed table of host blob addresses:
 Each entry is written by one 8-byte store, so a kernel reading the table meanwhile sees the old
 address or the new one, and all of them hold the expert's bytes. The state of a target layer is 4
 int64: [uid, placed row address or 0, issued, used]. The PyTorch reference of these kernels is the CPU path of
-`mira.cache.staging.LaggedStaging`, which does the same on tensors; tests/kernels/test_staging.py
+`mira.cache.staging.DeviceStaging`, which does the same on tensors; tests/kernels/test_staging.py
 runs both on the same tables.
 """
 

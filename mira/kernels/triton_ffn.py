@@ -50,8 +50,8 @@ construction (they grow when a larger call comes; int8-shared keeps its scaled t
 until the down launch overwrites it). No path
 synchronises with the host: the blob-list form stages the address table in pinned host memory and
 copies it without waiting (`forward_bases` takes a device table the caller keeps instead, which
-also makes a decode step capturable in a CUDA graph; the runtime fills one per layer with
-`mira.kernels.addresses.AddressTable`, without the blob list's per-call checks and staging).
+also makes a decode step capturable in a CUDA graph; the runtime keeps one per layer in
+mira.cache.tables, without the blob list's per-call checks and staging).
 
 T tokens, E experts in the layer, K routed per token, P = T*K routed pairs, H hidden,
 I expert intermediate.

@@ -184,9 +184,9 @@ class Facts:
 @dataclass(frozen=True)
 class Decisions:
     """policy: the policy that runs (static, placing every expert, when all fit).
-    lagged: decode layers under the budget meet the cache after the step (mira.cache.lagged).
+    lagged: decode layers under the budget meet the cache after the step (mira.cache.tables).
     predictor: "trained", "gate", or None for no staging.
-    policy_slots: slots the policy manages (lagged staging keeps STAGING_ROWS of the capacity).
+    policy_slots: slots the policy manages (staging keeps STAGING_ROWS of the capacity).
     """
 
     policy: str
@@ -198,18 +198,18 @@ class Decisions:
 def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     """Every "auto" of the cache, residency and prefetch settings, decided.
 
-    Residency "auto" lags on CUDA whenever the fused kernels can read missed experts from pinned
-    memory (no host sync, so decode steps replay as CUDA graphs), and on the CPU only for policies
-    that never admit a miss, which lose nothing by it; nothing lags when every expert fits. Staging
+    Every expert fitting, all are resident for good and layers lag: they only count their tokens.
+    Under a budget, residency "auto" lags on CUDA whenever the fused kernels can read missed experts
+    from pinned memory (no host sync, so decode steps replay as CUDA graphs), and on the CPU only
+    for policies that never admit a miss, which lose nothing by it. Staging
     needs STAGE slots and a predictor; lagged, "auto" prefetching stages only when residency is
     "lagged" by name, since under "auto" residency decoding measured faster without it.
 
     Raises:
         MiraError: prefetch "trained" where there are no heads.
     """
-    under_budget = facts.capacity < facts.total_experts
-    if not under_budget:
-        return Decisions("static", False, None, facts.capacity)
+    if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
+        return Decisions("static", True, None, facts.capacity)
     mode = config.residency.mode
     possible = facts.device_type == "cpu" or facts.fused_kernels
     lagged = possible and mode != "inline" and (
@@ -220,5 +220,5 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
         raise MiraError("the store has no trained predictor heads; run `mira train-predictor`, or pass --prefetch gate")
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
         if stages else None
-    slots = facts.capacity - STAGING_ROWS if stages and lagged else facts.capacity
+    slots = facts.capacity - STAGING_ROWS if stages else facts.capacity
     return Decisions(config.cache.policy, lagged, predictor, slots)

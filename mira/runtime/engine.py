@@ -54,7 +54,7 @@ class MiraModel:
     """
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
-                 plan: SlotPlan | None, max_context: int):
+                 plan: SlotPlan | None, max_context: int, lagged: bool):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.config = config
@@ -62,6 +62,8 @@ class MiraModel:
         self.cache = cache
         self.plan = plan
         self.max_context = max_context
+        self.lagged = lagged  # decode layers leave their routing to the settle after each step
+        self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
         hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
@@ -90,7 +92,8 @@ class MiraModel:
         self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
 
     def _after_step(self, module, args, output) -> None:
-        self.cache.settle()  # lagged layers' routing of this step goes to the policy (a no-op inline)
+        if self._settles:
+            self.cache.settle()  # lagged layers' routing of this step, and staging's, go to the policy
         self.cache.end_step(self._step_tokens)
 
     def __call__(self, *args, **kwargs):
@@ -124,7 +127,7 @@ class MiraModel:
         """Whether this generate call's decode steps can be replayed from CUDA graphs: one sequence,
         and no MoE layer that needs the host after its first call."""
         return (self.decode_graphs is not None and _one_sequence(input_ids, kwargs, self.hf_model.generation_config)
-                and all(layer.becomes_host_free for layer in self.decode_graphs.layers))
+                and all(layer.host_free for layer in self.decode_graphs.layers))
 
     def _static_kv_cache(self) -> StaticCache:
         """The KV cache CUDA graphs can replay on: fixed buffers of max_context tokens, made once and
@@ -153,8 +156,8 @@ class MiraModel:
             "expert_blob_bytes": self.store.blob_bytes,
             "budget": asdict(self.plan) if self.plan else None,
             "cache": self.cache.telemetry.summary(),
-            "prefetch": self.cache.book.counts.as_dict(),
-            "residency": "lagged" if self.cache.lagged is not None else "inline",
+            "prefetch": self.cache.prefetch.as_dict(),
+            "residency": "lagged" if self.lagged else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
         }
 
@@ -253,7 +256,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
     placement = _policy(decided.policy, decided.policy_slots, total_experts, config.cache, profile)
-    transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
+    transfer = Transfer(torch_device, capacity)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.parent.gate for site in sites]
@@ -261,7 +264,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged))
-    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context)
+    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged)
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
@@ -358,8 +361,7 @@ def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: in
     """Bytes a budget holds before any expert slot: non-expert weights, KV cache, workspaces."""
     non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
     kv_bytes = adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
-    workspace = Transfer.workspace_bytes(device, store.blob_bytes, store.num_experts)
-    workspace += ACTIVATION_WORKSPACE if device.type == "cuda" else 0
+    workspace = ACTIVATION_WORKSPACE if device.type == "cuda" else 0
     return non_expert, kv_bytes, workspace
 
 

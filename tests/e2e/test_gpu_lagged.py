@@ -1,4 +1,4 @@
-"""On CUDA, lagged residency (mira.cache.lagged) decodes under an evicting budget with no host sync
+"""On CUDA, lagged residency (mira.cache.tables) decodes under an evicting budget with no host sync
 and no allocation inside the experts modules, generates exactly what every expert resident
 generates, also when every copy lands late (kernels then read the pinned host blob, which holds
 the same bytes), and leaves every table entry at its expert's slot row or host blob. The same
@@ -33,13 +33,13 @@ def _prompt():
 def _lagged_model(store, dtype: str, policy: str = "lru", prefetch: str = "off"):
     everything = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, prefetch="off", progress=False)
     expected = everything.generate(_prompt(), **GREEDY).cpu()
-    slots = SLOTS + (3 if prefetch != "off" else 0)  # lagged staging keeps three rows of the slots
+    slots = SLOTS + (3 if prefetch != "off" else 0)  # staging keeps three rows of the slots
     budget = everything.plan.reserve_bytes + slots * everything.store.blob_bytes
     del everything
     model = mira.load(store, device="cuda", dtype=dtype, vram_budget=budget, policy=policy, prefetch=prefetch,
                       residency="lagged", progress=False)
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
-    assert all(m._lagged and m.host_free and type(m.ffn).__name__ == "TritonMoEFFN" for m in layers)
+    assert all(m.lagged and m.host_free and type(m.ffn).__name__ == "TritonMoEFFN" for m in layers)
     assert model.cache.pool.num_slots == slots and model.store.data.is_pinned()
     assert (model.cache.staging is not None) == (prefetch != "off")
     return model, expected
@@ -47,7 +47,7 @@ def _lagged_model(store, dtype: str, policy: str = "lru", prefetch: str = "off")
 
 def _assert_tables_follow_the_slots(cache) -> None:
     torch.cuda.synchronize()
-    tables = cache.lagged.tables.tolist()
+    tables = cache.tables.tables.tolist()
     for uid in range(cache.store.num_layers * cache.store.num_experts):
         layer, expert = divmod(uid, cache.store.num_experts)
         slot = cache._slot_of.get(uid)
@@ -62,11 +62,10 @@ def test_cuda_lagged_residency_generates_the_all_resident_text(mixtral_store, mo
     if late:  # every copy waits ~10 ms on its stream first; the compute stream never waits for it
         load = Transfer.load
 
-        def late_load(self, src, dst, slot, prefetch=False, then=None):
-            stream = self.prefetch_stream if prefetch else self.demand_stream
-            with torch.cuda.stream(stream):
+        def late_load(self, src, dst, slot, then=None):
+            with torch.cuda.stream(self.demand_stream):
                 torch.cuda._sleep(LATE_CYCLES)
-            return load(self, src, dst, slot, prefetch, then)
+            return load(self, src, dst, slot, then)
 
         monkeypatch.setattr(Transfer, "load", late_load)
     got = model.generate(_prompt(), **GREEDY).cpu()

@@ -1,4 +1,4 @@
-"""Lagged residency (mira.cache.lagged): decode layers under a budget count their routing on the
+"""Lagged residency (mira.cache.tables): decode layers under a budget count their routing on the
 device and compute from address tables; the cache settles the counts with the policy once per step.
 
 Checked against independent references: generation with every expert resident and transformers'
@@ -63,13 +63,13 @@ def _reference(store: ExpertStore, layer: int, hidden, index, weights) -> torch.
 
 def _assert_tables_follow_the_slots(cache: ExpertCache) -> None:
     """Every entry: the slot row of a resident expert, else its host blob; the rows list likewise."""
-    tables = cache.lagged.tables.tolist()
+    tables = cache.tables.tables.tolist()
     for layer in range(L):
         for expert in range(E):
             slot = cache._slot_of.get(layer * E + expert)
             place = cache.store.blob(layer, expert) if slot is None else cache.pool.row(slot)
             assert tables[layer][expert] == place.data_ptr(), (layer, expert, slot)
-            assert cache.lagged.rows[layer][expert].data_ptr() == place.data_ptr(), (layer, expert, slot)
+            assert cache.tables.rows[layer][expert].data_ptr() == place.data_ptr(), (layer, expert, slot)
 
 
 def _lru_reference(steps: list[list[np.ndarray]], slots: int) -> tuple[np.ndarray, int]:
@@ -124,13 +124,13 @@ def _by_step(calls: list[tuple[int, np.ndarray]]) -> list[list[np.ndarray]]:
 def test_lagged_greedy_generation_equals_every_expert_resident_and_transformers(stores, checkpoints, slots):
     store = stores["mixtral", "none"]  # unquantized: Mira computes transformers' own model
     resident = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
-    assert resident.all_resident and not any(layer._lagged for layer in _layers(resident))
+    assert resident.all_resident and all(layer.lagged for layer in _layers(resident))  # nothing to decide
     expected = resident.generate(_prompt(), **GREEDY)
     reference = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"], dtype=torch.float32).eval()
     assert torch.equal(reference.generate(_prompt(), **GREEDY, disable_compile=True), expected)
     model = mira.load(store, device="cpu", vram_budget=_budget(store, slots), policy="lru", prefetch="off",
                       residency="lagged", progress=False)
-    assert all(layer._lagged and layer.host_free for layer in _layers(model))
+    assert all(layer.lagged and layer.host_free for layer in _layers(model))
     assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
     with torch.no_grad():
         got, want = model(_prompt(DECODE_TOKENS + 4)).logits, reference(_prompt(DECODE_TOKENS + 4)).logits
@@ -147,7 +147,7 @@ def test_a_lagged_decode_call_reads_nothing_back_and_matches_the_float64_referen
                       residency="lagged", progress=False)
     monkeypatch.undo()
     layers, cache = _layers(model), model.cache
-    assert all(hasattr(layer.ffn, "forward_bases") and layer._lagged for layer in layers)
+    assert all(hasattr(layer.ffn, "forward_bases") and layer.lagged for layer in layers)
     generator = torch.Generator().manual_seed(0)
     for step in range(3):
         calls = [_call(generator, tokens=1 + step) for _ in layers]
@@ -184,7 +184,7 @@ def test_after_settle_the_tables_hold_slot_rows_for_residents_and_host_blobs_oth
     slots = 6
     policy = _ForgetfulLRU(slots)
     cache = ExpertCache(store, policy, SlotPool(slots, store.blob_bytes, torch.device("cpu")),
-                        Transfer(torch.device("cpu"), slots, store.blob_bytes, E), Telemetry(L, E))
+                        Transfer(torch.device("cpu"), slots), Telemetry(L, E))
     ffn = make_moe_ffn("cpu", store.layout, "silu", backend="reference")
     layers = [MiraExperts(p, cache, ffn, torch.device("cpu"), lagged=True) for p in range(L)]
     _assert_tables_follow_the_slots(cache)  # nothing resident: every entry is a host blob
@@ -214,7 +214,7 @@ def test_after_settle_the_tables_hold_slot_rows_for_residents_and_host_blobs_oth
     np.add.at(routed[0], prefill[1].numpy().reshape(-1), 1)
     torch.testing.assert_close(layers[0](*prefill).double(), _reference(store, 0, *prefill), rtol=1e-5, atol=1e-5)
     _assert_tables_follow_the_slots(cache)
-    assert not cache.lagged.pending.any()
+    assert not cache.tables.pending.any()
     assert np.array_equal(cache.telemetry.counts[:, :, 0], routed)
 
 
@@ -228,7 +228,7 @@ def test_lagged_telemetry_and_decisions_equal_inline_and_a_brute_force_lru(store
     for lagged in (True, False):
         model = mira.load(store, device="cpu", vram_budget=budget, policy=policy, prefetch="off",
                           residency="lagged" if lagged else "inline", progress=False)
-        assert all(layer._lagged == lagged for layer in _layers(model))
+        assert all(layer.lagged == lagged for layer in _layers(model))
         calls = _record_routing(model)
         tokens = [model.generate(_prompt(length), **GREEDY) for length in (DECODE_TOKENS + 3, 5)]
         runs[lagged] = (model, tokens, _by_step(calls))
@@ -253,31 +253,26 @@ def test_lagged_telemetry_and_decisions_equal_inline_and_a_brute_force_lru(store
         assert lagged.cache.telemetry.copies == copies > 9
 
 
-def test_host_free_is_exact_for_fixed_lagged_inline_and_predicting_layers(stores, monkeypatch):
+def test_host_free_is_exact_for_resident_lagged_inline_and_predicting_layers(stores, monkeypatch):
     monkeypatch.setattr(engine, "make_moe_ffn", lambda *args, **kwargs: make_moe_ffn(*args, **kwargs, backend="triton"))
     store = stores["mixtral", "int8-shared"]
-    fixed = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
+    resident = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
     lagged = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="off", residency="lagged",
                        progress=False)
     predicting = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", progress=False)
     inline = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="off", residency="inline",
                        progress=False)
     monkeypatch.undo()
-    assert not any(layer.host_free for layer in _layers(fixed))  # the first call copies the fixed table in
-    models = (fixed, lagged, predicting, inline)
-    promised = [all(layer.becomes_host_free for layer in _layers(model)) for model in models]
-    assert promised == [True, True, False, False]
+    models = (resident, lagged, predicting, inline)
+    promised = [all(layer.host_free for layer in _layers(model)) for model in models]
+    assert promised == [True, True, False, False]  # "auto" on the CPU keeps the predicting mira policy inline
     generator = torch.Generator().manual_seed(2)
-    for model, becomes in zip(models, promised):
-        layer = _layers(model)[0]
-        layer(*_call(generator, tokens=2))
-        expected = layer.host_free
-        assert expected == becomes == layer.becomes_host_free
-        reads = host_reads(monkeypatch)
-        layer(*_call(generator, tokens=2))
-        monkeypatch.undo()
-        assert expected == (reads == []), (model.stats()["policy"], reads)
-    assert [_layers(model)[0].host_free for model in (fixed, lagged, predicting, inline)] == [True, True, False, False]
+    for model, free in zip(models, promised):
+        for _ in range(2):  # from the first call on
+            reads = host_reads(monkeypatch)
+            _layers(model)[0](*_call(generator, tokens=2))
+            monkeypatch.undo()
+            assert free == (reads == []), (model.stats()["policy"], reads)
 
 
 def test_an_unknown_residency_is_refused_with_the_fix(stores):
@@ -296,9 +291,9 @@ def test_lagged_staging_generates_the_all_resident_text_and_leaves_no_stage_row_
     model = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency="lagged",
                       progress=False)
     layers = _layers(model)
-    assert all(layer._lagged and layer.host_free for layer in layers)
+    assert all(layer.lagged and layer.host_free for layer in layers)
     assert [layer._predicts for layer in layers] == [True] + [False] * (L - 1)  # only layer 0 has a layer 2 on
-    assert model.cache.policy.capacity == 12 - 3 and model.cache.pool.num_slots == 12
+    assert model.cache.policy.capacity == 12 - 3 and model.cache.pool.num_slots == 12  # 3 stage rows
     assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
     _assert_tables_follow_the_slots(model.cache)
     counts, stats = model.stats()["prefetch"], model.stats()["cache"]
@@ -310,7 +305,7 @@ def test_lagged_staging_generates_the_all_resident_text_and_leaves_no_stage_row_
 
 def test_auto_residency_lags_only_policies_that_never_admit_a_miss_on_the_cpu(stores, tmp_path):
     """On the CPU "auto" lags only where nothing is admitted, and never with a predictor (on CUDA it
-    also lags small experts: tests/unit/test_residency.py)."""
+    also lags small experts: tests/unit/test_runtime_config.py)."""
     store = stores["mixtral", "int8-shared"]
     budget = _budget(store, 12)
     trace = tmp_path / "profile.npz"
@@ -321,9 +316,9 @@ def test_auto_residency_lags_only_policies_that_never_admit_a_miss_on_the_cpu(st
     def lagged(**options) -> bool:
         model = mira.load(store, device="cpu", vram_budget=budget, progress=False, **options)
         layers = _layers(model)
-        assert len({layer._lagged for layer in layers}) == 1
-        assert model.stats()["residency"] == ("lagged" if layers[0]._lagged else "inline")
-        return layers[0]._lagged
+        assert len({layer.lagged for layer in layers}) == 1
+        assert model.stats()["residency"] == ("lagged" if layers[0].lagged else "inline")
+        return layers[0].lagged
 
     assert lagged(policy="static", profile=trace) and lagged(policy="on-demand")
     assert not lagged(policy="mira", prefetch="off") and not lagged(policy="lru") and not lagged(policy="lfu")

@@ -1,5 +1,5 @@
 """Lagged staging (mira.cache.staging) on one store's tables: the Triton kernels of
-mira.kernels.staging and LaggedStaging's CPU path (their PyTorch reference) each take the same
+mira.kernels.staging and DeviceStaging's CPU path (their PyTorch reference) each take the same
 sequence of layer calls, and both must end where a hand-worked account of it says.
 
 Without CUDA the kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in
@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mira.cache.lagged import LaggedResidency
+from mira.cache.tables import ExpertTables
 from mira.cache.slots import SlotPool
-from mira.cache.staging import ISSUED, PLACED, ROWS, UID, USED, LaggedStaging
+from mira.cache.staging import ISSUED, PLACED, ROWS, UID, USED, DeviceStaging
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
@@ -31,8 +31,8 @@ E = 8
 SENTINEL = 0xA5
 
 
-class _KernelStaging(LaggedStaging):
-    """LaggedStaging with its CPU path replaced by the Triton kernels (interpreted without CUDA)."""
+class _KernelStaging(DeviceStaging):
+    """DeviceStaging with its CPU path replaced by the Triton kernels (interpreted without CUDA)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -51,16 +51,16 @@ def _setup(store_path, staging_class):
     pytest.importorskip("triton")
     store = ExpertStore.open(store_path, progress=False)
     pool = SlotPool(2 + ROWS, store.blob_bytes, torch.device("cpu"))
-    residency = LaggedResidency(store, pool, torch.device("cpu"))
+    residency = ExpertTables(store, pool, torch.device("cpu"))
     residency.to_slot(0 * E + 5, pool.take())  # (0, 5) in slot 0
     rows = [pool.row(pool.take()) for _ in range(ROWS)]
     for row in rows:
         row.fill_(SENTINEL)
-    transfer = Transfer(torch.device("cpu"), pool.num_slots, store.blob_bytes, E)
+    transfer = Transfer(torch.device("cpu"), pool.num_slots)
     return store, pool, residency, staging_class(residency, store, rows, transfer), rows
 
 
-@pytest.mark.parametrize("staging_class", [LaggedStaging, _KernelStaging], ids=["pytorch", "triton"])
+@pytest.mark.parametrize("staging_class", [DeviceStaging, _KernelStaging], ids=["pytorch", "triton"])
 def test_staging_places_restores_and_counts(mixtral_store, staging_class):
     store, pool, residency, staging, rows = _setup(mixtral_store, staging_class)
     blob_of = lambda layer, expert: store.blob(layer, expert).data_ptr()  # noqa: E731

@@ -185,22 +185,6 @@ def test_mira_rebalance_swaps_stage_entries_worth_more_than_hot_ones_within_the_
     assert bounded.rebalance() == [(4, 1)]  # two candidates, one swap: best (tie: higher uid) for worst
 
 
-def test_mira_stage_takes_a_free_slot_or_displaces_probation_but_never_a_staged_expert():
-    policy = mira(capacity=4, stage_slots=2)
-    steps(policy, [[1, 2], [3]])  # HOT {1, 2}, 3 in STAGE; after the step 3, busier, swaps with 1
-    assert policy.resident() == {1, 2, 3} and policy.tier_of(1) is Tier.STAGE
-    assert policy.stage(2) == Access(Tier.HOT)  # already resident: skipped
-    assert policy.stage(9) == MISS_ADMIT  # the free STAGE slot
-    assert policy.stage(8) == Access(Tier.MISS, admit=True, evict=1)  # a prediction outranks probation
-    assert policy.stage(7) == Access(Tier.MISS)  # STAGE holds staged experts only: declined
-    policy.begin_group()
-    assert policy.access(6, 1) == Access(Tier.MISS)  # nor may a miss take a staged expert's slot
-    policy.release(9)
-    assert policy.resident() == {2, 3, 8} and policy.tier_of(9) is Tier.MISS
-    assert policy.access(5, 1) == MISS_ADMIT  # the released slot is free again
-    assert policy.stage(7) == Access(Tier.MISS)  # 5 is in the current group, 8 is staged
-
-
 def test_mira_may_evict_an_expert_used_earlier_in_the_step_but_not_in_the_group():
     policy = mira(capacity=2, stage_slots=1)
     steps(policy, [[1], [2]])  # HOT {2}, STAGE {1} after the rebalance; 1.75 steps of evidence
@@ -208,23 +192,6 @@ def test_mira_may_evict_an_expert_used_earlier_in_the_step_but_not_in_the_group(
     assert run(policy, [[1], [3], [3]]) == [Access(Tier.STAGE), Access(Tier.MISS), Access(Tier.MISS, True, 1)]
     # STAGE's only entry, 3, is in the current group: 4 is served from the host, not admitted
     assert run(policy, [[3, 4]]) == [Access(Tier.STAGE), Access(Tier.MISS)]
-
-
-def test_mira_rebalance_leaves_staged_experts_to_the_prefetcher():
-    policy = mira(capacity=3, stage_slots=1, rebalance_interval=1000, max_swaps=1)
-    steps(policy, [[1, 2]])  # HOT {1, 2}, idle from now on
-    policy.stage(9)
-    steps(policy, [[9], [9]])  # busy in STAGE, but staged for a layer that has not finished
-    assert policy.rebalance() == [] and policy.tier_of(9) is Tier.STAGE
-    policy.release(9)
-    steps(policy, [[9], [9]])  # now admitted on a miss, and as busy
-    assert policy.rebalance() == [(9, 1)]  # the idle HOT expert 1 (lower uid than 2) makes room
-
-
-def test_single_tier_policies_decline_staging():
-    policy = LRU(4)
-    assert policy.stage(3) == Access(Tier.MISS)
-    assert policy.resident() == set()
 
 
 def test_bad_sizes_are_refused():

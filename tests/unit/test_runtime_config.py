@@ -44,8 +44,8 @@ def test_policies_that_never_admit_a_miss_lag_under_a_budget_on_either_device():
     assert not _decide(policy="static", admits_misses=False, residency="inline").lagged
 
 
-def test_every_expert_fitting_makes_a_static_placement_with_nothing_lagged_or_staged():
-    assert _decide(capacity=96, prefetch="gate", residency="lagged") == Decisions("static", False, None, 96)
+def test_every_expert_fitting_makes_a_static_placement_lagged_and_never_staged():
+    assert _decide(capacity=96, prefetch="gate", residency="inline") == Decisions("static", True, None, 96)
 
 
 @pytest.mark.parametrize("residency", ["auto", "inline"])
@@ -55,7 +55,7 @@ def test_inline_models_stage_whenever_a_predictor_may_run(residency):
     assert _decide(prefetch="auto", has_heads=True, **inline).predictor == "trained"
     assert _decide(prefetch="off", **inline).predictor is None
     assert _decide(prefetch="gate", stage_slots=0, **inline).predictor is None  # LRU, static: no STAGE
-    assert _decide(prefetch="gate", **inline).policy_slots == 40  # inline staging uses the policy's own slots
+    assert _decide(prefetch="gate", **inline).policy_slots == 40 - STAGING_ROWS  # staging keeps its rows
 
 
 def test_lagged_models_stage_on_the_device_only_for_a_named_predictor_or_residency():

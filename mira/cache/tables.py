@@ -1,20 +1,17 @@
-"""Lagged residency: decode with no host sync per MoE layer under a budget (DESIGN.md 2.8).
+"""Where every expert can be read now, and the tokens routed since they were last settled (DESIGN.md 2.8).
 
-Inline, a layer under a budget reads its routing back to the host on every call, so the policy can
-place the routed experts before the kernel runs. Lagged, the layer instead adds its routed tokens
-per expert to counters on the device and computes from an address table that holds, for every
-expert of the layer, an address the kernel can read: its slot row when it is resident and its copy
-has landed, else its blob in the pinned host store (read over PCIe inside the same launch:
-zero-copy, the same bytes). Once per forward step the cache reads every layer's counters back at
-once and settles them with the policy exactly as the layer calls would have (`ExpertCache.settle`):
-the policy sees the same accesses in the same order, a step later than the kernels.
+Every MoE layer computes from an address table that holds, for each of its experts, an address the
+kernel can read: the expert's slot row when it is resident and its copy has landed, else its blob
+in the host store (pinned on CUDA, read over PCIe inside the same launch: zero-copy, the same
+bytes). Layers add their routed tokens per expert to counters on the device; the cache reads them
+back and settles them with the policy, before the layer's kernel (inline residency) or once after
+the step for every layer at once (lagged residency: no host sync inside the step).
 
 This module holds the tables and counters and rewrites table entries without allocating or waiting:
 the addresses are constants (one per host blob, one per slot row) kept on the device, and an entry
 is rewritten by one small kernel that copies a constant into it, on the stream the caller picks.
-Prefetching under lagged residency (mira.cache.staging) also points entries at its stage rows for
-the span of one step, and keeps its per-layer state beside the counters, so one read-back serves
-both.
+Prefetching (mira.cache.staging) also points entries at its stage rows for the span of one step,
+and keeps its per-layer state beside the counters, so one read-back serves both.
 
 L MoE layers, E experts per layer, S slots.
 """
@@ -29,16 +26,17 @@ from mira.store.store import ExpertStore
 STAGING_COLUMNS = 4  # mira.kernels.staging's state of a target layer
 
 
-class LaggedResidency:
-    """Where every expert of every MoE layer can be read now, and the tokens routed since the last settle.
+class ExpertTables:
+    """Where every expert of every MoE layer can be read now, and the tokens routed since it was settled.
 
     Attributes:
         tables: int64 [L, E] on the device; `tables[l]` is layer l's address table for
             `TritonMoEFFN.forward_bases`: a slot row's address or the host blob's, never 0.
         entries: the same, flat [L*E] (indexed by uid).
         blob_addresses: int64 [L*E] on the device: every expert's host blob address.
-        rows: L lists of E uint8 blobs, the same places as tensors, for the reference FFN (CPU).
-            They change on the host at once, so they are valid only where copies are immediate.
+        rows: L lists of E uint8 blobs, the same places as tensors, for the reference FFN. They
+            change on the host at once: on CUDA the compute stream waits for a row's copy
+            (`Transfer.ready`) before a kernel reads it.
         pending: int64 [L, E] on the device: tokens routed per expert since the last `drain`.
         staging: int64 [L, 4] on the device: per target layer, staging's state since the last
             `drain` (mira.kernels.staging: uid, placed row address, issued, used); zeros without
@@ -88,6 +86,13 @@ class LaggedResidency:
         self._write(uid, self.blob_addresses[uid : uid + 1])
         layer, expert = divmod(uid, self._experts)
         self.rows[layer][expert] = self._store.blob(layer, expert)
+
+    def drain_layer(self, layer: int) -> tuple[list[int], list[int]]:
+        """Layer `layer`'s tokens routed per expert since it was last drained, [E], and its staging
+        state, [4]; zero the counts (the state stays for the step's `drain`). One host sync."""
+        row = self._counters[layer].tolist()
+        self.pending[layer].zero_()
+        return row[:self._experts], row[self._experts:]
 
     def drain(self) -> tuple[list[list[int]], list[list[int]]]:
         """The tokens routed per expert since the last drain, [L][E], and staging's state per target
