@@ -65,6 +65,8 @@ class ExpertCache:
             self.staging.wait_for(layer_position)
         per_expert, state = self.tables.drain_layer(layer_position)
         staged = state[UID] - layer_position * self.store.num_experts if state[PLACED] else None
+        if staged is not None and per_expert[staged]:  # counted here: the restore after the kernel sees no tokens
+            self.prefetch.used += 1
         for expert in self._settle(layer_position, per_expert, staged):
             uid = layer_position * self.store.num_experts + expert
             if uid in self._slot_of:
@@ -123,7 +125,6 @@ class ExpertCache:
         """Staging's copies of one target layer in one step, in the prefetch counts."""
         self.prefetch.issued += issued
         self.prefetch.used += used
-        self.prefetch.wasted += issued - used
         for _ in range(issued):
             self.telemetry.record_copy(self.store.blob_bytes, prefetch=True)
 

@@ -41,12 +41,11 @@ UID, PLACED, ISSUED, USED = range(4)  # a target layer's state columns (mira.ker
 @dataclass
 class PrefetchCounts:
     issued: int = 0  # copies ahead of use into a stage row
-    used: int = 0  # staged and then routed at its target layer
-    wasted: int = 0  # staged and not routed there
+    used: int = 0  # staged and then routed at its target layer (the rest were wasted)
     admitted: int = 0  # staged, routed, and then admitted into a slot by the policy: copied once more
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        return {"issued": self.issued, "used": self.used, "wasted": self.issued - self.used, "admitted": self.admitted}
 
 
 class DeviceStaging:

@@ -281,17 +281,18 @@ def test_an_unknown_residency_is_refused_with_the_fix(stores):
         mira.load(store, device="cpu", vram_budget=_budget(store, 12), residency="late", progress=False)
 
 
-def test_lagged_staging_generates_the_all_resident_text_and_leaves_no_stage_row_in_the_tables(stores):
-    """Prefetching under lagged residency (mira.cache.staging): the same text as every expert
+@pytest.mark.parametrize("residency", ["lagged", "inline"])
+def test_staging_generates_the_all_resident_text_and_leaves_no_stage_row_in_the_tables(stores, residency):
+    """Prefetching (mira.cache.staging), in either residency: the same text as every expert
     resident; every step's staged entries are back on their blobs or slots when the step ends; the
     copies it issued are prefetches, each used or wasted, and the tokens it served are STAGE."""
     store = stores["mixtral", "int8-shared"]
     resident = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
     expected = resident.generate(_prompt(), **GREEDY)
-    model = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency="lagged",
+    model = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency=residency,
                       progress=False)
     layers = _layers(model)
-    assert all(layer.lagged and layer.host_free for layer in layers)
+    assert all(layer.lagged == layer.host_free == (residency == "lagged") for layer in layers)
     assert [layer._predicts for layer in layers] == [True] + [False] * (L - 1)  # only layer 0 has a layer 2 on
     assert model.cache.policy.capacity == 12 - 3 and model.cache.pool.num_slots == 12  # 3 stage rows
     assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
