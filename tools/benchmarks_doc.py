@@ -379,8 +379,13 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
 
 
 def headline(results: dict[str, Json], doc: str) -> Lines:
+    try:
+        rows = headline_rows(results, doc)
+    except (KeyError, StopIteration) as e:
+        raise SystemExit(f"benchmarks_doc: error: a headline figure's result is gone ({type(e).__name__} {e}); "
+                         "point headline_rows in tools/benchmarks_doc.py at the file that replaced it") from None
     return table(["measurement (H200 unless noted; synthetic shapes have random weights and routing)",
-                  "Mira", "against", "source"], headline_rows(results, doc))
+                  "Mira", "against", "source"], rows)
 
 
 def document(results: dict[str, Json]) -> str:
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         if stale:
             names = " and ".join(str(p.relative_to(ROOT)) for p in stale)
-            print(f"benchmarks_doc: {names} stale: run python tools/benchmarks_doc.py", file=sys.stderr)
+            verb = "is" if len(stale) == 1 else "are"
+            print(f"benchmarks_doc: {names} {verb} stale; run python tools/benchmarks_doc.py", file=sys.stderr)
             return 1
         return 0
     for path in stale:
