@@ -19,6 +19,7 @@ Belady's offline optimum is in `mira.cache.belady`.
 
 from __future__ import annotations
 
+import array
 import enum
 import heapq
 import math
@@ -53,6 +54,9 @@ class Access:
     tier: Tier
     admit: bool = False
     evict: int | None = None
+
+
+SERVED = {tier: Access(tier) for tier in Tier}  # the answers without admission, made once: the settle path is hot
 
 
 class Policy(ABC):
@@ -124,14 +128,14 @@ class LRU(Policy):
     def _access(self, uid: int, tokens: int) -> Access:
         if uid in self._order:
             self._order.move_to_end(uid)
-            return Access(Tier.HOT)
+            return SERVED[Tier.HOT]
         if self.capacity == 0:
-            return Access(Tier.MISS)
+            return SERVED[Tier.MISS]
         victim = None
         if len(self._order) >= self.capacity:
             victim = next((u for u in self._order if self._evictable(u)), None)
             if victim is None:
-                return Access(Tier.MISS)  # every slot holds an expert of this group
+                return SERVED[Tier.MISS]  # every slot holds an expert of this group
             del self._order[victim]
         self._order[uid] = None
         return Access(Tier.MISS, admit=True, evict=victim)
@@ -165,14 +169,14 @@ class LFU(Policy):
         self._count[uid] = self._count.get(uid, 0) + 1
         if uid in self._last:
             self._touch(uid)
-            return Access(Tier.HOT)
+            return SERVED[Tier.HOT]
         if self.capacity == 0:
-            return Access(Tier.MISS)
+            return SERVED[Tier.MISS]
         victim = None
         if len(self._last) >= self.capacity:
             victim = self._pop_victim()
             if victim is None:
-                return Access(Tier.MISS)  # every slot holds an expert of this group
+                return SERVED[Tier.MISS]  # every slot holds an expert of this group
         self._touch(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
@@ -261,7 +265,7 @@ class Static(Policy):
         self._placed = frozenset(profile.ranked()[:capacity])
 
     def _access(self, uid: int, tokens: int) -> Access:
-        return Access(Tier.HOT if uid in self._placed else Tier.MISS)
+        return SERVED[Tier.HOT if uid in self._placed else Tier.MISS]
 
     def resident(self) -> set[int]:
         return set(self._placed)
@@ -277,7 +281,7 @@ class OnDemand(Policy):
     admits_misses = False
 
     def _access(self, uid: int, tokens: int) -> Access:
-        return Access(Tier.MISS)
+        return SERVED[Tier.MISS]
 
     def resident(self) -> set[int]:
         return set()
@@ -292,7 +296,8 @@ class Heat:
 
     Kept in units that grow by 1/decay per step (tracked as a logarithm), so a step costs O(1)
     rather than one multiply per expert; the units are brought back to 1 before they grow past
-    about 1e100, which also makes long prefill steps safe. One array, so many uids read at once.
+    about 1e100, which also makes long prefill steps safe. One buffer, read one uid at a time from
+    Python (the settle path, per routed expert) or many at once through a numpy view of it.
     """
 
     _RESCALE_AT = 230.0  # natural log of the unit, about 1e100
@@ -302,24 +307,27 @@ class Heat:
             raise ValueError(f"heat decay must be in (0, 1], got {decay}")
         self._growth = -math.log(decay)  # log of the unit's growth per step
         self._log_unit = 0.0  # log of the weight of a token routed now
-        self._scaled = np.zeros(size)
+        self._unit, self._inverse = 1.0, 1.0  # exp(log_unit), exp(-log_unit)
+        self._scaled = array.array("d", bytes(8 * size))  # Python-speed scalar access
+        self._view = np.frombuffer(self._scaled, dtype=np.float64)  # the same memory, for vector reads
 
     def add(self, uid: int, tokens: int) -> None:
-        self._scaled[uid] += tokens * math.exp(self._log_unit)
+        self._scaled[uid] += tokens * self._unit
 
     def advance(self, steps: int) -> None:
         """`steps` token steps have passed."""
         self._log_unit += steps * self._growth
         if self._log_unit > self._RESCALE_AT:
-            self._scaled *= math.exp(-self._log_unit)  # 0.0 when everything has decayed away
+            self._view *= math.exp(-self._log_unit)  # 0.0 when everything has decayed away
             self._log_unit = 0.0
+        self._unit, self._inverse = math.exp(self._log_unit), math.exp(-self._log_unit)
 
     def __getitem__(self, uid: int) -> float:
-        return float(self._scaled[uid]) * math.exp(-self._log_unit)
+        return self._scaled[uid] * self._inverse
 
     def of(self, uids: np.ndarray) -> np.ndarray:
         """The heat of each uid of `uids`."""
-        return self._scaled[uids] * math.exp(-self._log_unit)
+        return self._view[uids] * self._inverse
 
 
 def split_slots(capacity: int, total_experts: int, config: CacheConfig) -> tuple[int, int]:
@@ -398,6 +406,7 @@ class MiraPolicy(Policy):
         self._weight = config.prior_weight if prior is not None else 0.0
         rates = [prior.rate(uid) for uid in range(total_experts)] if prior is not None else [0.0] * total_experts
         self._prior_term = self._weight * np.array(rates)  # [total_experts]
+        self._prior_terms = self._prior_term.tolist()  # the same, for reads one uid at a time
         # Victims, exactly and without ranking STAGE per miss: until the step ends only the experts
         # accessed in it change value. The others keep their order of the step's start (_victims,
         # least valuable first); the accessed ones sit in a heap by their latest value.
@@ -412,7 +421,7 @@ class MiraPolicy(Policy):
 
     def expected_rate(self, uid: int) -> float:
         """Routed tokens per token step `uid` is expected to get: its heat blended with the prior."""
-        return (self._heat[uid] + float(self._prior_term[uid])) / (self._evidence + self._weight)
+        return (self._heat[uid] + self._prior_terms[uid]) / (self._evidence + self._weight)
 
     def _rates(self, uids: np.ndarray) -> np.ndarray:
         return (self._heat.of(uids) + self._prior_term[uids]) / (self._evidence + self._weight)
@@ -422,7 +431,7 @@ class MiraPolicy(Policy):
         self._touch(uid)
         tier = self.tier_of(uid)
         if tier is not Tier.MISS:
-            return Access(tier)
+            return SERVED[tier]
         return self._admit(uid)
 
     def _admit(self, uid: int) -> Access:
@@ -430,12 +439,12 @@ class MiraPolicy(Policy):
         gain = self._saved(uid)
         if len(self._hot) < self.hot_slots or len(self._stage) < self.stage_slots:
             if gain <= self.admission_cost:
-                return Access(Tier.MISS)
+                return SERVED[Tier.MISS]
             (self._hot if len(self._hot) < self.hot_slots else self._stage).add(uid)
             return Access(Tier.MISS, admit=True)
         victim = self._stage_victim()
         if victim is None or gain - self._saved(victim) <= self.admission_cost:
-            return Access(Tier.MISS)
+            return SERVED[Tier.MISS]
         self._stage.remove(victim)
         self._stage.add(uid)
         return Access(Tier.MISS, admit=True, evict=victim)

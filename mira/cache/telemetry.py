@@ -9,6 +9,8 @@ zero-copy from the host store.
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 
 from mira.cache.policy import Tier
@@ -18,12 +20,20 @@ class Telemetry:
     """counts[layer, expert] = (tokens routed, tokens served from HOT, from STAGE, from the host store)."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        self._counts = np.zeros((num_layers, num_experts, 1 + len(Tier)), dtype=np.int64)
-        self.accesses = np.zeros(len(Tier), dtype=np.int64)  # (layer, expert) lookups by tier
+        columns = 1 + len(Tier)
+        self._flat = array.array("q", bytes(8 * num_layers * num_experts * columns))  # Python-speed `record`
+        self._counts = np.frombuffer(self._flat, dtype=np.int64).reshape(num_layers, num_experts, columns)
+        self._experts = num_experts
+        self._lookups = [0] * len(Tier)  # (layer, expert) lookups by tier
         self.bytes_to_device = 0  # on-demand copies (misses admitted into a slot)
         self.copies = 0
         self.prefetch_bytes = 0  # staging's copies ahead of use
         self.prefetch_copies = 0
+
+    @property
+    def accesses(self) -> np.ndarray:
+        """int64 [tiers]: (layer, expert) lookups served by each tier."""
+        return np.array(self._lookups, dtype=np.int64)
 
     @property
     def counts(self) -> np.ndarray:
@@ -35,13 +45,13 @@ class Telemetry:
         per routed expert)."""
         self._counts[:, :, 0] += tokens
         self._counts[:, :, 1 + tier] += tokens
-        self.accesses[tier] += int(np.count_nonzero(tokens))
+        self._lookups[tier] += int(np.count_nonzero(tokens))
 
     def record(self, layer_position: int, expert: int, tokens: int, tier: Tier) -> None:
-        row = self._counts[layer_position, expert]
-        row[0] += tokens
-        row[1 + tier] += tokens
-        self.accesses[tier] += 1
+        at = (layer_position * self._experts + expert) * (1 + len(Tier))
+        self._flat[at] += tokens
+        self._flat[at + 1 + tier] += tokens
+        self._lookups[tier] += 1
 
     def record_copy(self, nbytes: int, prefetch: bool = False) -> None:
         if prefetch:
