@@ -86,12 +86,20 @@ class ExpertCache:
         """
         counts, states = self.tables.drain()
         if self.all_resident:
-            self.telemetry.record_layers(np.asarray(counts, dtype=np.int64), Tier.HOT)
+            self.telemetry.record_layers(counts, Tier.HOT)
             return
         E = self.store.num_experts
-        for layer_position, (per_expert, state) in enumerate(zip(counts, states)):
-            self._count_staging(state[ISSUED], state[USED])
-            self._settle(layer_position, per_expert, state[UID] - layer_position * E if state[USED] else None)
+        self._count_staging(int(states[:, ISSUED].sum()), int(states[:, USED].sum()))
+        staged = [uid - layer * E if used else None
+                  for layer, (uid, used) in enumerate(states[:, [UID, USED]].tolist())]
+        layers, experts = np.nonzero(counts)  # row-major: by layer, then ascending expert id
+        tokens = counts[layers, experts].tolist()
+        last = -1
+        for layer_position, expert, routed in zip(layers.tolist(), experts.tolist(), tokens):
+            if layer_position != last:
+                self.policy.begin_group()
+                last = layer_position
+            self._access(layer_position, expert, routed, staged=expert == staged[layer_position])
 
     def end_step(self, tokens: int) -> None:
         """A forward step of `tokens` tokens has finished; drop residency the policy gave up on."""
@@ -122,7 +130,7 @@ class ExpertCache:
         return access
 
     def _count_staging(self, issued: int, used: int) -> None:
-        """Staging's copies of one target layer in one step, in the prefetch counts."""
+        """Staging's copies in one step, in the prefetch counts."""
         self.prefetch.issued += issued
         self.prefetch.used += used
         for _ in range(issued):

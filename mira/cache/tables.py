@@ -18,6 +18,7 @@ L MoE layers, E experts per layer, S slots.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mira.cache.slots import SlotPool
@@ -62,6 +63,7 @@ class ExpertTables:
         self.tables = self.entries.view(L, E)
         self.rows = [[store.blob(layer, expert) for expert in range(E)] for layer in range(L)]
         self._counters = torch.zeros(L, E + STAGING_COLUMNS, dtype=torch.int64, device=device)  # one read-back
+        self._read_back = torch.empty_like(self._counters, device="cpu")  # where `drain` reads them, made once
         self.pending = self._counters[:, :E]  # [L, E]
         self.staging = self._counters[:, E:]  # [L, 4]
 
@@ -94,17 +96,17 @@ class ExpertTables:
         self.pending[layer].zero_()
         return row[:self._experts], row[self._experts:]
 
-    def drain(self) -> tuple[list[list[int]], list[list[int]]]:
-        """The tokens routed per expert since the last drain, [L][E], and staging's state per target
-        layer, [L][4]; zero both.
+    def drain(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens routed per expert since the last drain, int64 [L, E], and staging's state per
+        target layer, [L, 4] (views of one host buffer, valid until the next drain); zero both.
 
         The one host sync of a settle: one read-back for all layers, on the current stream (the
         compute stream, after the step's kernels).
         """
-        rows = self._counters.tolist()
+        self._read_back.copy_(self._counters)
         self._counters.zero_()
-        E = self._experts
-        return [row[:E] for row in rows], [row[E:] for row in rows]
+        rows = self._read_back.numpy()  # valid until the next drain
+        return rows[:, :self._experts], rows[:, self._experts:]
 
     def _write(self, uid: int, address: torch.Tensor) -> None:
         self.entries.index_copy_(0, self._uids[uid : uid + 1], address)
