@@ -17,6 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+SWAP_MAX = 16  # misses up to which `split` tries moves and swaps after its prefix (O(n^2) each round)
+
 
 @dataclass(frozen=True)
 class LinearCost:
@@ -107,9 +109,10 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
     Misses go to the CPU in order of their CPU cost over their PCIe cost, cheapest first; of the
     n + 1 prefixes of that order the one with the earliest finish is taken (on a tie, the fewer
     CPU experts). This is the optimum whenever every miss costs the same on the PCIe side (one
-    blob size, and copies slower than the kernels: decode), and otherwise finishes at most one
-    miss's cheaper cost after the optimum (the prefixes include both roundings of the best
-    fractional split, which no whole split beats).
+    blob size, and copies slower than the kernels: decode and prefill alike on PCIe). Otherwise
+    it finishes at most one miss's cheaper cost after the optimum (the prefixes include both
+    roundings of the best fractional split, which no whole split beats), and single moves and
+    swaps between the sides then improve it while they can (for up to `SWAP_MAX` misses).
 
     Args:
         misses: (expert id, tokens routed to it) for each missed expert of the layer.
@@ -120,6 +123,8 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
     Returns:
         The split, with both sides' predicted times.
     """
+    if len({tokens for _, tokens in misses}) == 1:
+        return _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
     priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]
     priced.sort(key=lambda item: _ratio(item[1], item[2]))
     suffix = [0.0] * (len(priced) + 1)  # suffix[k]: PCIe seconds of the misses from position k on
@@ -132,8 +137,57 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         sides = (cpu, gpu_busy_s + suffix[k])
         if max(sides) < max(best):
             best_k, best = k, sides
-    return Split(cpu=sorted(e for e, _, _ in priced[:best_k]), pcie=sorted(e for e, _, _ in priced[best_k:]),
-                 cpu_s=best[0], gpu_s=best[1])
+    on_cpu, on_pcie = priced[:best_k], priced[best_k:]
+    if len(priced) <= SWAP_MAX and len({p for _, _, p in priced}) > 1:
+        on_cpu, on_pcie, best = _improve(on_cpu, on_pcie, best, costs.cpu_call_s)
+    return Split(cpu=sorted(e for e, _, _ in on_cpu), pcie=sorted(e for e, _, _ in on_pcie), cpu_s=best[0],
+                 gpu_s=best[1])
+
+
+def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: HybridCosts, busy: float) -> Split:
+    """`split` of misses that all cost the same (decode: one token each): only the CPU count k
+    matters, and the best k is next to where the two sides' lines cross."""
+    n, c, p, call = len(experts), costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes), costs.cpu_call_s
+
+    def sides(k: int) -> tuple[float, float]:
+        return (call + k * c if k else 0.0), busy + (n - k) * p
+
+    if math.isinf(p):
+        k = n
+    elif math.isinf(c):
+        k = 0
+    else:
+        cross = (busy + n * p - call) / (c + p)  # call + k c = busy + (n - k) p
+        candidates = {0, n, min(n, max(0, math.floor(cross))), min(n, max(0, math.ceil(cross)))}
+        k = min(sorted(candidates), key=lambda k: max(sides(k)))  # the fewer CPU experts on a tie
+    cpu_s, gpu_s = sides(k)
+    return Split(cpu=experts[:k], pcie=experts[k:], cpu_s=cpu_s, gpu_s=gpu_s)
+
+
+def _improve(on_cpu: list, on_pcie: list, sides: tuple[float, float], call_s: float) -> tuple[list, list, tuple]:
+    """Move one miss across, or swap two, while that makes the later side finish earlier."""
+    while True:
+        cpu_s, gpu_s = sides
+        options = [(i, None) for i in range(len(on_cpu))] + [(None, j) for j in range(len(on_pcie))]
+        options += [(i, j) for i in range(len(on_cpu)) for j in range(len(on_pcie))]
+        best = None
+        for i, j in options:
+            out_c, out_p = (on_cpu[i][1], on_cpu[i][2]) if i is not None else (0.0, 0.0)
+            in_c, in_p = (on_pcie[j][1], on_pcie[j][2]) if j is not None else (0.0, 0.0)
+            stays = len(on_cpu) - (i is not None) + (j is not None)
+            new_cpu = (cpu_s - out_c + in_c) if stays else 0.0
+            if stays and not on_cpu:
+                new_cpu += call_s
+            new = (new_cpu, gpu_s - in_p + out_p)
+            if max(new) < max(best[2] if best else sides) * (1 - 1e-12):
+                best = (i, j, new)
+        if best is None:
+            return on_cpu, on_pcie, sides
+        i, j, sides = best
+        leaving = [on_cpu.pop(i)] if i is not None else []
+        if j is not None:
+            on_cpu.append(on_pcie.pop(j))
+        on_pcie.extend(leaving)
 
 
 def _ratio(cpu_s: float, pcie_s: float) -> float:

@@ -137,3 +137,16 @@ def test_fit_recovers_a_line_and_clamps_a_falling_one():
 def test_costs_round_trip_through_json():
     model = costs(cpu_per_token=1e-5, call=2e-5, gpu=LinearCost(1e-5, 1e-6), latency=3e-6)
     assert HybridCosts.from_json(model.to_json()) == model
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_optimal_for_misses_of_equal_tokens(seed):
+    """Decode's case (every miss alike), including a GPU side slower than the copies."""
+    rng = random.Random(2000 + seed)
+    model = _random_model(rng, copy_bound=seed % 2 == 0)
+    tokens = rng.choice([1, 1, 3, 40])
+    misses = [(e, tokens) for e in rng.sample(range(64), rng.randint(1, 9))]
+    busy = rng.uniform(0, 3e-3)
+    result = split(misses, MB, model, busy)
+    assert result.predicted_s == pytest.approx(_brute_force(misses, model, busy), rel=1e-12)
+    assert sorted(result.cpu + result.pcie) == sorted(e for e, _ in misses)
