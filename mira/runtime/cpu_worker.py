@@ -81,8 +81,8 @@ class CpuExpertWorker:
         self._thread.start()
         self.threads = started.result()
         torch.set_num_threads(caller_threads)  # the default for others again (see the module docstring)
-        self.own_threads = self.call(torch.get_num_threads).result() == self.threads \
-            and torch.get_num_threads() == caller_threads
+        kept = self.call(torch.get_num_threads).result() == self.threads
+        self.own_threads = kept and torch.get_num_threads() == caller_threads
 
     def submit(self, job: CpuJob) -> Future:
         """Queue `job`; the future's result is `job.out` once written."""
@@ -114,8 +114,12 @@ class CpuExpertWorker:
         return self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
 
     def _run(self, threads: int, started: Future) -> None:
-        torch.set_num_threads(threads)
-        _first_parallel_operation()
+        try:
+            torch.set_num_threads(threads)
+            _first_parallel_operation()
+        except BaseException as error:  # the constructor raises it
+            started.set_exception(error)
+            return
         started.set_result(torch.get_num_threads())
         while (item := self._jobs.get()) is not None:
             future, fn, args = item

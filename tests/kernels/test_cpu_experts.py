@@ -179,3 +179,36 @@ def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
     expected = [base + layout.sections["w13"].offset, base + layout.sections["w2"].offset]
     assert [w.data_ptr() for w in recorded.weights] == expected
     assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
+
+
+@pytest.fixture(scope="module")
+def bundled_store():
+    """The bundled model's trained experts in the default scheme (int8-shared), from the session's
+    store cache (shared with the tests that load the bundled model)."""
+    from mira.runtime.engine import BUNDLED_MODEL
+    from mira.store.cache import cache_store
+    from mira.store.store import ExpertStore
+
+    return ExpertStore.open(cache_store(BUNDLED_MODEL, "int8-shared", progress=False, name=BUNDLED_MODEL.name),
+                            progress=False)
+
+
+def test_bundled_models_store_matches_the_reference(bundled_store):
+    """Trained experts read in place from a real store's buffer, first, middle and last MoE layer."""
+    store = bundled_store
+    layout, E, tokens = store.layout, store.num_experts, 5
+    ffn = CpuExpertFFN(layout, F.silu)
+    g = torch.Generator().manual_seed(0)
+    for layer in (0, store.num_layers // 2, store.num_layers - 1):
+        blobs = [store.blob(layer, e) for e in range(E)]
+        hidden = torch.randn(tokens, layout.hidden, generator=g).bfloat16()
+        index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])  # [T, 2]
+        weights = torch.softmax(torch.randn(tokens, 2, generator=g), dim=-1)
+        out = ffn(hidden, index, weights, blobs, range(E), out=torch.empty(tokens, layout.hidden))
+        exact = moe_ffn_reference(hidden.double(), index, weights.double(), blobs, layout, F.silu)
+        bound = torch.zeros_like(exact)
+        for expert in index.unique().tolist():
+            token_idx, k_pos = torch.where(index == expert)
+            per_expert = expert_bound(hidden[token_idx], layout.views(blobs[expert]), layout)
+            bound.index_add_(0, token_idx, per_expert * weights[token_idx, k_pos, None].double())
+        assert ((out.double() - exact).abs() <= bound).all(), f"layer {layer}"
