@@ -1,0 +1,209 @@
+"""One expert on the CPU (mira.kernels.cpu_experts) against its copy over PCIe, per model shape.
+
+For each shape and INT8 scheme it builds synthetic expert blobs (random INT8, mira.bench.synthetic;
+page-locked with CUDA) spread over at least --spread-gb so that consecutive calls read distinct
+weights that no CPU cache holds, and times on a CPU worker of --threads threads:
+
+  cpu_us           one expert at each --tokens count, called in the worker's thread
+  worker_us        the same as a job submitted from this thread and waited for (what the runtime sees)
+  main_busy_us     (--main-threads M) cpu_us while this thread computes experts with M threads too
+  copy_us          (CUDA) the pinned-to-device copy of one blob
+  together         (CUDA) cpu_us while copies stream to the device, and the copies' GB/s meanwhile
+
+Each figure: --repeats passes (>= 3), each the mean per call over one pass through the blobs;
+median and range over the passes. Writes JSON with provenance (mira.bench.provenance).
+
+    python benchmarks/cpu_experts.py --threads 16 [--shapes mixtral-8x7b,...] [--shape 512x1024]
+        [--tokens 1,4,16] [--repeats 5] [--main-threads 1] [--out benchmarks/results/cpu-experts.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mira.bench.provenance import result_header
+from mira.bench.synthetic import PRESETS, preset_config, synthetic_store
+from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.models.registry import adapter_for
+from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
+from mira.store.layout import ExpertLayout
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMES = ("int8-row", "int8-shared")
+MAX_CALLS = 64  # per pass
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def shape_config(name: str):
+    """A preset's config, or a Mixtral-style config of an ad hoc HxI expert shape (8 experts)."""
+    if name in PRESETS:
+        return preset_config(name)
+    hidden, intermediate = (int(v) for v in name.lower().split("x"))
+    config = preset_config("mixtral-8x7b")
+    config.hidden_size, config.intermediate_size = hidden, intermediate
+    return config
+
+
+def layout_for(config, scheme: str) -> ExpertLayout:
+    return ExpertLayout(scheme, config.hidden_size, adapter_for(config).intermediate_size(config))
+
+
+def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> list[torch.Tensor]:
+    """At least two distinct synthetic blobs, `spread_bytes` of them in all (whole layers are made)."""
+    layers = max(1, math.ceil(spread_bytes / (adapter_for(config).num_experts(config) * layout.nbytes)))
+    store = synthetic_store(config, layers, layout.scheme, pin=pin, progress=False)
+    blobs = [store.blob(layer, e) for layer in range(layers) for e in range(store.num_experts)]
+    return blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
+
+
+def time_pass(ffn: CpuExpertFFN, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Mean seconds per expert over one pass through distinct blobs (runs in the calling thread)."""
+    layout = ffn.layout
+    calls = blobs[:MAX_CALLS]
+    start = time.perf_counter()
+    for blob in calls:
+        ffn.expert(x, layout.views(blob))
+    return (time.perf_counter() - start) / len(calls)
+
+
+def worker_pass(worker: CpuExpertWorker, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Mean seconds per one-expert job, submitted and waited for from this thread."""
+    tokens = x.shape[0]
+    index, weights = torch.zeros(tokens, 1, dtype=torch.int64), torch.ones(tokens, 1)
+    out = torch.empty(tokens, x.shape[1])
+    calls = blobs[:MAX_CALLS]
+    start = time.perf_counter()
+    for blob in calls:
+        worker.submit(CpuJob(0, [0], x, index, weights, [blob], out)).result()
+    return (time.perf_counter() - start) / len(calls)
+
+
+def copy_pass(blobs: list[torch.Tensor], slot: torch.Tensor) -> float:
+    """Mean seconds per pinned-to-device blob copy over one pass (CUDA events)."""
+    calls = blobs[:MAX_CALLS]
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for blob in calls:
+        slot.copy_(blob, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / len(calls)
+
+
+def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float) -> tuple[float, float]:
+    """(CPU seconds per expert, copy bytes per second) with copies streaming while the worker computes
+    a pass: enough copies, at the rate measured alone, to outlast the pass."""
+    stream = torch.cuda.Stream()
+    copies = max(8, math.ceil(1.5 * cpu_s * min(len(blobs), MAX_CALLS) / copy_s))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        begin.record()
+        for i in range(copies):
+            slot.copy_(blobs[-1 - i % len(blobs)], non_blocking=True)
+        end.record()
+    cpu = worker.call(time_pass, worker.ffn, blobs, x).result()
+    end.synchronize()
+    return cpu, copies * slot.numel() / (begin.elapsed_time(end) / 1e3)
+
+
+def main_busy_pass(worker, blobs, x, main_threads: int) -> float:
+    """The worker's pass while this thread computes experts with `main_threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(main_threads)
+    try:
+        future = worker.call(time_pass, worker.ffn, blobs, x)
+        while not future.done():
+            time_pass(worker.ffn, blobs[::-1][:4], x)
+        return future.result()
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure(name: str, scheme: str, args, cuda: bool) -> dict:
+    config = shape_config(name)
+    ffn_layout = layout_for(config, scheme)
+    blobs = blobs_for(config, ffn_layout, args.spread_gb * 1e9, pin=cuda)
+    ffn = CpuExpertFFN(ffn_layout, F.silu)
+    result: dict = {"hidden": ffn_layout.hidden, "intermediate": ffn_layout.intermediate,
+                    "blob_bytes": ffn_layout.nbytes, "distinct_blobs": len(blobs), "tokens": {}}
+    slot = torch.empty(ffn_layout.nbytes, dtype=torch.uint8, device="cuda") if cuda else None
+    with CpuExpertWorker(ffn, args.threads) as worker:
+        result["worker_threads"] = worker.threads
+        result["own_threads"] = worker.own_threads
+        for tokens in args.tokens:
+            x = torch.randn(tokens, ffn_layout.hidden).to(torch.bfloat16)
+            worker.call(time_pass, ffn, blobs[:2], x).result()  # first calls outside the timing
+            cpu = [worker.call(time_pass, ffn, blobs, x).result() for _ in range(args.repeats)]
+            row = {"cpu_us": summary([s * 1e6 for s in cpu]),
+                   "cpu_gb_per_s": ffn_layout.nbytes / statistics.median(cpu) / 1e9,
+                   "worker_us": summary([worker_pass(worker, blobs, x) * 1e6 for _ in range(args.repeats)])}
+            if args.main_threads:
+                row["main_threads"] = args.main_threads
+                row["main_busy_us"] = summary([main_busy_pass(worker, blobs, x, args.main_threads) * 1e6
+                                               for _ in range(args.repeats)])
+            if cuda:
+                copy_pass(blobs[:2], slot)
+                copies = [copy_pass(blobs, slot) for _ in range(args.repeats)]
+                row["copy_us"] = summary([s * 1e6 for s in copies])
+                row["copy_gb_per_s"] = ffn_layout.nbytes / statistics.median(copies) / 1e9
+                both = [together_pass(worker, blobs, x, slot, statistics.median(cpu), statistics.median(copies))
+                        for _ in range(args.repeats)]
+                row["together"] = {"cpu_us": summary([c * 1e6 for c, _ in both]),
+                                   "copy_gb_per_s": summary([b / 1e9 for _, b in both])}
+            result["tokens"][str(tokens)] = row
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU worker")
+    parser.add_argument("--shapes", default=",".join(PRESETS), help="comma-separated presets")
+    parser.add_argument("--shape", action="append", default=[], help="an extra HxI expert shape (repeatable)")
+    parser.add_argument("--tokens", default="1", help="comma-separated token counts")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--spread-gb", type=float, default=1.0, help="distinct blob bytes cycled through")
+    parser.add_argument("--main-threads", type=int, default=0, help="also time with this thread computing too")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-experts.json")
+    args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (median and range)")
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    names = [n for n in args.shapes.split(",") if n] + args.shape
+    cuda = torch.cuda.is_available()
+    results = {}
+    for name in names:
+        for scheme in SCHEMES:
+            started = time.perf_counter()
+            entry = measure(name, scheme, args, cuda)
+            results.setdefault(name, {})[scheme] = entry
+            for tokens, row in entry["tokens"].items():
+                line = f"{name:18s} {scheme:11s} T={tokens:>3s}  cpu {row['cpu_us']['median']:9.1f} us " \
+                       f"({row['cpu_gb_per_s']:5.1f} GB/s)  worker {row['worker_us']['median']:9.1f} us"
+                if cuda:
+                    line += f"  copy {row['copy_us']['median']:8.1f} us ({row['copy_gb_per_s']:5.1f} GB/s)" \
+                            f"  together cpu {row['together']['cpu_us']['median']:8.1f} us " \
+                            f"copy {row['together']['copy_gb_per_s']['median']:5.1f} GB/s"
+                print(line + f"  [{time.perf_counter() - started:.0f} s]", flush=True)
+    device = "cuda" if cuda else None
+    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), device)
+    report |= {"threads": args.threads, "spread_gb": args.spread_gb, "repeats": args.repeats,
+               "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Which of a layer's missed experts the CPU computes and which cross PCIe to the GPU (policy).
+
+Plain numbers in, expert ids out; the figures come from a start-up calibration
+(`mira.runtime.calibrate`). A missed expert costs the CPU `cpu(tokens)` (it reads its blob in host
+memory) or the GPU side `max(pcie(bytes), gpu(tokens))` (its kernel reads the blob over PCIe,
+zero-copy, while it computes). The two sides run at once, so a layer's misses take the longer
+of the two sums; `split` chooses the CPU set that makes that smallest.
+
+Decode, with one token per miss, makes every miss cost the same on each side and the split a
+count. Many tokens per expert (prefill) make the CPU's cost grow with the tokens while the PCIe
+copy does not, so those experts stay on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+SWAP_MAX = 16  # misses up to which `split` tries moves and swaps after its prefix (O(n^2) each round)
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """Seconds for one expert as `fixed_s + per_token_s * tokens` (a least-squares fit)."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __call__(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+    @classmethod
+    def fit(cls, tokens: Sequence[int], seconds: Sequence[float]) -> LinearCost:
+        """The least-squares line through (tokens, seconds), its slope clamped at zero; a single token
+        count gives a flat line."""
+        n = len(tokens)
+        if n == 0 or n != len(seconds):
+            raise ValueError(f"fitting needs as many times as token counts, not {len(seconds)} and {n}")
+        mean_t, mean_s = sum(tokens) / n, sum(seconds) / n
+        spread = sum((t - mean_t) ** 2 for t in tokens)
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in zip(tokens, seconds)) / spread if spread else 0.0
+        slope = max(slope, 0.0)
+        return cls(fixed_s=max(mean_s - slope * mean_t, 0.0), per_token_s=slope)
+
+
+@dataclass(frozen=True)
+class HybridCosts:
+    """The calibrated costs of one store's experts on one machine.
+
+    Attributes:
+        blob_bytes: the blob size the CPU figures were measured at.
+        cpu: one expert on the CPU worker, by tokens.
+        cpu_call_s: once per layer call with a CPU share: rows to the host, the worker's wake-up,
+            the partial sum back to the device.
+        pcie_bytes_per_s: host-to-device bandwidth; None without a GPU (nothing crosses PCIe).
+        pcie_latency_s: fixed cost of one copy.
+        gpu: one expert's kernel on the GPU from device memory, by tokens.
+    """
+
+    blob_bytes: int
+    cpu: LinearCost
+    cpu_call_s: float
+    pcie_bytes_per_s: float | None
+    pcie_latency_s: float = 0.0
+    gpu: LinearCost = LinearCost(0.0, 0.0)
+
+    def cpu_s(self, tokens: int, blob_bytes: int | None = None) -> float:
+        """One expert on the CPU; a blob of another size scales the time by its bytes (decode on the
+        CPU streams the weights once)."""
+        scale = 1.0 if blob_bytes is None else blob_bytes / self.blob_bytes
+        return self.cpu(tokens) * scale
+
+    def pcie_s(self, tokens: int, blob_bytes: int | None = None) -> float:
+        """One expert served by the GPU from host memory: its copy and its kernel overlap."""
+        if not self.pcie_bytes_per_s:
+            return math.inf
+        nbytes = self.blob_bytes if blob_bytes is None else blob_bytes
+        return max(self.pcie_latency_s + nbytes / self.pcie_bytes_per_s, self.gpu(tokens))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> HybridCosts:
+        return cls(blob_bytes=int(data["blob_bytes"]), cpu=LinearCost(**data["cpu"]),
+                   cpu_call_s=float(data["cpu_call_s"]), pcie_bytes_per_s=data["pcie_bytes_per_s"],
+                   pcie_latency_s=float(data["pcie_latency_s"]), gpu=LinearCost(**data["gpu"]))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A layer's misses divided: expert ids for each side (ascending) and each side's predicted seconds."""
+
+    cpu: list[int]
+    pcie: list[int]
+    cpu_s: float
+    gpu_s: float
+
+    @property
+    def predicted_s(self) -> float:
+        """When the layer's misses are all served: the later of the two sides."""
+        return max(self.cpu_s, self.gpu_s)
+
+
+def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts, gpu_busy_s: float = 0.0) -> Split:
+    """Divide a layer's missed experts between the CPU and PCIe so that both finish together.
+
+    Misses go to the CPU in order of their CPU cost over their PCIe cost, cheapest first; of the
+    n + 1 prefixes of that order the one with the earliest finish is taken (on a tie, the fewer
+    CPU experts). This is the optimum whenever every miss costs the same on the PCIe side (one
+    blob size, and copies slower than the kernels: decode and prefill alike on PCIe). Otherwise
+    it finishes at most one miss's cheaper cost after the optimum (the prefixes include both
+    roundings of the best fractional split, which no whole split beats), and single moves and
+    swaps between the sides then improve it while they can (for up to `SWAP_MAX` misses).
+
+    Args:
+        misses: (expert id, tokens routed to it) for each missed expert of the layer.
+        blob_bytes: bytes of one expert blob.
+        costs: the calibrated costs.
+        gpu_busy_s: time the GPU side spends anyway (the hits' kernels), before the misses' share.
+
+    Returns:
+        The split, with both sides' predicted times.
+    """
+    if len({tokens for _, tokens in misses}) == 1:
+        return _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
+    priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]
+    priced.sort(key=lambda item: _ratio(item[1], item[2]))
+    suffix = [0.0] * (len(priced) + 1)  # suffix[k]: PCIe seconds of the misses from position k on
+    for k in range(len(priced) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] + priced[k][2]
+    best_k, best = 0, (0.0, gpu_busy_s + suffix[0])
+    cpu = costs.cpu_call_s
+    for k in range(1, len(priced) + 1):
+        cpu += priced[k - 1][1]
+        sides = (cpu, gpu_busy_s + suffix[k])
+        if max(sides) < max(best):
+            best_k, best = k, sides
+    on_cpu, on_pcie = priced[:best_k], priced[best_k:]
+    if len(priced) <= SWAP_MAX and len({p for _, _, p in priced}) > 1:
+        on_cpu, on_pcie, best = _improve(on_cpu, on_pcie, best, costs.cpu_call_s)
+    return Split(cpu=sorted(e for e, _, _ in on_cpu), pcie=sorted(e for e, _, _ in on_pcie), cpu_s=best[0],
+                 gpu_s=best[1])
+
+
+def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: HybridCosts, busy: float) -> Split:
+    """`split` of misses that all cost the same (decode: one token each): only the CPU count k
+    matters, and the best k is next to where the two sides' lines cross."""
+    n, c, p, call = len(experts), costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes), costs.cpu_call_s
+
+    def sides(k: int) -> tuple[float, float]:
+        return (call + k * c if k else 0.0), busy + (n - k) * p
+
+    if math.isinf(p):
+        k = n
+    elif math.isinf(c):
+        k = 0
+    else:
+        cross = (busy + n * p - call) / (c + p)  # call + k c = busy + (n - k) p
+        candidates = {0, n, min(n, max(0, math.floor(cross))), min(n, max(0, math.ceil(cross)))}
+        k = min(sorted(candidates), key=lambda k: max(sides(k)))  # the fewer CPU experts on a tie
+    cpu_s, gpu_s = sides(k)
+    return Split(cpu=experts[:k], pcie=experts[k:], cpu_s=cpu_s, gpu_s=gpu_s)
+
+
+def _improve(on_cpu: list, on_pcie: list, sides: tuple[float, float], call_s: float) -> tuple[list, list, tuple]:
+    """Move one miss across, or swap two, while that makes the later side finish earlier."""
+    while True:
+        cpu_s, gpu_s = sides
+        options = [(i, None) for i in range(len(on_cpu))] + [(None, j) for j in range(len(on_pcie))]
+        options += [(i, j) for i in range(len(on_cpu)) for j in range(len(on_pcie))]
+        best = None
+        for i, j in options:
+            out_c, out_p = (on_cpu[i][1], on_cpu[i][2]) if i is not None else (0.0, 0.0)
+            in_c, in_p = (on_pcie[j][1], on_pcie[j][2]) if j is not None else (0.0, 0.0)
+            stays = len(on_cpu) - (i is not None) + (j is not None)
+            new_cpu = (cpu_s - out_c + in_c) if stays else 0.0
+            if stays and not on_cpu:
+                new_cpu += call_s
+            new = (new_cpu, gpu_s - in_p + out_p)
+            if max(new) < max(best[2] if best else sides) * (1 - 1e-12):
+                best = (i, j, new)
+        if best is None:
+            return on_cpu, on_pcie, sides
+        i, j, sides = best
+        leaving = [on_cpu.pop(i)] if i is not None else []
+        if j is not None:
+            on_cpu.append(on_pcie.pop(j))
+        on_pcie.extend(leaving)
+
+
+def _ratio(cpu_s: float, pcie_s: float) -> float:
+    """CPU cost per unit of PCIe cost (the order misses go to the CPU in); an infinite PCIe cost first."""
+    if math.isinf(pcie_s):
+        return -math.inf if not math.isinf(cpu_s) else 0.0
+    return cpu_s / pcie_s if pcie_s > 0 else math.inf

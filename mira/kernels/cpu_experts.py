@@ -1,0 +1,133 @@
+"""Missed experts computed on the CPU, straight from their blobs in the host store (DESIGN.md 2.8).
+
+The CPU reads the same blob the GPU would copy over PCIe: the weights are typed views into it
+(`ExpertLayout.views`), never a second copy. INT8 products go through torch's weight-only INT8
+matmul, `torch._weight_int8pack_mm(x [T, K], w int8 [N, K], scale [N]) = x @ (scale * w)^T`, which
+converts the weights in registers and accumulates in fp32. On the CPU it takes activations and
+scales of one dtype (bf16, fp16 or fp32) and a contiguous weight; its fp32 form runs far slower than
+the bf16 one (measured on an AVX-512 CPU), so activations enter as bf16 whatever the caller's dtype,
+and results leave in the caller's dtype. The vectorised bf16 form walks the reduction 16 elements at
+a time with aligned loads of the activations: for a reduction length that is not a multiple of 16 it
+reads past the row (wrong results, or a crash), and activations that do not start on a 32-byte
+boundary crash it. So products over such a length take the fp32 form (the same roundings: inputs and
+outputs still pass through bf16), chosen once per layout, and activations are copied to a fresh,
+aligned tensor when they are not aligned.
+
+The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
+
+- `int8-row`: per output row of each matrix, exactly the matmul's own scale argument.
+- `int8-shared`: ONE vector s [H]. W13 [2I, H] is scaled per input channel, W13 = W13q diag(s), so
+  W13 x = W13q (s * x): s is folded into the activations and the gate/up product takes unit scales;
+  W2 [H, I] is scaled per output channel, W2 = diag(s) W2q, so W2 h = s * (W2q h): s is the
+  down product's per-row scale.
+
+`none` multiplies in the weights' own dtype (views, no conversion of the weights).
+
+T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mira.store.layout import ExpertLayout
+
+COMPUTE_DTYPE = torch.bfloat16  # activations of the INT8 products (see the module docstring)
+VECTOR = 16  # reduction elements per step of the vectorised bf16 product
+ACT_ALIGN = 32  # bytes; the vectorised bf16 product loads activation rows aligned to this
+
+
+class CpuExpertFFN:
+    """The expert FFN of one store layout on the CPU, reading blobs in place.
+
+    Args:
+        layout: the blob layout of the store.
+        act: the activation applied to the gate projection (a callable such as `F.silu`).
+    """
+
+    def __init__(self, layout: ExpertLayout, act: Callable) -> None:
+        self.layout = layout
+        self.act = act
+        # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
+        self._unit = torch.ones(2 * layout.intermediate, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
+        self._gate_up_mm = _int8_mm if layout.hidden % VECTOR == 0 else _int8_mm_fp32  # reduces over H
+        self._down_mm = _int8_mm if layout.intermediate % VECTOR == 0 else _int8_mm_fp32  # reduces over I
+
+    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One expert's SwiGLU FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob."""
+        scheme = self.layout.scheme
+        if scheme == "none":
+            dtype = views["w13"].dtype
+            gate_up = F.linear(x.to(dtype), views["w13"])  # [T, 2I]
+            return F.linear(self._hidden(gate_up, dtype), views["w2"]).to(x.dtype)  # [T, H]
+        xc = x.to(COMPUTE_DTYPE)
+        if scheme == "int8-shared":
+            scale = views["scale"]  # [H] bf16
+            gate_up = self._gate_up_mm(xc * scale, views["w13"], self._unit)  # [T, 2I]
+            down_scale = scale
+        else:
+            gate_up = self._gate_up_mm(xc, views["w13"], views["scale13"])  # [T, 2I]
+            down_scale = views["scale2"]
+        y = self._down_mm(self._hidden(gate_up, COMPUTE_DTYPE), views["w2"], down_scale)  # [T, H]
+        return y.to(x.dtype)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        blobs: Sequence[torch.Tensor | None],
+        experts: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The weighted sum of the outputs of `experts` only (a subset of the routed ones; the GPU
+        computes the rest and the two partial sums add up to the layer's output).
+
+        Args:
+            hidden: [T, H] token states on the CPU.
+            top_k_index: [T, K] routed expert ids.
+            top_k_weights: [T, K] routing weights.
+            blobs: length E; the host blob of every expert in `experts` (others may be None).
+            experts: the experts to compute here; one routed to no token contributes nothing.
+            out: [T, H] written in full (rows no expert here serves get zeros); allocated when None.
+
+        Returns:
+            [T, H] in out's dtype (hidden's when out is None), summed in fp32.
+
+        Raises:
+            ValueError: an expert in `experts` has no blob.
+        """
+        total = torch.zeros(hidden.shape, dtype=torch.float32)  # [T, H]
+        for expert in experts:
+            blob = blobs[expert]
+            if blob is None:
+                raise ValueError(f"expert {expert} is to be computed on the CPU but no blob was given for it")
+            token_idx, k_pos = torch.where(top_k_index == expert)  # [T_e] each
+            if token_idx.numel() == 0:
+                continue
+            y = self.expert(hidden[token_idx], self.layout.views(blob))  # [T_e, H]
+            total.index_add_(0, token_idx, y.float() * top_k_weights[token_idx, k_pos, None].float())
+        if out is None:
+            return total.to(hidden.dtype)
+        return out.copy_(total)
+
+    def _hidden(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """act(gate) * up [T, I] from [T, 2I] (gate columns first), computed in fp32, returned in `dtype`."""
+        gate, up = gate_up.float().chunk(2, dim=-1)  # [T, I] each
+        return (self.act(gate) * up).to(dtype)
+
+
+def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ (scale * w)^T -> [T, N] in bf16: the vectorised product (K a multiple of `VECTOR`)."""
+    if not x.is_contiguous() or x.data_ptr() % ACT_ALIGN:
+        x = x.clone(memory_format=torch.contiguous_format)  # torch's host allocator aligns to 64 bytes
+    return torch._weight_int8pack_mm(x, w, scale)
+
+
+def _int8_mm_fp32(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The same product for any K through the fp32 form, rounded to bf16 like `_int8_mm`."""
+    return torch._weight_int8pack_mm(x.float(), w, scale.float()).to(COMPUTE_DTYPE)

@@ -1,0 +1,226 @@
+"""The CPU expert executor against the float64 PyTorch reference, within error bounds derived from
+the dtypes it rounds to, and reading the store's blobs in place."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mira.kernels.cpu_experts import COMPUTE_DTYPE, CpuExpertFFN
+from mira.kernels.reference import expert_ffn, moe_ffn_reference
+from mira.store.layout import ExpertLayout
+from mira.store.quant import dequantize_expert, quantize_expert
+
+# (H, I): multiples of 16 (the vectorised product) and not (the fp32 form), in either or both
+SHAPES = [(64, 32), (128, 48), (96, 40), (40, 96), (72, 29), (130, 7)]
+TOKENS = [1, 3, 17]
+SCHEMES = [("int8-row", torch.int8), ("int8-shared", torch.int8), ("none", torch.bfloat16), ("none", torch.float32)]
+U32 = 2.0**-24  # unit roundoff of the fp32 accumulators
+
+
+def make_blobs(layout: ExpertLayout, experts: int, seed: int) -> list[torch.Tensor]:
+    """Random experts whose hidden channels differ in size (as trained ones do), so int8-shared's
+    scale vector varies from channel to channel."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = layout.hidden, layout.intermediate
+    blobs = []
+    for _ in range(experts):
+        channel_gain = torch.exp(torch.randn(H, generator=g))  # [H]
+        w13 = torch.randn(2 * I, H, generator=g) / math.sqrt(H) * channel_gain
+        w2 = torch.randn(H, I, generator=g) / math.sqrt(I) * channel_gain[:, None]
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(quantize_expert(w13, w2, layout), blob)
+        blobs.append(blob)
+    return blobs
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout) -> torch.Tensor:
+    """A first-order bound [T, H] on |executor - exact| for one expert, from where the executor
+    rounds: activations to the compute dtype (and, int8-shared, x * s once more), the gate/up
+    outputs, the SwiGLU product and the down outputs, each within one unit roundoff u of that
+    dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms."""
+    w13, w2 = dequantize_expert(views, layout)  # float64, exact
+    compute = views["w13"].dtype if layout.scheme == "none" else COMPUTE_DTYPE
+    u = unit_roundoff(compute)
+    xd = x.double()
+    H, I = layout.hidden, layout.intermediate
+    input_roundings = (0 if x.dtype == compute else 1) + (1 if layout.scheme == "int8-shared" else 0)
+    gate_up = xd @ w13.T  # [T, 2I]
+    err13 = ((input_roundings + 1) * u + H * U32) * (xd.abs() @ w13.abs().T)  # [T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    e_gate, e_up = err13.chunk(2, dim=-1)
+    h = F.silu(gate) * up  # [T, I]
+    silu_slope = 1.1  # |d silu / dx| <= 1.1 everywhere
+    err_h = silu_slope * e_gate * up.abs() + F.silu(gate).abs() * e_up + u * h.abs()
+    y_mag = h.abs() @ w2.abs().T  # [T, H]
+    err_y = err_h @ w2.abs().T + (u + I * U32) * y_mag + unit_roundoff(x.dtype) * y_mag
+    return 2 * err_y
+
+
+@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_expert_matches_float64_reference(scheme, weight_dtype, shape, tokens, x_dtype):
+    H, I = shape
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blob = make_blobs(layout, 1, seed=H * 1000 + I)[0]
+    views = layout.views(blob)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(x_dtype)
+    y = CpuExpertFFN(layout, F.silu).expert(x, views)
+    assert y.dtype == x_dtype and y.shape == (tokens, H)
+    assert_matches_reference(y, x, views, layout)
+
+
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layout: ExpertLayout) -> None:
+    """y is the expert's output on x within the derived bound of the float64 reference, and no less
+    accurate than the reference itself run in the executor's compute dtype (a tighter, statistical
+    check: the bound is a worst case that real roundings stay far inside)."""
+    exact = expert_ffn(x.double(), views, layout, F.silu)  # the reference in float64
+    error = (y.double() - exact).abs()
+    bound = expert_bound(x, views, layout)
+    assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
+    compute = views["w13"].dtype if layout.scheme == "none" else COMPUTE_DTYPE
+    in_dtype = expert_ffn(x.to(compute), views, layout, F.silu).to(x.dtype).double()
+    assert error.max() <= 3 * (in_dtype - exact).abs().max()
+
+
+def test_activations_off_the_vector_alignment_are_served():
+    """A row view that starts 2 bytes into its buffer (the vectorised product needs 32) still computes."""
+    H, I = 64, 32
+    layout = ExpertLayout("int8-row", H, I)
+    views = layout.views(make_blobs(layout, 1, seed=5)[0])
+    buffer = torch.randn(3 * H + 1).bfloat16()
+    x = buffer[1:].view(3, H)
+    assert x.data_ptr() % 32
+    assert_matches_reference(CpuExpertFFN(layout, F.silu).expert(x, views), x, views, layout)
+
+
+def test_the_checks_catch_a_scale_on_the_wrong_side():
+    """int8-shared's vector applied per gate/up row instead of per input channel is caught."""
+    H, I = 64, 32
+    layout = ExpertLayout("int8-shared", H, I)
+    views = layout.views(make_blobs(layout, 1, seed=3)[0])
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(3))
+    wrong = torch._weight_int8pack_mm(x.bfloat16(), views["w13"], torch.cat([views["scale"]] * (2 * I // H)))
+    gate, up = wrong.float().chunk(2, dim=-1)
+    y = torch._weight_int8pack_mm((F.silu(gate) * up).bfloat16(), views["w2"], views["scale"]).float()
+    with pytest.raises(AssertionError):
+        assert_matches_reference(y, x, views, layout)
+
+
+@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens):
+    """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer."""
+    H, I, E, K = 72, 29, 6, 2
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blobs = make_blobs(layout, E, seed=tokens)
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, H, generator=g).bfloat16()
+    top_k_index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])  # [T, K]
+    top_k_weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1)  # [T, K]
+    ffn = CpuExpertFFN(layout, F.silu)
+    routed = top_k_index.unique().tolist()
+    first, second = routed[::2], routed[1::2]
+    out = torch.full((tokens, H), float("nan"), dtype=torch.float32)  # a sentinel: every row must be written
+    part = ffn(hidden, top_k_index, top_k_weights, blobs, first, out=out)
+    assert part is out and not out.isnan().any()
+    total = out.double() + ffn(hidden, top_k_index, top_k_weights, blobs, second).double()
+    exact = moe_ffn_reference(hidden.double(), top_k_index, top_k_weights.double(), blobs, layout, F.silu)
+    bound = torch.zeros(tokens, H, dtype=torch.float64)
+    for expert in routed:
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        per_expert = expert_bound(hidden[token_idx], layout.views(blobs[expert]), layout)
+        bound.index_add_(0, token_idx, per_expert * top_k_weights[token_idx, k_pos, None].double())
+    bound += 2 * unit_roundoff(torch.bfloat16) * exact.abs()  # each partial sum leaves in bf16
+    assert ((total - exact).abs() <= bound).all()
+    if weight_dtype != torch.float32:  # computed in bf16, like the reference run on bf16 states
+        in_bf16 = moe_ffn_reference(hidden, top_k_index, top_k_weights.bfloat16(), blobs, layout, F.silu).double()
+        assert (total - exact).abs().max() <= 3 * (in_bf16 - exact).abs().max()
+
+
+def test_rows_of_no_computed_expert_are_zero_and_unrouted_experts_cost_nothing():
+    H, I = 64, 32
+    layout = ExpertLayout("int8-row", H, I)
+    blobs = make_blobs(layout, 4, seed=1)
+    hidden = torch.randn(3, H)
+    top_k_index = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    weights = torch.full((3, 2), 0.5)
+    out = torch.full((3, H), float("nan"))
+    CpuExpertFFN(layout, F.silu)(hidden, top_k_index, weights, [blobs[0], None, None, blobs[3]], [0, 3], out=out)
+    assert (out[1] == 0).all() and (out[0] != 0).any() and (out[2] != 0).any()
+
+
+def test_an_expert_without_blob_is_refused():
+    layout = ExpertLayout("int8-row", 64, 32)
+    with pytest.raises(ValueError, match="expert 1"):
+        CpuExpertFFN(layout, F.silu)(torch.randn(1, 64), torch.tensor([[1]]), torch.ones(1, 1), [None, None], [1])
+
+
+class _RecordWeights(TorchFunctionMode):
+    """Records the weight argument of every INT8 and dense product the executor makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch._weight_int8pack_mm, F.linear):
+            self.weights.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
+    """No second copy of the weights: every product's weight is a view at its section's address."""
+    H, I = 96, 40
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blob = make_blobs(layout, 1, seed=0)[0]
+    with _RecordWeights() as recorded:
+        CpuExpertFFN(layout, F.silu)(torch.randn(2, H), torch.tensor([[0], [0]]), torch.ones(2, 1), [blob], [0])
+    base = blob.data_ptr()
+    expected = [base + layout.sections["w13"].offset, base + layout.sections["w2"].offset]
+    assert [w.data_ptr() for w in recorded.weights] == expected
+    assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
+
+
+@pytest.fixture(scope="module")
+def bundled_store():
+    """The bundled model's trained experts in the default scheme (int8-shared), from the session's
+    store cache (shared with the tests that load the bundled model)."""
+    from mira.runtime.engine import BUNDLED_MODEL
+    from mira.store.cache import cache_store
+    from mira.store.store import ExpertStore
+
+    return ExpertStore.open(cache_store(BUNDLED_MODEL, "int8-shared", progress=False, name=BUNDLED_MODEL.name),
+                            progress=False)
+
+
+def test_bundled_models_store_matches_the_reference(bundled_store):
+    """Trained experts read in place from a real store's buffer, first, middle and last MoE layer."""
+    store = bundled_store
+    layout, E, tokens = store.layout, store.num_experts, 5
+    ffn = CpuExpertFFN(layout, F.silu)
+    g = torch.Generator().manual_seed(0)
+    for layer in (0, store.num_layers // 2, store.num_layers - 1):
+        blobs = [store.blob(layer, e) for e in range(E)]
+        hidden = torch.randn(tokens, layout.hidden, generator=g).bfloat16()
+        index = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])  # [T, 2]
+        weights = torch.softmax(torch.randn(tokens, 2, generator=g), dim=-1)
+        out = ffn(hidden, index, weights, blobs, range(E), out=torch.empty(tokens, layout.hidden))
+        exact = moe_ffn_reference(hidden.double(), index, weights.double(), blobs, layout, F.silu)
+        bound = torch.zeros_like(exact)
+        for expert in index.unique().tolist():
+            token_idx, k_pos = torch.where(index == expert)
+            per_expert = expert_bound(hidden[token_idx], layout.views(blobs[expert]), layout)
+            bound.index_add_(0, token_idx, per_expert * weights[token_idx, k_pos, None].double())
+        assert ((out.double() - exact).abs() <= bound).all(), f"layer {layer}"
+        in_bf16 = moe_ffn_reference(hidden, index, weights.bfloat16(), blobs, layout, F.silu).double()
+        assert (out.double() - exact).abs().max() <= 3 * (in_bf16 - exact).abs().max(), f"layer {layer}"

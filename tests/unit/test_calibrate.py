@@ -1,0 +1,77 @@
+"""Start-up calibration on the CPU: a well-formed cost model from real timings, and its file."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mira.cache.costmodel import HybridCosts, LinearCost, split
+from mira.errors import MiraError
+from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
+from mira.runtime.cpu_worker import CpuExpertWorker
+from mira.store.layout import ExpertLayout
+
+
+@pytest.fixture(scope="module")
+def worker():
+    layout = ExpertLayout("int8-row", 64, 32)
+    with CpuExpertWorker(CpuExpertFFN(layout, F.silu), threads=1) as worker:
+        yield worker
+
+
+def test_cpu_only_calibration_measures_the_cpu_and_no_pcie(worker):
+    layout = worker.ffn.layout
+    blobs = [torch.randint(0, 255, (layout.nbytes,), dtype=torch.uint8) for _ in range(8)]
+    costs = calibrate(worker, blobs, "cpu", cpu_budget_s=0.05)
+    assert costs.blob_bytes == layout.nbytes and costs.pcie_bytes_per_s is None
+    assert costs.cpu(1) > 0 and costs.cpu.per_token_s >= 0 and math.isfinite(costs.cpu(8))
+    assert costs.cpu_call_s > 0
+    assert math.isinf(costs.pcie_s(1))
+    assert split([(0, 1), (3, 1)], layout.nbytes, costs).cpu == [0, 3]  # nothing can go over PCIe
+
+
+def test_calibration_needs_blobs(worker):
+    with pytest.raises(MiraError, match="blobs"):
+        calibrate(worker, [], "cpu")
+
+
+def test_costs_file_keeps_entries_per_key_and_round_trips(tmp_path, worker):
+    path = costs_path("cpu", tmp_path)
+    assert path.name == "cpu-hybrid.json"
+    key = entry_key(worker)
+    assert "1 threads" in key and "64x32" in key and "int8-row" in key
+    first = HybridCosts(1000, LinearCost(1e-4, 1e-6), 2e-5, None)
+    second = HybridCosts(2000, LinearCost(2e-4, 0.0), 3e-5, 5e10, 4e-6, LinearCost(1e-5, 1e-7))
+    assert load_costs(path, key) is None
+    save_costs(path, key, first, "test")
+    save_costs(path, "another machine", second, "test")
+    assert load_costs(path, key) == first and load_costs(path, "another machine") == second
+    assert load_costs(path, "missing") is None
+    assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left nothing behind
+
+
+def test_a_corrupt_costs_file_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "cpu-hybrid.json"
+    path.write_text("{not json")
+    with pytest.raises(MiraError, match="delete it"):
+        load_costs(path, "key")
+    path.write_text(json.dumps({"entries": {"key": {"costs": {"blob_bytes": 1}}}}))
+    with pytest.raises(MiraError, match="delete the file"):
+        load_costs(path, "key")
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_calibration_measures_pcie_and_the_kernel(worker):
+    layout = worker.ffn.layout
+    blobs = [torch.randint(-5, 5, (layout.nbytes,), dtype=torch.uint8).pin_memory() for _ in range(8)]
+    costs = calibrate(worker, blobs, "cuda", cpu_budget_s=0.05)
+    assert costs.pcie_bytes_per_s > 0 and costs.pcie_latency_s >= 0
+    assert costs.gpu(1) > 0 and math.isfinite(costs.pcie_s(1))
+    assert costs.cpu(1) > 0 and costs.cpu_call_s > 0

@@ -1,0 +1,152 @@
+"""The CPU/PCIe split of a layer's misses: hand-worked cases and brute force over every subset."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from mira.cache.costmodel import HybridCosts, LinearCost, split
+
+MB = 1 << 20
+
+
+def costs(cpu_fixed=1e-3, cpu_per_token=0.0, bandwidth=MB / 1e-3, call=0.0, gpu=LinearCost(0.0, 0.0), latency=0.0):
+    """Costs of 1 MB blobs; by default an expert takes 1 ms on either side."""
+    return HybridCosts(blob_bytes=MB, cpu=LinearCost(cpu_fixed, cpu_per_token), cpu_call_s=call,
+                       pcie_bytes_per_s=bandwidth, pcie_latency_s=latency, gpu=gpu)
+
+
+def decode(experts):
+    return [(e, 1) for e in experts]
+
+
+def test_equal_rates_split_half_and_half():
+    result = split(decode([3, 9, 12, 40]), MB, costs())
+    assert len(result.cpu) == 2 and sorted(result.cpu + result.pcie) == [3, 9, 12, 40]
+    assert result.cpu_s == pytest.approx(2e-3) and result.gpu_s == pytest.approx(2e-3)
+
+
+def test_equal_rates_split_half_and_half_by_bytes_at_another_blob_size():
+    result = split(decode(range(6)), 4 * MB, costs())
+    assert len(result.cpu) == 3 and result.predicted_s == pytest.approx(12e-3)
+
+
+def test_an_odd_count_on_a_tie_leaves_the_extra_miss_to_pcie():
+    result = split(decode(range(5)), MB, costs())
+    assert (len(result.cpu), len(result.pcie)) == (2, 3) and result.predicted_s == pytest.approx(3e-3)
+
+
+def test_cpu_infinitely_slow_sends_everything_over_pcie():
+    result = split(decode(range(4)), MB, costs(cpu_fixed=math.inf))
+    assert result.cpu == [] and result.pcie == [0, 1, 2, 3] and result.gpu_s == pytest.approx(4e-3)
+
+
+def test_pcie_infinitely_slow_or_absent_computes_everything_on_the_cpu():
+    for bandwidth in (1e-300, None):
+        result = split(decode(range(3)), MB, costs(bandwidth=bandwidth))
+        assert result.cpu == [0, 1, 2] and result.pcie == []
+
+
+def test_no_misses_is_an_empty_split():
+    result = split([], MB, costs(), gpu_busy_s=1e-3)
+    assert result.cpu == [] and result.pcie == [] and result.predicted_s == pytest.approx(1e-3)
+
+
+def test_the_per_call_cost_keeps_a_small_share_off_the_cpu():
+    # two misses of 1 ms each side; a CPU share costs 1.5 ms more: 2 ms all over PCIe beats 2.5 ms
+    result = split(decode([0, 1]), MB, costs(call=1.5e-3))
+    assert result.cpu == [] and result.predicted_s == pytest.approx(2e-3)
+    # four misses: one CPU expert finishes at 2.5 ms, PCIe alone at 4 ms, two CPU experts at 3.5 ms
+    result = split(decode(range(4)), MB, costs(call=1.5e-3))
+    assert len(result.cpu) == 1 and result.predicted_s == pytest.approx(3e-3)
+
+
+def test_the_gpu_sides_busy_time_moves_misses_to_the_cpu():
+    result = split(decode(range(4)), MB, costs(), gpu_busy_s=2e-3)
+    assert len(result.cpu) == 3 and result.predicted_s == pytest.approx(3e-3)
+
+
+def test_prefill_stays_mostly_on_the_gpu_where_decode_splits():
+    # an expert: CPU 2 ms + 0.1 ms per token, PCIe 3 ms whatever the tokens
+    model = costs(cpu_fixed=2e-3, cpu_per_token=1e-4, bandwidth=MB / 3e-3)
+    # decode: 5 x 2.1 ms on the CPU against 3 x 3 ms (10.5 ms); 4 CPU experts would leave 12 ms of PCIe
+    assert len(split(decode(range(8)), MB, model).cpu) == 5
+    prefill = [(e, 64 + e) for e in range(8)]  # 64..71 tokens: 8.4 ms and more each on the CPU
+    result = split(prefill, MB, model)
+    # the two with the fewest tokens: 8.4 + 8.5 ms against 6 x 3 ms = 18 ms; one: 21 ms; three: 25.5 ms
+    assert result.cpu == [0, 1] and result.predicted_s == pytest.approx(18e-3)
+
+
+def test_the_pcie_side_takes_the_longer_of_copy_and_kernel():
+    model = costs(gpu=LinearCost(0.0, 1e-4), latency=1e-4)
+    assert model.pcie_s(1) == pytest.approx(1.1e-3)  # the copy: latency + 1 MB at 1 MB/ms
+    assert model.pcie_s(50) == pytest.approx(5e-3)  # the kernel: 50 tokens at 0.1 ms
+
+
+def _brute_force(misses, model, busy):
+    best = math.inf
+    for size in range(len(misses) + 1):
+        for chosen in itertools.combinations(misses, size):
+            cpu = (model.cpu_call_s if chosen else 0.0) + sum(model.cpu_s(t) for _, t in chosen)
+            pcie = busy + sum(model.pcie_s(t) for m, t in misses if (m, t) not in chosen)
+            best = min(best, max(cpu, pcie))
+    return best
+
+
+def _random_model(rng, copy_bound):
+    gpu = LinearCost(0.0, 0.0) if copy_bound else LinearCost(rng.uniform(0, 1e-3), rng.uniform(0, 2e-4))
+    return costs(cpu_fixed=rng.uniform(1e-4, 3e-3), cpu_per_token=rng.uniform(0, 2e-4),
+                 bandwidth=MB / rng.uniform(5e-4, 3e-3), call=rng.uniform(0, 5e-4), gpu=gpu,
+                 latency=rng.uniform(0, 1e-4))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_optimal_when_every_miss_costs_the_same_over_pcie(seed):
+    """Copy-bound (decode or prefill, one blob size): the split equals the best of all 2^n subsets."""
+    rng = random.Random(seed)
+    model = _random_model(rng, copy_bound=True)
+    misses = [(e, rng.randint(1, 40)) for e in rng.sample(range(64), rng.randint(1, 9))]
+    busy = rng.uniform(0, 3e-3)
+    result = split(misses, MB, model, busy)
+    assert result.predicted_s == pytest.approx(_brute_force(misses, model, busy), rel=1e-12)
+    assert result.cpu_s == pytest.approx((model.cpu_call_s if result.cpu else 0.0)
+                                         + sum(model.cpu_s(t) for e, t in misses if e in result.cpu))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_within_one_misss_cheaper_cost_of_the_optimum_otherwise(seed):
+    rng = random.Random(1000 + seed)
+    model = _random_model(rng, copy_bound=False)
+    misses = [(e, rng.randint(1, 64)) for e in rng.sample(range(64), rng.randint(1, 9))]
+    busy = rng.uniform(0, 3e-3)
+    result = split(misses, MB, model, busy)
+    optimum = _brute_force(misses, model, busy)
+    slack = max(min(model.cpu_s(t), model.pcie_s(t)) for _, t in misses)
+    assert optimum <= result.predicted_s + 1e-15 and result.predicted_s <= optimum + slack + 1e-15
+
+
+def test_fit_recovers_a_line_and_clamps_a_falling_one():
+    line = LinearCost.fit([1, 2, 4, 8], [3e-3 + 5e-4 * t for t in (1, 2, 4, 8)])
+    assert line.fixed_s == pytest.approx(3e-3) and line.per_token_s == pytest.approx(5e-4)
+    falling = LinearCost.fit([1, 2], [2e-3, 1e-3])
+    assert falling.per_token_s == 0.0 and falling.fixed_s == pytest.approx(1.5e-3)
+    assert LinearCost.fit([1], [7e-4]) == LinearCost(7e-4, 0.0)
+
+
+def test_costs_round_trip_through_json():
+    model = costs(cpu_per_token=1e-5, call=2e-5, gpu=LinearCost(1e-5, 1e-6), latency=3e-6)
+    assert HybridCosts.from_json(model.to_json()) == model
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_optimal_for_misses_of_equal_tokens(seed):
+    """Decode's case (every miss alike), including a GPU side slower than the copies."""
+    rng = random.Random(2000 + seed)
+    model = _random_model(rng, copy_bound=seed % 2 == 0)
+    tokens = rng.choice([1, 1, 3, 40])
+    misses = [(e, tokens) for e in rng.sample(range(64), rng.randint(1, 9))]
+    busy = rng.uniform(0, 3e-3)
+    result = split(misses, MB, model, busy)
+    assert result.predicted_s == pytest.approx(_brute_force(misses, model, busy), rel=1e-12)
+    assert sorted(result.cpu + result.pcie) == sorted(e for e, _ in misses)
