@@ -13,7 +13,7 @@ import threading
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
-STREAM_INTERVAL_S = 0.02  # the server's default: a batch per display frame or so, far apart next to a token
+STREAM_INTERVAL_S = 0.02  # the server's default: finer than a reader notices, several tokens apart on a GPU
 
 
 class Relay(Generic[Item]):
