@@ -15,7 +15,8 @@ API_KEY_VARIABLE = "MIRA_API_KEY"
 
 
 def add_command(subparsers) -> None:
-    from mira.cli_args import add_model_options, add_sampling_options
+    from mira.cli_args import add_model_options, add_sampling_options, nonnegative_int
+    from mira.serve.relay import STREAM_INTERVAL_S
 
     serve = subparsers.add_parser(
         "serve", help="serve the OpenAI API (chat and completions) over HTTP",
@@ -34,6 +35,10 @@ def add_command(subparsers) -> None:
     serve.add_argument("--max-queue", type=int, default=16, metavar="N",
                        help="requests that may wait for the device behind the running one; more are answered 429 "
                             "(default 16)")
+    serve.add_argument("--stream-interval", type=nonnegative_int, default=round(STREAM_INTERVAL_S * 1000),
+                       metavar="MS", help="send a stream's new text at most every MS milliseconds: fewer, larger "
+                                          "chunks leave the generation more of the CPU (default %(default)s; 0: "
+                                          "each piece at once)")
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model's name in the API (default: the hub id, else the directory's name)")
     serve.set_defaults(run=_serve)
@@ -90,7 +95,8 @@ def _serve(args: argparse.Namespace) -> None:
         print(f"mira: warning: serving on {host} without an API key: anyone who can reach it can use it; pass "
               f"--api-key or set {API_KEY_VARIABLE}", file=sys.stderr)
     model = load_model(args)
-    app = create_app(model, name, api_key=api_key, max_waiting=args.max_queue, defaults=defaults)
+    app = create_app(model, name, api_key=api_key, max_waiting=args.max_queue, defaults=defaults,
+                     stream_interval_s=args.stream_interval / 1000)
     shown = f"[{host}]" if ":" in host else host
     print(f"mira: serving {name} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning" if args.quiet else "info")).run(sockets=[sock])

@@ -1,5 +1,6 @@
 """One generation at a time on the device: a thread that runs the server's requests in arrival order,
-a bounded number waiting behind it, each cancellable, its text handed back to the event loop."""
+a bounded number waiting behind it, each cancellable, its text handed back to the event loop in
+batches (mira.serve.relay)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from mira.runtime.engine import MiraModel
 from mira.runtime.generate import GenerationReport, SamplingConfig, stream_generate
 from mira.serve.metrics import Metrics
+from mira.serve.relay import Relay
 
 
 class QueueFull(Exception):
@@ -28,32 +30,33 @@ class QueueFull(Exception):
 @dataclass
 class Job:
     """One request's generation. Its events, in order: ("text", piece) any number of times when it
-    streams, then ("done", GenerationReport) or ("error", exception). Setting `cancel` ends it at its next step,
-    or before it starts."""
+    streams, then ("done", GenerationReport) or ("error", exception); the event loop takes them in
+    batches. Setting `cancel` ends it at its next step, or before it starts."""
 
     input_ids: torch.Tensor  # [1, T]
     sampling: SamplingConfig
-    loop: asyncio.AbstractEventLoop
     stream: bool
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: Relay[tuple[str, object]]
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
     def send(self, kind: str, value) -> None:
-        """Hand an event to the event loop (called from the device thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the loop has closed: the server is shutting down and nobody listens
-            pass
+        """Hand an event to the event loop (called from the device thread); the last goes at once."""
+        self.events.put((kind, value))
+        if kind != "text":
+            self.events.flush()
 
 
 class DeviceWorker:
-    """Runs jobs one at a time on `model` in a thread of its own; at most `max_waiting` wait."""
+    """Runs jobs one at a time on `model` in a thread of its own; at most `max_waiting` wait. A streamed
+    job's text reaches the event loop at most every `stream_interval_s` seconds, and all of it as soon as
+    its generation ends."""
 
-    def __init__(self, model: MiraModel, max_waiting: int, metrics: Metrics):
+    def __init__(self, model: MiraModel, max_waiting: int, metrics: Metrics, stream_interval_s: float):
         self.model = model
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.stream_interval_s = stream_interval_s
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0  # submitted and not finished: the one running plus those waiting
@@ -88,7 +91,7 @@ class DeviceWorker:
             if self._pending > self.max_waiting:
                 raise QueueFull(max(1, math.ceil(self._mean_job_s * (self._pending - self.max_waiting))))
             self._pending += 1
-        job = Job(input_ids, sampling, asyncio.get_running_loop(), stream)
+        job = Job(input_ids, sampling, stream, Relay(asyncio.get_running_loop(), self.stream_interval_s))
         self._jobs.put(job)
         return job
 
@@ -113,5 +116,6 @@ class DeviceWorker:
         waited = time.perf_counter() - job.submitted
         on_text = (lambda text: job.send("text", text)) if job.stream else (lambda text: None)
         report = stream_generate(self.model, job.input_ids, job.sampling, on_text, job.cancel)
+        job.events.flush()  # the last text goes out now, not after the statistics below
         self.metrics.generated(report, waited, self.model.stats())  # stats here: the device is ours
         return report

@@ -112,6 +112,20 @@ def test_streamed_chat_is_the_whole_answer_in_pieces(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
 
 
+def test_a_stream_batches_its_text_by_the_interval_and_flushes_at_the_end(model):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    text, _, tokens = _alone(model, messages, max_new_tokens=16, min_new_tokens=16, temperature=0)
+    with serving(create_app(model, NAME, stream_interval_s=DEADLINE_S)) as base:
+        started = time.monotonic()
+        chunks = list(openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(
+            model=NAME, messages=messages, max_tokens=16, temperature=0, stream=True, extra_body={"min_tokens": 16}))
+        elapsed = time.monotonic() - started
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == text and tokens == 16
+    assert len(pieces) <= 2  # what came first at once, then the rest when the generation ended
+    assert elapsed < DEADLINE_S / 2  # the end flushed it: nobody waited out the interval
+
+
 def test_completions_streamed_and_not_with_stop_and_top_k(client, model):
     prompt = "Once upon a time"
     text, _, _ = _alone(model, prompt=prompt, max_new_tokens=20, temperature=0)
