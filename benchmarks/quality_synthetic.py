@@ -14,7 +14,7 @@ scheme is compared with the reference token by token (mira.eval.ppl.SchemeTotals
 left out, the ids being random).
 
     python benchmarks/quality_synthetic.py                                    # the H200: every layer
-    python benchmarks/quality_synthetic.py --layers 2 --tokens 32 --device cpu --out /tmp/q.json   # smoke test
+    python benchmarks/quality_synthetic.py --layers 1 --tokens 16 --sequences 2 --device cpu --out /tmp/q.json  # smoke
 """
 
 from __future__ import annotations
