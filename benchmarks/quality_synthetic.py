@@ -4,20 +4,24 @@ synthetic model at a published model's shapes (default Mixtral-8x7B; paper Table
 Random weights have no outliers, unlike trained ones, so this understates the error of real
 checkpoints: it checks that the schemes and kernels hold up at full size, not what a real model loses.
 The expert weights are drawn once per expert (normal, std 0.02, rounded to bf16), from a seed per
-(layer, expert) so that every scheme quantizes the same weights with the store's own quantization
-(mira.store.quant); the non-expert weights are the synthetic skeleton's (mira.bench.synthetic), the
-same for every scheme. Each scheme's model is built, run over the same random token ids, and freed
-before the next: the bf16 next-token log-probabilities are kept and every INT8 scheme is compared
-with them token by token (mira.eval.ppl.SchemeTotals; perplexity is left out, the ids being random).
+(layer, expert), so every model gets the same weights; the non-expert weights are the synthetic
+skeleton's (mira.bench.synthetic), the same for every model. The reference is transformers' own
+Experts modules holding the bf16 weights on the device (no host copy); each INT8 scheme is the
+store's own quantization (mira.store.quant) in a host store run through Mira's runtime with every
+expert resident. One model is built, run over the same random token ids and freed before the
+next, so host memory holds one INT8 store at most (half the bf16 experts' bytes). Every INT8
+scheme is compared with the reference token by token (mira.eval.ppl.SchemeTotals; perplexity is
+left out, the ids being random).
 
     python benchmarks/quality_synthetic.py                                    # the H200: every layer
-    python benchmarks/quality_synthetic.py --layers 2 --tokens 32 --device cpu --out /tmp/q.json   # smoke test
+    python benchmarks/quality_synthetic.py --layers 1 --tokens 16 --sequences 2 --device cpu --out /tmp/q.json  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import shlex
 import sys
 import time
@@ -60,8 +64,7 @@ def expert_weights(config, layer: int, expert: int, seed: int, device: torch.dev
 def build_store(config, num_layers: int, scheme: str, seed: int, device: torch.device, progress: bool) -> ExpertStore:
     """Every expert's weights in `scheme`, quantized on `device`, in host memory [L, E, B]."""
     adapter = adapter_for(config)
-    weight_dtype = torch.bfloat16 if scheme == REFERENCE else torch.int8
-    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config), weight_dtype)
+    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config))
     num_experts = adapter.num_experts(config)
     data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
     for layer in tqdm(range(num_layers), desc=f"{scheme} experts", unit="layer", disable=not progress):
@@ -74,22 +77,45 @@ def build_store(config, num_layers: int, scheme: str, seed: int, device: torch.d
     return ExpertStore(Path(f"<synthetic {scheme}>"), manifest, data)
 
 
+def reference_model(config, seed: int, device: torch.device, progress: bool):
+    """The synthetic skeleton with transformers' own Experts modules in its MoE sites, holding the
+    bf16 expert weights (in the skeleton's dtype) on `device`."""
+    hf_model, sites, _ = synthetic_skeleton(config, device, seed)
+    adapter = adapter_for(config)
+    experts_class = getattr(importlib.import_module(adapter.experts_module), adapter.experts_class)
+    for layer, site in enumerate(tqdm(sites, desc=f"{REFERENCE} experts", unit="layer", disable=not progress)):
+        with torch.device("meta"):
+            experts = experts_class(hf_model.config).to(hf_model.dtype)
+        experts = experts.to_empty(device=device).eval()
+        with torch.no_grad():
+            for expert in range(experts.gate_up_proj.shape[0]):  # [E, 2I, H] and [E, H, I]
+                w13, w2 = expert_weights(config, layer, expert, seed, device)
+                experts.gate_up_proj[expert].copy_(w13)
+                experts.down_proj[expert].copy_(w2)
+        setattr(site.parent, site.attr, experts)
+    return hf_model
+
+
 def scheme_log_probs(config, num_layers: int, scheme: str, ids: torch.Tensor, seed: int, device: torch.device,
                      progress: bool) -> tuple[list[torch.Tensor], dict]:
-    """Next-token log-probabilities [S, V] of every sequence of `ids` [N, S] (on the CPU), with every
-    expert resident, and the seconds spent building and running."""
+    """Next-token log-probabilities [S, V] of every sequence of `ids` [N, S] (on the CPU), and the
+    seconds spent building and running: the reference, or `scheme` with every expert resident."""
     start = time.perf_counter()
-    store = build_store(config, num_layers, scheme, seed, device, progress)
+    if scheme == REFERENCE:
+        model = reference_model(config, seed, device, progress)
+    else:
+        store = build_store(config, num_layers, scheme, seed, device, progress)
+        hf_model, sites, _ = synthetic_skeleton(config, device, seed)
+        model = assemble(hf_model, sites, store, None, RuntimeConfig(max_context=ids.shape[1]))
+        if device.type == "cuda" and not model.all_resident:
+            raise SystemExit(f"{scheme}: only {model.cache.pool.num_slots} of {num_layers * store.num_experts} experts "
+                             f"fit on the device; this benchmark compares schemes with every expert resident")
+        del store, hf_model, sites
     built = time.perf_counter()
-    hf_model, sites, _ = synthetic_skeleton(config, device, seed)
-    model = assemble(hf_model, sites, store, None, RuntimeConfig(max_context=ids.shape[1]))
-    if device.type == "cuda" and not model.all_resident:
-        raise SystemExit(f"{scheme}: only {model.cache.pool.num_slots} of {num_layers * store.num_experts} experts fit "
-                         f"on the device; this benchmark compares schemes with every expert resident")
     forward = model_log_probs(model)
     log_probs = [forward(sequence).cpu() for sequence in ids]
-    seconds = {"build_store_s": round(built - start, 1), "load_and_run_s": round(time.perf_counter() - built, 1)}
-    del model, hf_model, sites, store, forward
+    seconds = {"build_s": round(built - start, 1), "run_s": round(time.perf_counter() - built, 1)}
+    del model, forward
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -141,8 +167,8 @@ def main() -> None:
         "label": LABEL, "preset": args.preset, "decoder_layers": config.num_hidden_layers, "moe_layers": num_layers,
         "experts_per_layer": adapter_for(config).num_experts(config), "sequences": args.sequences,
         "tokens_per_sequence": args.tokens, "compared_tokens": reference_totals.tokens, "seed": args.seed,
-        "reference": "none (bf16 expert weights; non-expert weights and activations in "
-                     f"{'bf16' if device.type == 'cuda' else 'float32'})",
+        "reference": "transformers' own Experts modules with the bf16 expert weights; non-expert weights and "
+                     f"activations in {'bf16' if device.type == 'cuda' else 'float32'}",
         "schemes": figures, "seconds": seconds,
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-synthetic-{args.preset}.json"
