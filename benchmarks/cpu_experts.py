@@ -36,6 +36,7 @@ from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.models.registry import adapter_for
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
 from mira.store.layout import ExpertLayout
+from mira.store.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("int8-row", "int8-shared")
@@ -60,12 +61,13 @@ def layout_for(config, scheme: str) -> ExpertLayout:
     return ExpertLayout(scheme, config.hidden_size, adapter_for(config).intermediate_size(config))
 
 
-def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> list[torch.Tensor]:
-    """At least two distinct synthetic blobs, `spread_bytes` of them in all (whole layers are made)."""
+def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> tuple[ExpertStore, list[torch.Tensor]]:
+    """At least two distinct synthetic blobs, `spread_bytes` of them in all (whole layers are made),
+    and their store: keep it while the blobs are used, since collecting it unlocks their pages."""
     layers = max(1, math.ceil(spread_bytes / (adapter_for(config).num_experts(config) * layout.nbytes)))
     store = synthetic_store(config, layers, layout.scheme, pin=pin, progress=False)
     blobs = [store.blob(layer, e) for layer in range(layers) for e in range(store.num_experts)]
-    return blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
+    return store, blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
 
 
 def time_pass(ffn: CpuExpertFFN, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
@@ -134,7 +136,7 @@ def main_busy_pass(worker, blobs, x, main_threads: int) -> float:
 def measure(name: str, scheme: str, args, cuda: bool) -> dict:
     config = shape_config(name)
     ffn_layout = layout_for(config, scheme)
-    blobs = blobs_for(config, ffn_layout, args.spread_gb * 1e9, pin=cuda)
+    store, blobs = blobs_for(config, ffn_layout, args.spread_gb * 1e9, pin=cuda)
     ffn = CpuExpertFFN(ffn_layout, F.silu)
     result: dict = {"hidden": ffn_layout.hidden, "intermediate": ffn_layout.intermediate,
                     "blob_bytes": ffn_layout.nbytes, "distinct_blobs": len(blobs), "tokens": {}}
@@ -163,6 +165,7 @@ def measure(name: str, scheme: str, args, cuda: bool) -> dict:
                 row["together"] = {"cpu_us": summary([c * 1e6 for c, _ in both]),
                                    "copy_gb_per_s": summary([b / 1e9 for _, b in both])}
             result["tokens"][str(tokens)] = row
+    result["page_locked"] = store.data.is_pinned()  # the store lived through the copies (its pages locked)
     return result
 
 

@@ -70,7 +70,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 def test_gpu_calibration_measures_pcie_and_the_kernel(worker):
     layout = worker.ffn.layout
-    blobs = [torch.randint(-5, 5, (layout.nbytes,), dtype=torch.uint8).pin_memory() for _ in range(8)]
+    blobs = [torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8).pin_memory() for _ in range(8)]
     costs = calibrate(worker, blobs, "cuda", cpu_budget_s=0.05)
     assert costs.pcie_bytes_per_s > 0 and costs.pcie_latency_s >= 0
     assert costs.gpu(1) > 0 and math.isfinite(costs.pcie_s(1))
