@@ -143,8 +143,8 @@ def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin:
                     progress: bool = True, name: str = "synthetic") -> ExpertStore:
     """Random INT8 expert blobs for every MoE layer, written straight into host memory [L, E, B]."""
     adapter = adapter_for(config)
-    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config))
-    num_experts = adapter.num_experts(config)
+    layout = ExpertLayout(scheme, config.hidden_size, adapter.spec.intermediate)
+    num_experts = adapter.spec.num_experts
     start = time.perf_counter()
     data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
     generator = torch.Generator().manual_seed(seed)

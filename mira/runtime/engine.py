@@ -242,7 +242,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                                  quant=store.manifest.scheme)
     plan = _plan(config, hf_model, store, setup.max_context)
     capacity = plan.slots if plan else 0
-    ffn = make_moe_ffn(torch_device, store.layout, hf_model.config.hidden_act, num_experts=store.num_experts)
+    act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
+    ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
     heads = config.prefetch.heads
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
@@ -256,7 +257,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     transfer = Transfer(torch_device, capacity, store.blob_bytes, store.num_experts)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
-    routers = [site.parent.gate for site in sites]
+    routers = [site.router for site in sites]
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
