@@ -375,7 +375,10 @@ def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
                heads: str | os.PathLike | None) -> Predictor:
     """The predictor `resolve` chose: "trained" (the given heads, else the store's) or "gate"."""
-    gate = GateSpeculation(routers, store.num_experts)
+    try:
+        gate = GateSpeculation(routers, store.num_experts)
+    except ValueError as error:  # a router whose rule gate speculation does not know (a family's own)
+        raise MiraError(str(error)) from None
     if kind == "gate":
         return gate
     if heads is not None:
