@@ -54,7 +54,7 @@ LABEL = ("synthetic model: random weights (normal, std 0.02) have no outliers, s
 
 def expert_weights(config, layer: int, expert: int, seed: int, device: torch.device):
     """The bf16 weights of one expert, w13 [2I, H] and w2 [H, I], the same on every call."""
-    hidden, intermediate = config.hidden_size, adapter_for(config).intermediate_size(config)
+    hidden, intermediate = config.hidden_size, adapter_for(config).spec.intermediate
     generator = torch.Generator(device).manual_seed(seed * 1_000_003 + layer * 1009 + expert)
     w13 = torch.randn(2 * intermediate, hidden, generator=generator, device=device).mul_(WEIGHT_STD)
     w2 = torch.randn(hidden, intermediate, generator=generator, device=device).mul_(WEIGHT_STD)
@@ -64,8 +64,9 @@ def expert_weights(config, layer: int, expert: int, seed: int, device: torch.dev
 def build_store(config, num_layers: int, scheme: str, seed: int, device: torch.device, progress: bool) -> ExpertStore:
     """Every expert's weights in `scheme`, quantized on `device`, in host memory [L, E, B]."""
     adapter = adapter_for(config)
-    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config))
-    num_experts = adapter.num_experts(config)
+    weight_dtype = torch.bfloat16 if scheme == REFERENCE else torch.int8
+    layout = ExpertLayout(scheme, config.hidden_size, adapter.spec.intermediate, weight_dtype)
+    num_experts = adapter.spec.num_experts
     data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
     for layer in tqdm(range(num_layers), desc=f"{scheme} experts", unit="layer", disable=not progress):
         for expert in range(num_experts):
@@ -165,7 +166,7 @@ def main() -> None:
                                       else sys.argv[0], *sys.argv[1:]])
     result = result_header(command, device) | {
         "label": LABEL, "preset": args.preset, "decoder_layers": config.num_hidden_layers, "moe_layers": num_layers,
-        "experts_per_layer": adapter_for(config).num_experts(config), "sequences": args.sequences,
+        "experts_per_layer": adapter_for(config).spec.num_experts, "sequences": args.sequences,
         "tokens_per_sequence": args.tokens, "compared_tokens": reference_totals.tokens, "seed": args.seed,
         "reference": "transformers' own Experts modules with the bf16 expert weights; non-expert weights and "
                      f"activations in {'bf16' if device.type == 'cuda' else 'float32'}",

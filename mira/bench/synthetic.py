@@ -43,7 +43,7 @@ from mira.errors import MiraError
 from mira.models.loader import ExpertsPlaceholder, experts_swapped, moe_sites
 from mira.models.registry import adapter_for
 from mira.store.layout import ExpertLayout
-from mira.store.manifest import FORMAT_VERSION, Manifest
+from mira.store.manifest import Manifest, format_version
 from mira.store.store import ExpertStore, host_buffer
 
 # Sizes from each model's published config.json (Hugging Face model pages of the same names).
@@ -143,14 +143,15 @@ def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin:
                     progress: bool = True, name: str = "synthetic") -> ExpertStore:
     """Random INT8 expert blobs for every MoE layer, written straight into host memory [L, E, B]."""
     adapter = adapter_for(config)
-    layout = ExpertLayout(scheme, config.hidden_size, adapter.intermediate_size(config))
-    num_experts = adapter.num_experts(config)
+    spec = adapter.spec  # biases, where the family has them, stay zero (the host buffer starts zeroed)
+    layout = ExpertLayout(scheme, spec.hidden, spec.intermediate, gated=spec.gated, bias=spec.bias)
+    num_experts = adapter.spec.num_experts
     start = time.perf_counter()
     data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
     generator = torch.Generator().manual_seed(seed)
     for layer in tqdm(range(num_layers), desc="synthetic experts", unit="layer", disable=not progress):
         _fill_layer(data[layer], layout, generator)
-    manifest = Manifest(FORMAT_VERSION, config.model_type, f"synthetic:{name}", f"synthetic:{name}:{seed}",
+    manifest = Manifest(format_version(layout), config.model_type, f"synthetic:{name}", f"synthetic:{name}:{seed}",
                         list(range(num_layers)), num_experts, layout.to_json(), files={})
     store = ExpertStore(Path(f"<synthetic {name}>"), manifest, data)
     filled = time.perf_counter()

@@ -18,6 +18,7 @@ from mira.eval.command import add_command as add_eval_command
 from mira.cli.predictor import add_commands as add_predictor_commands
 from mira.serve.command import add_command as add_serve_command
 from mira.store.command import add_command as add_store_command
+from mira.cli.models import add_command as add_models_command
 from mira.store.layout import SCHEMES
 
 def _convert(args: argparse.Namespace) -> None:
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predictor_commands(commands)
     add_bench_command(commands)
     add_store_command(commands)
+    add_models_command(commands)
     add_serve_command(commands)
     add_eval_command(commands)
     return parser

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mira.errors import MiraError
 from mira.kernels.reference import moe_ffn_reference
 from mira.store.layout import ExpertLayout
 
@@ -36,9 +37,10 @@ DECODE_TOKENS = 16
 class ReferenceMoEFFN:
     """`moe_ffn_reference` with the layout and activation bound, and an optional `out`."""
 
-    def __init__(self, layout: ExpertLayout, act: Callable) -> None:
+    def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None) -> None:
         self.layout = layout
         self.act = act
+        self.gate = gate
 
     def __call__(
         self,
@@ -53,7 +55,7 @@ class ReferenceMoEFFN:
             blobs = list(blobs)
             for expert in top_k_index.unique().tolist():
                 blobs[expert] = blobs[expert].to(hidden.device, non_blocking=True)
-        result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act)
+        result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act, self.gate)
         if out is None:
             return result
         out.copy_(result)
@@ -61,18 +63,33 @@ class ReferenceMoEFFN:
 
 
 def is_silu(act: Callable | str) -> bool:
-    """Whether `act` is SiLU (swish): a name, `F.silu`, or an `nn.SiLU` module (transformers'
-    ACT2FN["silu"] is one)."""
+    """Whether `act` is SiLU (swish): a name, `F.silu`, an `nn.SiLU` module or transformers'
+    SiLUActivation (ACT2FN["silu"], an Experts module's act_fn)."""
     if isinstance(act, str):
         return act.lower() in ("silu", "swish")
-    return act is F.silu or isinstance(act, torch.nn.SiLU)
+    from transformers import activations
+
+    modules = tuple(c for c in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
+    return act is F.silu or isinstance(act, modules)
+
+
+def fused_unsupported(layout: ExpertLayout, gate: Callable | None) -> str | None:
+    """What of these experts the fused kernels do not compute (None: they compute all of it)."""
+    if gate is not None:
+        return f"the family's own gating ({gate!r})"
+    if layout.bias:
+        return "expert biases"
+    if not layout.gated:
+        return "ungated experts"
+    return None
 
 
 def make_moe_ffn(
     device: torch.device | str,
     layout: ExpertLayout,
-    act: Callable | str,
+    act: Callable | str | None,
     *,
+    gate: Callable | None = None,
     backend: str = "auto",
     **triton_options,
 ) -> Callable[..., torch.Tensor]:
@@ -82,7 +99,9 @@ def make_moe_ffn(
         device: where the layer runs.
         layout: the blob layout of the store.
         act: the experts' activation: a callable such as `F.silu`, or a name of transformers'
-            ACT2FN (a config's `hidden_act`, e.g. "silu").
+            ACT2FN (a config's `hidden_act`, e.g. "silu"); None with `gate`.
+        gate: the family's own gating of the gate-and-up output (mira.models.spec.FamilyGate), which
+            only the reference computes.
         backend: "auto" (Triton where it applies and is installed, else the reference), "triton" (raise if it does
             not apply; on a CPU device it needs TRITON_INTERPRET=1) or "reference".
         **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k, dtype)
@@ -94,11 +113,15 @@ def make_moe_ffn(
     Raises:
         ValueError: an unknown backend, or backend="triton" for a scheme or activation the fused
             kernels do not implement.
+        MiraError: backend="triton" for biases, ungated experts or a family's own gating.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     device = torch.device(device)
-    fused = layout.scheme in ("int8-shared", "int8-row") and is_silu(act)
+    unsupported = fused_unsupported(layout, gate)
+    if backend == "triton" and unsupported is not None:
+        raise MiraError(f"the fused kernels do not compute {unsupported}; use backend='auto' or 'reference'")
+    fused = layout.scheme in ("int8-shared", "int8-row") and act is not None and is_silu(act) and unsupported is None
     if backend == "triton" and not fused:
         raise ValueError(
             f"the fused kernels implement SiLU experts on int8-shared or int8-row blobs, not "
@@ -109,8 +132,8 @@ def make_moe_ffn(
         from mira.kernels.triton_ffn import TritonMoEFFN  # imports triton only when it is used
 
         return TritonMoEFFN(layout, device, **triton_options)
-    if not callable(act):
+    if act is not None and not callable(act):
         from transformers.activations import ACT2FN
 
         act = ACT2FN[act]
-    return ReferenceMoEFFN(layout, act)
+    return ReferenceMoEFFN(layout, act, gate)

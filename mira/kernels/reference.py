@@ -1,5 +1,8 @@
 """The expert FFN computed from quantized blobs in plain PyTorch (paper IV-F, DESIGN.md 2.8).
 
+Every layout the experts interface declares is computed here: biases, ungated experts, and a
+family's own gating (gpt-oss's clamped SwiGLU) passed in as `gate`.
+
 This is the CPU path and the ground truth every fused kernel is tested against. The kernel sees
 only blobs: `blobs[e]` is expert e's uint8 blob (a row of the slot buffer, or the expert's row in
 the pinned store), or None when expert e is not routed in this call. It never knows about the cache.
@@ -16,8 +19,14 @@ import torch
 from mira.store.layout import ExpertLayout
 
 
-def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLayout, act: Callable) -> torch.Tensor:
-    """One expert's SwiGLU FFN on x [T, H] -> [T, H], dequantization folded into the activations."""
+def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLayout, act: Callable | None,
+               gate: Callable | None = None) -> torch.Tensor:
+    """One expert's FFN on x [T, H] -> [T, H], dequantization folded into the activations.
+
+    The hidden state is act(gate rows) * up rows (SwiGLU with SiLU), or `gate` applied to the
+    gate-and-up output [T, 2I] when the family has its own gating, or act(up) for ungated
+    experts; biases, when the layout has them, follow each projection.
+    """
     dtype = x.dtype
     w13, w2 = views["w13"].to(dtype), views["w2"].to(dtype)
     if layout.scheme == "int8-shared":
@@ -27,12 +36,22 @@ def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLa
         gate_up = (x @ w13.T) * views["scale13"].to(dtype)
     else:
         gate_up = x @ w13.T
-    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-    y = (act(gate) * up) @ w2.T  # [T, H]
+    if layout.bias:
+        gate_up = gate_up + views["b13"].to(dtype)
+    if gate is not None:
+        h = gate(gate_up)  # [T, I]
+    elif layout.gated:
+        g, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        h = act(g) * up
+    else:
+        h = act(gate_up)  # [T, I]: up rows only
+    y = h @ w2.T  # [T, H]
     if layout.scheme == "int8-shared":
         y = y * scale
     elif layout.scheme == "int8-row":
         y = y * views["scale2"].to(dtype)
+    if layout.bias:
+        y = y + views["b2"].to(dtype)
     return y
 
 
@@ -42,7 +61,8 @@ def moe_ffn_reference(
     top_k_weights: torch.Tensor,
     blobs: Sequence[torch.Tensor | None],
     layout: ExpertLayout,
-    act: Callable,
+    act: Callable | None,
+    gate: Callable | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed experts' outputs, like transformers' Experts.forward.
 
@@ -52,7 +72,8 @@ def moe_ffn_reference(
         top_k_weights: [T, K] routing weights.
         blobs: length E; the blob of every routed expert (others may be None).
         layout: the blob layout of this store.
-        act: the activation applied to the gate projection.
+        act: the activation applied to the gate projection (to the up projection when ungated).
+        gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
 
     Returns:
         [T, H] in hidden's dtype.
@@ -63,7 +84,7 @@ def moe_ffn_reference(
         if blob is None:
             raise ValueError(f"expert {expert} is routed but no blob was given for it")
         token_idx, k_pos = torch.where(top_k_index == expert)
-        y = expert_ffn(hidden[token_idx], layout.views(blob), layout, act)  # [T_e, H]
+        y = expert_ffn(hidden[token_idx], layout.views(blob), layout, act, gate)  # [T_e, H]
         y = y * top_k_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

@@ -36,8 +36,11 @@ INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_interme
 class ExpertsPlaceholder(nn.Module):
     """Stands where the Experts module was while the model is built; replaced before first use."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, *args, **kwargs):
         super().__init__()
+        # Nothing to initialise; transformers' weight init would otherwise take it for the Experts class
+        # it stands for (the name it finds in the family's module while the model is built).
+        self._is_hf_initialized = True
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("the experts of this model are not bound to a Mira expert store")
@@ -50,6 +53,20 @@ class MoESite:
     parent: nn.Module
     attr: str
     layer: int
+
+    @property
+    def router(self) -> nn.Module | None:
+        return router_of(self.parent)
+
+
+def router_of(parent: nn.Module) -> nn.Module | None:
+    """The router beside an Experts module: its sibling `gate` (most families) or `router` (gpt-oss);
+    None where the MoE block routes without a module of its own."""
+    for name in ("gate", "router"):
+        child = getattr(parent, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    return None
 
 
 def read_config(model_dir: Path) -> PretrainedConfig:
@@ -93,7 +110,9 @@ def _model_class(config: PretrainedConfig) -> type:
     # Expert tensors in the checkpoint are expected to be left unread: say so, so transformers does
     # not report them as unexpected keys.
     ignore = list(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []) + [r"\.experts\."]
-    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore})
+    # The base's module too: transformers applies its checkpoint key conversions (renamings such as
+    # word_embeddings -> embed_tokens) only to classes of its own modules.
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "__module__": base.__module__})
 
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, list[MoESite]]:

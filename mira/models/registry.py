@@ -1,4 +1,4 @@
-"""The supported architectures, looked up by `config.model_type`."""
+"""The adapter of a config: any MoE family whose Experts class uses transformers' experts interface."""
 
 from __future__ import annotations
 
@@ -6,24 +6,35 @@ from transformers import PretrainedConfig
 
 from mira.errors import MiraError
 from mira.models.base import Adapter
-from mira.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
-from mira.models.mixtral import MIXTRAL
-from mira.models.olmoe import OLMOE
-from mira.models.qwen_moe import QWEN2_MOE, QWEN3_MOE
-
-ADAPTERS: dict[str, Adapter] = {a.model_type: a for a in (MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3, OLMOE)}
+from mira.models.spec import ExpertsSpec, anatomy
 
 
 def adapter_for(config: PretrainedConfig, source: str = "the model") -> Adapter:
-    """The adapter of `config`'s architecture.
+    """The adapter of `config`'s architecture, read from transformers.
 
     Raises:
-        MiraError: the architecture is not supported; the message lists the supported ones.
+        MiraError: not a MoE family of transformers' experts interface, or one whose experts do
+            something Mira does not compute (named in the message).
     """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ADAPTERS:
-        raise MiraError(
-            f"{source} is a {model_type!r} model, which Mira does not support; "
-            f"supported architectures (config.json model_type): {', '.join(sorted(ADAPTERS))}"
-        )
-    return ADAPTERS[model_type]
+    found = anatomy(config, source)
+    check_supported(found.spec, source)
+    return Adapter(config.model_type, found)
+
+
+def check_supported(spec: ExpertsSpec, source: str = "the model") -> None:
+    """Raise unless Mira computes every part of `spec`'s experts (the reference path).
+
+    Raises:
+        MiraError: naming the part Mira does not compute.
+    """
+    name = spec.experts_class.__name__
+    if spec.post_norm:
+        raise MiraError(f"{source} normalises each expert's output ({name}.post_expert_norm), which Mira does not "
+                        "compute; run it with transformers")
+    stored = set(spec.param_names)
+    extra = sorted(n for n, _ in spec.module.named_parameters() if n not in stored)
+    if extra:
+        raise MiraError(f"{source}'s {name} has parameters Mira does not store ({', '.join(extra)}); run it with "
+                        "transformers")
+    if not spec.custom_gate:
+        spec.activation()  # raises without an act_fn

@@ -245,7 +245,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                                  quant=store.manifest.scheme)
     plan = _plan(config, hf_model, store, setup.max_context)
     capacity = plan.slots if plan else 0
-    ffn = make_moe_ffn(torch_device, store.layout, hf_model.config.hidden_act, num_experts=store.num_experts)
+    act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
+    ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
     heads = config.prefetch.heads
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
@@ -259,7 +260,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     transfer = Transfer(torch_device, capacity)
     cache = ExpertCache(store, placement, SlotPool(capacity, store.blob_bytes, torch_device), transfer,
                         Telemetry(store.num_layers, store.num_experts))
-    routers = [site.parent.gate for site in sites]
+    routers = [site.router for site in sites]
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
@@ -376,7 +377,10 @@ def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
                heads: str | os.PathLike | None) -> Predictor:
     """The predictor `resolve` chose: "trained" (the given heads, else the store's) or "gate"."""
-    gate = GateSpeculation(routers, store.num_experts)
+    try:
+        gate = GateSpeculation(routers, store.num_experts)
+    except ValueError as error:  # a router whose rule gate speculation does not know (a family's own)
+        raise MiraError(str(error)) from None
     if kind == "gate":
         return gate
     if heads is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from mira.cache.cache import ExpertCache
 from mira.kernels import DECODE_TOKENS
+from mira.models.loader import router_of
 from mira.predict.baselines import Predictor
 
 MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_k_index, top_k_weights, blobs) -> [T, H]
@@ -133,8 +134,8 @@ class MiraExperts(nn.Module):
 def model_routers(hf_model: nn.Module) -> list[nn.Module]:
     """The router of every MoE layer of a model Mira has bound, in MoE layer order.
 
-    In every supported family the router is the sibling `gate` of the experts module; it maps
-    hidden [T, H] to (router_logits [T, E], weights [T, K], indices [T, K]).
+    The router is the sibling `gate` (or `router`) of the experts module (mira.models.loader.router_of);
+    it maps hidden [T, H] to (router_logits [T, E], weights [T, K], indices [T, K]).
 
     Args:
         hf_model: `MiraModel.hf_model`.
@@ -146,5 +147,5 @@ def model_routers(hf_model: nn.Module) -> list[nn.Module]:
     for module in hf_model.modules():
         for child in module.children():
             if isinstance(child, MiraExperts):
-                routers[child.layer_position] = module.gate
+                routers[child.layer_position] = router_of(module)
     return [routers[position] for position in sorted(routers)]

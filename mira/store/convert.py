@@ -28,17 +28,21 @@ from tqdm import tqdm
 
 from mira.errors import MiraError
 from mira.models.base import Adapter
-from mira.models.loader import moe_sites, read_config, skeleton
+from mira.models.expert_keys import FP8_SCALE_SUFFIX
+from mira.models.loader import read_config, skeleton
 from mira.models.registry import adapter_for
+from mira.store.dequant import checkpoint_quant_method, dequantize_fp8
+from mira.store.expert_reader import ExpertReader
 from mira.store.files import sha256_file, write_json_atomic
 from mira.store.layout import SCHEMES, ExpertLayout
 from mira.store.lock import store_lock
-from mira.store.manifest import FORMAT_VERSION, MANIFEST, Manifest, looks_like_store
+from mira.store.manifest import MANIFEST, Manifest, format_version, looks_like_store
 from mira.store.quant import quantize_expert
 from mira.store.sources import SAFETENSORS_INDEX, copied_files, record_sources
 from mira.store.verify import file_problems
 
 PROGRESS = "progress.json"
+CONFIG = "config.json"
 NON_EXPERT_SHARD_BYTES = 2 << 30
 TMP_SUFFIX = ".tmp"  # files being written; never part of a store
 
@@ -78,23 +82,6 @@ class _Checkpoint:
         return list(self._handles[self.where[key]].get_slice(key).get_shape())
 
 
-def _expert_names(adapter: Adapter, layer: int, expert: int) -> list[str]:
-    k = adapter.keys
-    return [name.format(layer=layer, expert=expert) for name in (k.gate, k.up, k.down)]
-
-
-def _read_expert(ckpt: _Checkpoint, adapter: Adapter, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([2I, H] gate rows then up rows, [H, I]) of one expert, per-expert or fused on disk."""
-    gate, up, down = _expert_names(adapter, layer, expert)
-    if gate in ckpt.where:
-        return torch.cat([ckpt.get(gate), ckpt.get(up)]), ckpt.get(down)
-    fused_gate_up = adapter.keys.fused_gate_up.format(layer=layer)
-    if fused_gate_up in ckpt.where:
-        return ckpt.get_row(fused_gate_up, expert), ckpt.get_row(adapter.keys.fused_down.format(layer=layer), expert)
-    raise MiraError(f"the checkpoint has no weights for expert {expert} of layer {layer} (looked for {gate!r} "
-                    f"and {fused_gate_up!r}); is the checkpoint complete?")
-
-
 @dataclass
 class Source:
     """A checkpoint checked and ready to convert: nothing is written before all of this holds."""
@@ -103,6 +90,7 @@ class Source:
     scheme: str
     adapter: Adapter
     ckpt: _Checkpoint
+    experts: ExpertReader
     layers: list[int]
     num_experts: int
     layout: ExpertLayout
@@ -148,28 +136,30 @@ def check_source(model_dir: Path, scheme: str) -> Source:
     if scheme not in SCHEMES:
         raise MiraError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     config = read_config(model_dir)
+    checkpoint_quant_method(config)  # refuses a quantization Mira cannot read
     adapter = adapter_for(config, str(model_dir))
+    spec = adapter.spec
     ckpt = _Checkpoint(model_dir)
-    model = skeleton(config)
-    layers = [site.layer for site in moe_sites(model)]
-    num_experts, hidden = adapter.num_experts(config), config.hidden_size
-    intermediate = adapter.intermediate_size(config)
+    experts = ExpertReader(ckpt, adapter, config, model_dir)
+    layers, num_experts = experts.layers, spec.num_experts
     top_k = getattr(config, "num_experts_per_tok", None) or 1
     if not layers or top_k > num_experts:
         raise MiraError(f"{model_dir / 'config.json'} routes each token to {top_k} of {num_experts} experts in "
                         f"{len(layers)} MoE layers; fix num_experts_per_tok or the expert count in config.json")
-    _check_expert_shapes(ckpt, adapter, layers, num_experts, hidden, intermediate, model_dir)
-    for name, tensor in model.state_dict().items():  # the non-expert weights (meta tensors: shapes only)
+    experts.check()
+    for name, tensor in skeleton(config).state_dict().items():  # the non-expert weights (meta: shapes only)
         if name in ckpt.where and ckpt.shape(name) != list(tensor.shape):
             raise MiraError(f"{model_dir / 'config.json'} does not match its weights: {name} is {ckpt.shape(name)}, "
                             f"the config makes it {list(tensor.shape)}; fix config.json or the weights")
-    weight_dtype = _read_expert(ckpt, adapter, layers[0], 0)[0].dtype if scheme == "none" else torch.int8
+    weight_dtype = torch.int8
+    if scheme == "none":  # the checkpoint's own dtype; bf16 for one stored quantized
+        weight_dtype = torch.bfloat16 if experts.dequantizes else experts.read(layers[0], 0)["w13"].dtype
     try:
-        layout = ExpertLayout(scheme, hidden, intermediate, weight_dtype)
+        layout = ExpertLayout(scheme, spec.hidden, spec.intermediate, weight_dtype, gated=spec.gated, bias=spec.bias)
     except ValueError as error:
         raise MiraError(f"cannot store the experts of {model_dir} with --quant {scheme}: {error}") from None
-    return Source(model_dir, scheme, adapter, ckpt, layers, num_experts, layout, source_fingerprint(model_dir),
-                  record_sources(model_dir))
+    return Source(model_dir, scheme, adapter, ckpt, experts, layers, num_experts, layout,
+                  source_fingerprint(model_dir), record_sources(model_dir))
 
 
 def write_store(source: Source, out_dir: Path, progress: bool = True, force: bool = False) -> Manifest:
@@ -183,36 +173,6 @@ def write_store(source: Source, out_dir: Path, progress: bool = True, force: boo
             if manifest is not None:
                 return manifest
         return _write_store(out_dir, source, progress)
-
-
-def _check_expert_shapes(ckpt: _Checkpoint, adapter: Adapter, layers: list[int], num_experts: int, hidden: int,
-                         intermediate: int, model_dir: Path) -> None:
-    """Every routed expert the config promises is in the weights, with the config's sizes (H hidden, I
-    expert intermediate): per expert gate/up [I, H] and down [H, I], or fused [E, 2I, H] and [E, H, I]."""
-    def mismatch(key: str, found: list[int], expected: list[int]) -> MiraError:
-        return MiraError(f"{model_dir / 'config.json'} does not match its weights: {key} is {found}, the config "
-                         f"says {expected} (hidden size {hidden}, expert intermediate size {intermediate}, "
-                         f"{num_experts} experts); fix config.json or the weights")
-
-    for layer in layers:
-        fused_gate_up = adapter.keys.fused_gate_up.format(layer=layer)
-        if fused_gate_up in ckpt.where:
-            fused_down = adapter.keys.fused_down.format(layer=layer)
-            for key, expected in ((fused_gate_up, [num_experts, 2 * intermediate, hidden]),
-                                  (fused_down, [num_experts, hidden, intermediate])):
-                found = ckpt.shape(key) if key in ckpt.where else None
-                if found != expected:
-                    raise mismatch(key, found, expected)
-            continue
-        for expert in range(num_experts):
-            names = _expert_names(adapter, layer, expert)
-            for key, expected in zip(names, ([intermediate, hidden], [intermediate, hidden], [hidden, intermediate])):
-                if key not in ckpt.where:
-                    raise MiraError(f"the weights of {model_dir} have no {key!r}, though config.json promises "
-                                    f"{num_experts} experts in layer {layer}; is the checkpoint complete, and its "
-                                    "config.json the one it was saved with?")
-                if ckpt.shape(key) != expected:
-                    raise mismatch(key, ckpt.shape(key), expected)
 
 
 def _check_existing(out_dir: Path, source: Source, force: bool) -> Manifest | None:
@@ -278,15 +238,15 @@ def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
     layout, num_experts = source.layout, source.num_experts
     bar = tqdm(total=len(source.layers) * num_experts, desc=f"quantizing experts ({source.scheme})", unit="expert",
                disable=not progress)
-    manifest = Manifest(FORMAT_VERSION, source.adapter.model_type, str(source.model_dir.resolve()), source.fingerprint,
+    manifest = Manifest(format_version(layout), source.adapter.model_type, str(source.model_dir.resolve()), source.fingerprint,
                         source.layers, num_experts, layout.to_json(), files={}, sources=source.records)
     for layer in source.layers:
         rel = manifest.expert_file(layer)
         if rel not in done:
             blobs = torch.empty(num_experts, layout.nbytes, dtype=torch.uint8)  # [E, blob bytes]
             for expert in range(num_experts):
-                w13, w2 = _read_expert(source.ckpt, source.adapter, layer, expert)
-                layout.pack(quantize_expert(w13, w2, layout), blobs[expert])
+                tensors = source.experts.read(layer, expert)
+                layout.pack(quantize_expert(layout=layout, **tensors), blobs[expert])
                 bar.update()
             done[rel] = _save_safetensors({"experts": blobs}, partial / rel)
             _save_progress(partial, source.key, done)
@@ -295,15 +255,15 @@ def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
     bar.close()
 
     if not _non_expert_done(partial, done):
-        expert_keys = {name for layer in source.layers for e in range(num_experts)
-                       for name in _expert_names(source.adapter, layer, e)}
-        expert_keys |= {k.format(layer=layer) for layer in source.layers
-                        for k in (source.adapter.keys.fused_gate_up, source.adapter.keys.fused_down)}
-        done.update(_write_non_expert(source.ckpt, expert_keys, partial))
+        done.update(_write_non_expert(source.ckpt, source.experts.expert_keys, partial, source.experts.block))
         _save_progress(partial, source.key, done)
     for name in copied_files(source.model_dir):
         if name not in done:
-            shutil.copyfile(source.model_dir / name, partial / name)
+            config = dequantized_config(source.model_dir / name) if name == CONFIG else None
+            if config is not None:  # weights stored dequantized: the store's config says so
+                write_json_atomic(partial / name, config)
+            else:
+                shutil.copyfile(source.model_dir / name, partial / name)
             done[name] = sha256_file(partial / name)
     _save_progress(partial, source.key, done)
 
@@ -313,6 +273,13 @@ def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
     (partial / PROGRESS).unlink()
     partial.rename(out_dir)
     return manifest
+
+
+def dequantized_config(path: Path) -> dict | None:
+    """config.json without its `quantization_config` (the store holds the weights dequantized); None
+    when it has none."""
+    config = json.loads(path.read_text())
+    return config if config.pop("quantization_config", None) is not None else None
 
 
 def _non_expert_done(partial: Path, done: dict[str, str]) -> bool:
@@ -394,9 +361,10 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
     return digest
 
 
-def _write_non_expert(ckpt: _Checkpoint, expert_keys: set[str], out: Path) -> dict[str, str]:
-    """Copy every non-expert tensor, unchanged, into shards of at most NON_EXPERT_SHARD_BYTES each,
-    writing each shard as soon as it is full."""
+def _write_non_expert(ckpt: _Checkpoint, expert_keys: set[str], out: Path,
+                      fp8_block: tuple[int, int]) -> dict[str, str]:
+    """Copy every non-expert tensor, unchanged (FP8 ones dequantized), into shards of at most
+    NON_EXPERT_SHARD_BYTES each, writing each shard as soon as it is full."""
     files: dict[str, str] = {}
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -407,8 +375,10 @@ def _write_non_expert(ckpt: _Checkpoint, expert_keys: set[str], out: Path) -> di
         weight_map.update(dict.fromkeys(shard, name))
         shard.clear()
 
-    for key in sorted(k for k in ckpt.where if k not in expert_keys):
+    for key in sorted(k for k in ckpt.where if k not in expert_keys and not k.endswith(FP8_SCALE_SUFFIX)):
         tensor = ckpt.get(key)
+        if key + FP8_SCALE_SUFFIX in ckpt.where:  # FP8 with block scales: stored dequantized, in bf16
+            tensor = dequantize_fp8(tensor, ckpt.get(key + FP8_SCALE_SUFFIX), fp8_block).to(torch.bfloat16)
         if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > NON_EXPERT_SHARD_BYTES:
             flush()
         shard[key] = tensor

@@ -7,7 +7,10 @@ store into a GPU slot or from disk into the store. A blob is a sequence of align
     int8-row      w13 int8 [2I, H] | w2 int8 [H, I] | scale13 bf16 [2I] | scale2 bf16 [H]
     none          w13 dtype [2I, H] | w2 dtype [H, I]          (dtype: the checkpoint's own)
 
-w13 holds the gate rows first, then the up rows (transformers' `gate_up_proj` order).
+w13 holds the gate rows first, then the up rows (transformers' `gate_up_proj` order); experts
+without a gate (`gated=False`) have the up rows only, w13 [I, H]. Experts with biases end with
+b13 float32 [2I] (or [I]) | b2 float32 [H]. Biases and ungated experts are layout fields written
+only when used, so a layout without them reads as before (mira.store.manifest versions them).
 H hidden size, I expert intermediate size.
 """
 
@@ -57,6 +60,8 @@ class ExpertLayout:
     hidden: int
     intermediate: int
     weight_dtype: torch.dtype = torch.int8  # the dtype of w13/w2; the checkpoint's own for "none"
+    gated: bool = True  # w13 holds gate and up rows; else up rows only
+    bias: bool = False  # b13 and b2 follow the weights and scales
     sections: dict[str, Section] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False, compare=False)
 
@@ -66,14 +71,17 @@ class ExpertLayout:
         if self.scheme != "none" and self.weight_dtype != torch.int8:
             raise ValueError(f"scheme {self.scheme} stores int8 weights, not {self.weight_dtype}")
         H, I = self.hidden, self.intermediate
+        rows13 = 2 * I if self.gated else I
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-            ("w13", self.weight_dtype, (2 * I, H)),
+            ("w13", self.weight_dtype, (rows13, H)),
             ("w2", self.weight_dtype, (H, I)),
         ]
         if self.scheme == "int8-shared":
             specs.append(("scale", torch.bfloat16, (H,)))
         elif self.scheme == "int8-row":
-            specs += [("scale13", torch.bfloat16, (2 * I,)), ("scale2", torch.bfloat16, (H,))]
+            specs += [("scale13", torch.bfloat16, (rows13,)), ("scale2", torch.bfloat16, (H,))]
+        if self.bias:
+            specs += [("b13", torch.float32, (rows13,)), ("b2", torch.float32, (H,))]
         sections, offset = {}, 0
         for name, dtype, shape in specs:
             section = Section(name, offset, dtype, shape)
@@ -96,8 +104,13 @@ class ExpertLayout:
         for name, view in self.views(out).items():
             view.copy_(tensors[name])
 
+    @property
+    def extended(self) -> bool:
+        """Whether this layout uses a field the first store format lacks (biases, ungated experts)."""
+        return self.bias or not self.gated
+
     def to_json(self) -> dict:
-        return {
+        data = {
             "scheme": self.scheme,
             "hidden": self.hidden,
             "intermediate": self.intermediate,
@@ -106,10 +119,16 @@ class ExpertLayout:
             "sections": {s.name: {"offset": s.offset, "dtype": dtype_name(s.dtype), "shape": list(s.shape)}
                          for s in self.sections.values()},
         }
+        if not self.gated:
+            data["gated"] = False
+        if self.bias:
+            data["bias"] = True
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> ExpertLayout:
-        layout = cls(data["scheme"], data["hidden"], data["intermediate"], dtype_from_name(data["weight_dtype"]))
+        layout = cls(data["scheme"], data["hidden"], data["intermediate"], dtype_from_name(data["weight_dtype"]),
+                     gated=data.get("gated", True), bias=data.get("bias", False))
         if layout.to_json() != data:
             raise ValueError("the store's blob layout differs from what this version of Mira writes")
         return layout

@@ -20,8 +20,16 @@ from mira.errors import MiraError
 from mira.store.files import write_json_atomic
 from mira.store.layout import ExpertLayout
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a store whose blob layout has no biases and gated experts
+EXTENDED_FORMAT_VERSION = 2  # blob layouts with biases or ungated experts (mira.store.layout)
+READABLE_VERSIONS = (FORMAT_VERSION, EXTENDED_FORMAT_VERSION)
 MANIFEST = "manifest.json"
+
+
+def format_version(layout: ExpertLayout) -> int:
+    """The lowest format version that holds `layout`: a store without the extended fields stays
+    readable by a Mira that knows version 1 only."""
+    return EXTENDED_FORMAT_VERSION if layout.extended else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -69,12 +77,16 @@ class Manifest:
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as error:
             raise MiraError(f"cannot read the store manifest {path} ({error}); {_again(store_dir, None)}") from None
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise MiraError(f"store {store_dir} has format version {data.get('format_version')}, this Mira reads "
-                            f"version {FORMAT_VERSION}; {_again(store_dir, data.get('source'))}")
+                            f"versions {', '.join(map(str, READABLE_VERSIONS))}; "
+                            f"{_again(store_dir, data.get('source'))}")
         try:
             manifest = cls(**data)
-            ExpertLayout.from_json(manifest.layout)  # a layout this version reads
+            layout = ExpertLayout.from_json(manifest.layout)  # a layout this version reads
+            if manifest.format_version != format_version(layout):
+                raise ValueError(f"format version {manifest.format_version} with a layout of version "
+                                 f"{format_version(layout)}")
         except (TypeError, KeyError, ValueError) as error:
             raise MiraError(f"store manifest {path} is malformed ({error}); "
                             f"{_again(store_dir, data.get('source'))}") from None

@@ -26,17 +26,26 @@ QMAX = 127
 ROWS = 256  # rows quantized at a time
 
 
-def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
+def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Quantize one expert.
 
     Args:
-        w13: [2I, H] gate rows then up rows.
+        w13: [2I, H] gate rows then up rows ([I, H] up rows for ungated experts).
         w2: [H, I] down projection.
         layout: the target blob layout (its scheme decides the quantization).
+        b13, b2: the biases [2I] and [H], kept in float32, for a layout with biases.
 
     Returns:
         The tensors to pack, keyed by section name.
     """
+    tensors = _quantize_weights(w13, w2, layout)
+    if layout.bias:
+        tensors.update(b13=b13.float(), b2=b2.float())
+    return tensors
+
+
+def _quantize_weights(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
     if layout.scheme == "none":
         return {"w13": w13.to(layout.weight_dtype), "w2": w2.to(layout.weight_dtype)}
     if layout.scheme == "int8-shared":

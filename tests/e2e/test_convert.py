@@ -31,9 +31,9 @@ def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, check
 
     monkeypatch.setattr(convert_module.ExpertLayout, "pack", real_pack)
     resumed_layers = []
-    monkeypatch.setattr(convert_module, "_read_expert",
-                        lambda ckpt, adapter, layer, expert, real=convert_module._read_expert:
-                        resumed_layers.append(layer) or real(ckpt, adapter, layer, expert))
+    monkeypatch.setattr(convert_module.ExpertReader, "read",
+                        lambda self, layer, expert, real=convert_module.ExpertReader.read:
+                        resumed_layers.append(layer) or real(self, layer, expert))
     manifest = convert(checkpoint, tmp_path / "store", "int8-shared", progress=False)
     assert 0 not in resumed_layers  # the finished layer was not converted again
     assert not partial.exists()

@@ -1,0 +1,55 @@
+"""Which MoE families of this transformers Mira runs, read from their Experts classes alone.
+
+Each family's Experts class is built from the family's default config on the meta device (no
+memory) and its spec checked as a model's is (mira.models.registry.check_supported).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from mira.errors import MiraError
+from mira.models.interface import Family, moe_families
+from mira.models.registry import check_supported
+from mira.models.spec import ExpertsSpec, spec_of
+
+
+@dataclass(frozen=True)
+class FamilyStatus:
+    family: Family
+    runs: bool | None  # None: unknown, the default config builds no experts to inspect
+    spec: ExpertsSpec | None = None  # when it runs
+    problem: str | None = None  # why it does not run, or why it is unknown
+
+
+def family_statuses() -> list[FamilyStatus]:
+    """Every MoE family of this transformers (mira.models.interface.moe_families) and whether Mira runs it."""
+    return [_status(family) for family in moe_families()]
+
+
+def _status(family: Family) -> FamilyStatus:
+    try:
+        config = AutoConfig.for_model(family.model_type).get_text_config()
+        module = importlib.import_module(_modeling_module(family))
+        experts_class = getattr(module, family.experts_classes[0])
+        with torch.device("meta"):
+            experts = experts_class(config)
+    except Exception as error:  # a default config without experts (a dense default): say so, go on
+        return FamilyStatus(family, None, problem=f"its default config builds no {family.experts_classes[0]} "
+                                                  f"({type(error).__name__}); convert a checkpoint to find out")
+    try:
+        spec = spec_of(experts)
+        check_supported(spec, family.model_type)
+    except MiraError as error:
+        return FamilyStatus(family, False, problem=str(error))
+    return FamilyStatus(family, True, spec)
+
+
+def _modeling_module(family: Family) -> str:
+    import transformers
+
+    return getattr(transformers, family.model_class).__module__

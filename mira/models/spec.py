@@ -1,0 +1,167 @@
+"""What a family's Experts class declares, read from transformers itself (paper IV-A).
+
+The model of a config is built on the meta device (no memory) with its own Experts classes; the
+first Experts module found gives the sizes (from its 3D parameters) and the layout flags that
+`use_experts_implementation` set on it. Mira stores every expert in one canonical layout, whatever
+the family's: w13 [2I, H] with the gate rows first, then the up rows ([I, H] up rows only for
+ungated experts); w2 [H, I]; biases b13 [2I] and b2 [H].
+
+E experts, H hidden, I expert intermediate, T tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from mira.errors import MiraError
+from mira.models.interface import causal_lm_class, moe_families, moe_integration, uses_experts_interface
+
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """The layout and arithmetic of one family's experts.
+
+    gated: a gate projection (gate_up_proj) beside the up projection, else up_proj only.
+    concatenated: the family's gate_up_proj holds the gate rows then the up rows; else they alternate.
+    transposed: the family's tensors are [E, in, out] rather than [E, out, in].
+    bias: gate_up_proj_bias (or up_proj_bias) and down_proj_bias.
+    post_norm: a norm after each expert (has_post_expert_norm).
+    custom_gate: the family has its own `_apply_gate` (e.g. a clamped SwiGLU), not act(gate) * up.
+    """
+
+    experts_class: type
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gated: bool
+    concatenated: bool
+    transposed: bool
+    bias: bool
+    post_norm: bool
+    custom_gate: bool
+    module: nn.Module  # one Experts module on the meta device: its act_fn and _apply_gate are the family's
+
+    @property
+    def up_name(self) -> str:
+        """The family's name of the (gate and) up projection parameter."""
+        return "gate_up_proj" if self.gated else "up_proj"
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        names = (self.up_name, "down_proj")
+        return names + tuple(f"{name}_bias" for name in names) if self.bias else names
+
+    def ffn_functions(self) -> tuple[Callable | None, Callable | None]:
+        """(activation, gating) for mira.kernels.make_moe_ffn: the family's own `_apply_gate`, else its
+        act_fn."""
+        if self.custom_gate:
+            return None, self.gate_function()
+        return self.activation(), None
+
+    def activation(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The activation of the gate (or, ungated, of the up projection)."""
+        act = getattr(self.module, "act_fn", None)
+        if act is None:
+            raise MiraError(f"{self.experts_class.__name__} has no act_fn; Mira cannot tell its activation")
+        return act
+
+    def gate_function(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The family's own gating of w13's output [T, 2I] (gate rows first) -> [T, I]; None when it
+        is act(gate) * up."""
+        if not self.custom_gate:
+            return None
+        return FamilyGate(self.module, self.concatenated)
+
+
+class FamilyGate:
+    """A family's `_apply_gate`, fed in the family's own row order (Mira keeps gate rows first)."""
+
+    def __init__(self, module: nn.Module, concatenated: bool):
+        self.module = module
+        self.concatenated = concatenated
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.concatenated:  # [T, 2I] gate|up -> [T, 2I] g0 u0 g1 u1 ...
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate_up = torch.stack((gate, up), dim=-1).flatten(-2)
+        return self.module._apply_gate(gate_up)
+
+    def __repr__(self) -> str:
+        return f"{type(self.module).__name__}._apply_gate"
+
+
+@dataclass(frozen=True)
+class ModelAnatomy:
+    """A config's model on the meta device and where its Experts modules sit."""
+
+    model: nn.Module
+    sites: dict[str, int]  # module name of each Experts module -> its decoder layer
+    spec: ExpertsSpec
+
+
+def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy:
+    """Build `config`'s model on the meta device and read its experts.
+
+    Raises:
+        MiraError: no causal LM, no Experts module using the experts interface, mixed Experts
+            classes, or an Experts module outside a numbered decoder layer.
+    """
+    moe_integration()
+    model_class = causal_lm_class(config)
+    with torch.device("meta"):
+        try:
+            model = model_class._from_config(config)
+        except Exception as error:  # transformers raises many kinds for a config it cannot build
+            raise MiraError(f"transformers cannot build {source} from its config.json ({error}); "
+                            "fix config.json") from None
+    sites, found = {}, {}
+    for name, module in model.named_modules():
+        if uses_experts_interface(type(module)):
+            match = LAYER_INDEX.search(f".{name}.")
+            if match is None:
+                raise MiraError(f"cannot tell the decoder layer of experts module {name} of {source}")
+            sites[name] = int(match.group(1))
+            found.setdefault(type(module), module)
+    if not found:
+        supported = ", ".join(family.model_type for family in moe_families())
+        raise MiraError(f"{source} is a {config.model_type!r} model, which Mira does not support: it has no routed "
+                        f"experts in transformers' experts interface; supported architectures (config.json "
+                        f"model_type, see `mira models`): {supported}")
+    if len(found) > 1:
+        names = ", ".join(sorted(cls.__name__ for cls in found))
+        raise MiraError(f"{source} mixes Experts classes ({names}); Mira runs one Experts class per model")
+    (module,) = found.values()
+    return ModelAnatomy(model, sites, spec_of(module))
+
+
+def spec_of(module: nn.Module) -> ExpertsSpec:
+    """The spec of one Experts module (of a class decorated with `use_experts_implementation`).
+
+    Raises:
+        MiraError: tensors whose shapes do not fit the interface's layout.
+    """
+    gated = getattr(module, "has_gate", True)
+    transposed = getattr(module, "is_transposed", False)
+    up = getattr(module, "gate_up_proj" if gated else "up_proj")  # [E, 2I, H], or [E, H, 2I] transposed
+    down = module.down_proj  # [E, H, I], or [E, I, H] transposed
+    num_experts, up_out, hidden = up.shape if not transposed else (up.shape[0], up.shape[2], up.shape[1])
+    intermediate = up_out // 2 if gated else up_out
+    expected = (num_experts, hidden, intermediate) if not transposed else (num_experts, intermediate, hidden)
+    if tuple(down.shape) != expected:
+        raise MiraError(f"{type(module).__name__} has down_proj {tuple(down.shape)}, not {expected}; Mira cannot "
+                        "read its layout")
+    default_gate = getattr(moe_integration(), "_default_apply_gate", None)
+    return ExpertsSpec(
+        experts_class=type(module), num_experts=num_experts, hidden=hidden, intermediate=intermediate, gated=gated,
+        concatenated=getattr(module, "is_concatenated", True), transposed=transposed,
+        bias=getattr(module, "has_bias", False), post_norm=getattr(module, "has_post_expert_norm", False),
+        custom_gate=gated and getattr(type(module), "_apply_gate", default_gate) is not default_gate, module=module)
+

@@ -1,0 +1,228 @@
+"""Every MoE family Mira runs through transformers' experts interface, against transformers' own
+forward on the same tiny random checkpoint (fp32, CPU; configs from each family's config class).
+
+- `none`: Mira's logits equal transformers' (max abs difference <= 1e-4) and 20 greedy tokens are
+  the same.
+- `int8-shared`: every dequantized weight lies within half a quantization step of the original,
+  and Mira computes exactly the quantized model: its logits equal transformers' with the
+  dequantized weights put back into the family's own Experts modules (<= 1e-4).
+- For the families gated with SiLU, each MoE layer's quantization error is within the bound
+  derived in tests/e2e/test_families.py (biases are stored exactly and change nothing in it).
+
+The README's list of families is the families whose cases all pass here (tools/families_doc.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import mira
+from mira.kernels import is_silu
+from mira.kernels.reference import moe_ffn_reference
+from mira.models.interface import moe_families, uses_experts_interface
+from mira.models.registry import adapter_for
+from mira.store.convert import convert
+from mira.store.quant import dequantize_expert
+from mira.store.store import ExpertStore
+from tiny_families import VOCAB, tiny_config
+from tiny_models import write_tokenizer
+
+# The families verified to pass; those of them this transformers offers are tested.
+FAMILIES = [
+    "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
+    "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
+    "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
+    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open", "zaya",
+]
+OFFERED = {family.model_type for family in moe_families()}
+CASES = [family for family in FAMILIES if family in OFFERED]
+SILU_LIPSCHITZ = 1.0999
+GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+
+
+def _make_checkpoint(family: str, directory: Path) -> Path:
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    num_experts = adapter_for(model.config).spec.num_experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name and "shared" not in name:  # larger than the default init: experts matter
+                param.normal_(0.0, 0.2)
+            elif name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and param.shape[0] == num_experts:
+                param.normal_(0.0, 1.0)  # a decisive router
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def family_store(tmp_path_factory):
+    """(family, scheme) -> (checkpoint, store), made on first use."""
+    root = tmp_path_factory.mktemp("families")
+    made: dict = {}
+
+    def get(family: str, scheme: str) -> tuple[Path, Path]:
+        if family not in made:
+            made[family] = _make_checkpoint(family, root / family)
+        if (family, scheme) not in made:
+            made[family, scheme] = root / f"{family}-{scheme}"
+            convert(made[family], made[family, scheme], scheme, progress=False)
+        return made[family], made[family, scheme]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_reference():
+    """checkpoint -> transformers' fp32 model of it, loaded once (tests copy it before changing it)."""
+    loaded: dict = {}
+
+    def get(checkpoint: Path):
+        if checkpoint not in loaded:
+            loaded[checkpoint] = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        return loaded[checkpoint]
+
+    return get
+
+
+def _experts_modules(model) -> list:
+    return [m for m in model.modules() if uses_experts_interface(type(m))]
+
+
+def _prompt(seed: int = 0, length: int = 12) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _canonical(module, expert: int, spec) -> dict[str, torch.Tensor]:
+    """Expert `expert` of a family's Experts module in the store's layout (float64)."""
+    up = getattr(module, spec.up_name)[expert].double()
+    down = module.down_proj[expert].double()
+    if spec.transposed:
+        up, down = up.T, down.T
+    tensors = {"w13": _gate_rows_first(up, spec), "w2": down}
+    if spec.bias:
+        tensors["b13"] = _gate_rows_first(getattr(module, f"{spec.up_name}_bias")[expert].double(), spec)
+        tensors["b2"] = module.down_proj_bias[expert].double()
+    return tensors
+
+
+def _gate_rows_first(tensor: torch.Tensor, spec) -> torch.Tensor:
+    return tensor if spec.concatenated or not spec.gated else torch.cat([tensor[0::2], tensor[1::2]])
+
+
+def _family_rows(tensor: torch.Tensor, spec) -> torch.Tensor:
+    """The inverse of _gate_rows_first: gate|up rows -> the family's order."""
+    if spec.concatenated or not spec.gated:
+        return tensor
+    gate, up = tensor.chunk(2, dim=0)
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
+
+
+def _steps(views: dict, shape13, shape2) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = views["scale"].double()  # int8-shared: one scale per input channel of w13, output channel of w2
+    return scale[None, :].expand(shape13), scale[:, None].expand(shape2)
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_unquantized_store_matches_transformers_exactly(family, family_store, family_reference):
+    checkpoint, store = family_store(family, "none")
+    reference = family_reference(checkpoint)
+    model = mira.load(store, device="cpu", progress=False)
+    ids = _prompt()
+    with torch.no_grad():
+        expected, got = reference(ids).logits, model(ids).logits
+    assert (expected - got).abs().max().item() <= 1e-4
+    assert torch.equal(reference.generate(ids, **GREEDY, disable_compile=True), model.generate(ids, **GREEDY))
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_int8_store_is_exactly_the_dequantized_model(family, family_store, family_reference):
+    checkpoint, store_dir = family_store(family, "int8-shared")
+    store = ExpertStore.open(store_dir, progress=False)
+    original = family_reference(checkpoint)
+    dequantized = copy.deepcopy(original)
+    spec = adapter_for(original.config).spec
+    with torch.no_grad():
+        for position, (orig, deq) in enumerate(zip(_experts_modules(original), _experts_modules(dequantized))):
+            for expert in range(store.num_experts):
+                views = store.layout.views(store.blob(position, expert))
+                w13, w2 = dequantize_expert(views, store.layout)
+                exact = _canonical(orig, expert, spec)
+                step13, step2 = _steps(views, w13.shape, w2.shape)
+                assert ((w13 - exact["w13"]).abs() <= step13 / 2).all()
+                assert ((w2 - exact["w2"]).abs() <= step2 / 2).all()
+                if spec.bias:  # stored exactly
+                    assert torch.equal(views["b13"].double(), exact["b13"]) and torch.equal(views["b2"].double(),
+                                                                                            exact["b2"])
+                up, down = _family_rows(w13, spec), w2
+                if spec.transposed:
+                    up, down = up.T, down.T
+                getattr(deq, spec.up_name)[expert] = up.float()
+                deq.down_proj[expert] = down.float()
+    model = mira.load(store_dir, device="cpu", progress=False)
+    ids = _prompt()
+    with torch.no_grad():
+        got, expected, unquantized = model(ids).logits, dequantized(ids).logits, original(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert (got - unquantized).abs().max().item() > 0  # the experts really were quantized
+
+
+# Families with their own gating or activation, outside the derived bound: their int8 stores are checked
+# by test_int8_store_is_exactly_the_dequantized_model (weights within half a step, Mira = that model).
+OWN_ARITHMETIC = {"beam", "deepseek_v4", "gpt_oss", "hy_v4", "minimax_m3_vl_text", "nemotron_h"}
+SILU_GATED = [family for family in CASES if family not in OWN_ARITHMETIC]
+
+
+@pytest.mark.parametrize("family", SILU_GATED)
+def test_int8_error_of_each_moe_layer_is_within_the_derived_bound(family, family_store, family_reference):
+    checkpoint, store_dir = family_store(family, "int8-shared")
+    store = ExpertStore.open(store_dir, progress=False)
+    original = family_reference(checkpoint)
+    spec = adapter_for(original.config).spec
+    act, gate = spec.ffn_functions()
+    assert gate is None and is_silu(act)
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, calls=calls: calls.append(args))
+             for m in _experts_modules(original)]
+    with torch.no_grad():
+        original(_prompt(seed=1, length=16))
+    for hook in hooks:
+        hook.remove()
+    for position, (orig, (hidden, top_k_index, top_k_weights)) in enumerate(zip(_experts_modules(original), calls)):
+        blobs = [store.blob(position, e) for e in range(store.num_experts)]
+        got = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, store.layout, F.silu).double()
+        with torch.no_grad():
+            expected = orig(hidden, top_k_index, top_k_weights).double()
+        bound = _moe_error_bound(orig, spec, store, position, hidden, top_k_index, top_k_weights)
+        assert ((got - expected).abs() <= bound + 1e-5 * (1 + expected.abs())).all()
+
+
+def _moe_error_bound(orig, spec, store, position, hidden, top_k_index, top_k_weights):
+    """tests/e2e/test_families.py's bound, with biases (exact) inside the gate/up and down outputs."""
+    x = hidden.double()
+    bound = torch.zeros_like(x)
+    for expert in top_k_index.unique().tolist():
+        views = store.layout.views(store.blob(position, expert))
+        exact = _canonical(orig, expert, spec)
+        w13, w2 = exact["w13"], exact["w2"]
+        step13, step2 = _steps(views, w13.shape, w2.shape)
+        token, k = torch.where(top_k_index == expert)
+        xe = x[token]  # [T_e, H]
+        d_gate_up = xe.abs() @ (step13 / 2).T  # [T_e, 2I]
+        gate_up = xe @ w13.T + (exact["b13"] if spec.bias else 0)
+        gate, up = gate_up.chunk(2, dim=-1)
+        d_gate, d_up = d_gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        d_h = SILU_LIPSCHITZ * d_gate * (up.abs() + d_up) + F.silu(gate).abs() * d_up
+        d_y = d_h @ (w2.abs() + step2 / 2).T + h.abs() @ (step2 / 2).T  # [T_e, H]
+        bound.index_add_(0, token, d_y * top_k_weights[token, k, None].double().abs())
+    return bound

@@ -1,0 +1,43 @@
+"""Tiny random configs of any MoE family transformers offers, built from the family's own config
+class: the sizes every family shares are shrunk, the rest keep the family's defaults."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PretrainedConfig
+
+VOCAB = 320
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+             shared_expert_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+             max_position_embeddings=256, tie_word_embeddings=False, first_k_dense_replace=1, n_shared_experts=1,
+             n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+             v_head_dim=16, eos_token_id=1, pad_token_id=0, bos_token_id=2)
+HYBRID = ["linear_attention", "full_attention", "linear_attention"]  # one attending layer between two others
+DENSE_FIRST = ["dense", "sparse", "sparse"]
+# What a family needs beyond the shared sizes to be tiny and sound: layer kinds sized to three layers.
+FAMILY_SIZES: dict[str, dict] = {
+    **{family: dict(layer_types=HYBRID) for family in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
+                                                       "qwen4_exp_text", "granitemoehybrid")},
+    "kimi_linear": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
+    "bailing_hybrid": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
+    "beam": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], mlp_layer_types=DENSE_FIRST),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    "zaya": dict(num_experts_per_tok=1),
+}
+PER_LAYER_LISTS = ("layer_types", "mlp_layer_types")  # the default's lists are sized to the default's layers
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """A small `model_type` config: every shared size the family's config has, shrunk."""
+    default = AutoConfig.for_model(model_type)
+    text = getattr(default, "text_config", None)
+    target = text if isinstance(text, PretrainedConfig) else default
+    family = FAMILY_SIZES.get(model_type, {})
+    sizes = {k: v for k, v in {**SIZES, **family}.items() if hasattr(target, k) or k in family}
+    if getattr(target, "kv_lora_rank", None):  # multi-head latent attention: head_dim is the rope dims
+        sizes.pop("head_dim", None)
+    if target is default:
+        return AutoConfig.for_model(model_type, **sizes)
+    text_fields = {k: v for k, v in text.to_dict().items() if k not in PER_LAYER_LISTS}
+    return AutoConfig.for_model(model_type, text_config={**text_fields, **sizes})
