@@ -56,19 +56,19 @@ def _nibbles(w, CVT: tl.constexpr):
     if CVT == "prmt":
         lo, hi = tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 l, h, m;
-            mov.b32 m, 0x4B000000;
-            and.b32 l, $8, 0x0F0F0F0F;
-            shr.b32 h, $8, 4;
-            and.b32 h, h, 0x0F0F0F0F;
-            prmt.b32 $0, l, m, 0x7650;
-            prmt.b32 $1, l, m, 0x7651;
-            prmt.b32 $2, l, m, 0x7652;
-            prmt.b32 $3, l, m, 0x7653;
-            prmt.b32 $4, h, m, 0x7650;
-            prmt.b32 $5, h, m, 0x7651;
-            prmt.b32 $6, h, m, 0x7652;
-            prmt.b32 $7, h, m, 0x7653;
+            .reg .b32 lo4, hi4, mag;
+            mov.b32 mag, 0x4B000000;
+            and.b32 lo4, $8, 0x0F0F0F0F;
+            shr.b32 hi4, $8, 4;
+            and.b32 hi4, hi4, 0x0F0F0F0F;
+            prmt.b32 $0, lo4, mag, 0x7650;
+            prmt.b32 $1, lo4, mag, 0x7651;
+            prmt.b32 $2, lo4, mag, 0x7652;
+            prmt.b32 $3, lo4, mag, 0x7653;
+            prmt.b32 $4, hi4, mag, 0x7650;
+            prmt.b32 $5, hi4, mag, 0x7651;
+            prmt.b32 $6, hi4, mag, 0x7652;
+            prmt.b32 $7, hi4, mag, 0x7653;
             }""",
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32), is_pure=True,
             pack=4,
@@ -85,15 +85,14 @@ def _nibbles(w, CVT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dots(w, x, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr, CVT: tl.constexpr):
-    """Bytes w [ROWS, BYTES] against the fp32 token columns x [2 * BYTES] -> [ROWS, BYTES / 16]: per
-    chunk of 32 weights, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
+def _chunk_dots(w, x_even, x_odd, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr, CVT: tl.constexpr):
+    """Bytes w [ROWS, BYTES] against the fp32 token's even and odd columns [BYTES] -> [ROWS, BYTES / 16]:
+    per chunk of 32 weights, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
     (s, z [ROWS, BYTES / 16]: each chunk's group scale and offset)."""
-    x_even, x_odd = tl.split(tl.reshape(x, [BYTES, 2]))  # [BYTES] each
     lo, hi = _nibbles(w, CVT)
     p = lo * x_even[None, :] + hi * x_odd[None, :]  # [ROWS, BYTES]
     p = tl.sum(tl.reshape(p, [ROWS, BYTES // 16, 16]), axis=2)  # [ROWS, chunks]
-    sx = tl.sum(tl.reshape(x, [BYTES // 16, 32]), axis=1)  # the token's sum over each chunk
+    sx = tl.sum(tl.reshape(x_even + x_odd, [BYTES // 16, 16]), axis=1)  # the token's sum over each chunk
     return p * s + z * sx[None, :]
 
 
@@ -133,30 +132,31 @@ def _rows_dot(
 ):
     """[BLOCK_R] dot products of the given rows of a packed matrix ([R, COLS / 2] bytes, group
     scales and offsets [R, cdiv(COLS, GROUP)]) with the fp32-convertible vector x_row [COLS]."""
-    BYTES: tl.constexpr = BLOCK_C // 2
     n_groups = (COLS + GROUP - 1) // GROUP
     w_rows = w_ptr + rows[:, None] * (COLS // 2)  # [BLOCK_R, 1]
     s_rows = s_ptr + rows[:, None] * n_groups
     z_rows = z_ptr + rows[:, None] * n_groups
-    acc = tl.zeros([BLOCK_R, BYTES // 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C // 32], dtype=tl.float32)
     for c0 in range(0, COLS, BLOCK_C * UNROLL):
         for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
             start = c0 + u * BLOCK_C
-            offs_c = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
-            offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BYTES), BYTES), BYTES)
-            chunk_group = (start + tl.arange(0, BYTES // 16) * CHUNK_W) // GROUP  # [chunks]
+            offs_even = start + 2 * tl.arange(0, BLOCK_C // 2)  # the token's columns meeting the low codes
+            offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BLOCK_C // 2), BLOCK_C // 2), BLOCK_C // 2)
+            chunk_group = (start + tl.arange(0, BLOCK_C // 32) * CHUNK_W) // GROUP  # [chunks]
             if EVEN:
-                x = tl.load(x_row + offs_c).to(tl.float32)
+                x_even = tl.load(x_row + offs_even).to(tl.float32)
+                x_odd = tl.load(x_row + offs_even + 1).to(tl.float32)
                 w_mask = row_mask[:, None]
                 s_mask = row_mask[:, None]
             else:
-                x = tl.load(x_row + offs_c, mask=offs_c < COLS, other=0.0).to(tl.float32)
+                x_even = tl.load(x_row + offs_even, mask=offs_even < COLS, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_row + offs_even + 1, mask=offs_even < COLS, other=0.0).to(tl.float32)
                 w_mask = row_mask[:, None] & (offs_b < COLS // 2)[None, :]
-                s_mask = row_mask[:, None] & (start + tl.arange(0, BYTES // 16) * CHUNK_W < COLS)[None, :]
+                s_mask = row_mask[:, None] & (start + tl.arange(0, BLOCK_C // 32) * CHUNK_W < COLS)[None, :]
             w = tl.load(w_rows + offs_b[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
             s = tl.load(s_rows + chunk_group[None, :], mask=s_mask, other=0.0).to(tl.float32)
             z = tl.load(z_rows + chunk_group[None, :], mask=s_mask, other=0.0).to(tl.float32)
-            acc += _chunk_dots(w, x, s, z, BLOCK_R, BYTES, CVT)
+            acc += _chunk_dots(w, x_even, x_odd, s, z, BLOCK_R, BLOCK_C // 2, CVT)
     return tl.sum(acc, axis=1)
 
 
@@ -178,7 +178,6 @@ def _down_gemv4(
     in_rows = offs_h < H
     col_start = split * SPAN
     col_end = tl.minimum(col_start + SPAN, I)
-    BYTES: tl.constexpr = BLOCK_I // 2
     n_groups = (I + GROUP - 1) // GROUP
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in range(0, K):
@@ -194,25 +193,27 @@ def _down_gemv4(
         s_rows = s_out + offs_h[:, None] * n_groups
         z_rows = z_out + offs_h[:, None] * n_groups
         act_row = act_ptr + pair * I
-        acc = tl.zeros([BLOCK_H, BYTES // 16], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_I // 32], dtype=tl.float32)
         for i0 in range(col_start, col_end, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 start = i0 + u * BLOCK_I
-                offs_i = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
-                offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BYTES), BYTES), BYTES)
-                chunk_start = start + tl.arange(0, BYTES // 16) * CHUNK_W  # [chunks]
+                offs_even = start + 2 * tl.arange(0, BLOCK_I // 2)
+                offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BLOCK_I // 2), BLOCK_I // 2), BLOCK_I // 2)
+                chunk_start = start + tl.arange(0, BLOCK_I // 32) * CHUNK_W  # [chunks]
                 if EVEN_I:
-                    a = tl.load(act_row + offs_i)
+                    a_even = tl.load(act_row + offs_even)
+                    a_odd = tl.load(act_row + offs_even + 1)
                     w_mask = row_mask[:, None]
                     s_mask = row_mask[:, None]
                 else:
-                    a = tl.load(act_row + offs_i, mask=offs_i < col_end, other=0.0)
+                    a_even = tl.load(act_row + offs_even, mask=offs_even < col_end, other=0.0)
+                    a_odd = tl.load(act_row + offs_even + 1, mask=offs_even < col_end, other=0.0)
                     w_mask = row_mask[:, None] & (offs_b < col_end // 2)[None, :]
                     s_mask = row_mask[:, None] & (chunk_start < col_end)[None, :]
                 w = tl.load(w_rows + offs_b[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
                 s = tl.load(s_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-                acc += _chunk_dots(w, a, s, z, BLOCK_H, BYTES, CVT)
+                acc += _chunk_dots(w, a_even, a_odd, s, z, BLOCK_H, BLOCK_I // 2, CVT)
         y = tl.sum(acc, axis=1)
         total += tl.where(present, y, float("nan")) * weight
     out_row = out_ptr + token * stride_ot + offs_h
