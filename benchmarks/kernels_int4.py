@@ -111,7 +111,7 @@ class Workload:
                              for i in range(calls)]
 
     def one_expert(self, ffn) -> float:
-        x, index, weight, out = self.inputs["x1"], self.inputs["one_index"], self.inputs["one_weight"], self.inputs["out1"]
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
         return self.timer.graph(lambda i: ffn.forward_bases(x[i], index, weight, self.one_tables[i], out=out),
                                 self.inputs["calls"])
 
@@ -150,7 +150,8 @@ class Workload:
             host[r].copy_(self.slots[r % self.slots.shape[0]])
         slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
         host_tables = [addresses([host[r]], device) for r in range(count)]
-        x, index, weight, out = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"], self.inputs["out1"]
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
+        x = x[0]
         copy = self.timer.graph(lambda r: slot.copy_(host[r], non_blocking=True), count)
         zero = self.timer.graph(lambda r: ffn.forward_bases(x, index, weight, host_tables[r], out=out), count)
         same = torch.equal(ffn.forward_bases(x, index, weight, host_tables[0]),
@@ -163,7 +164,8 @@ def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: in
     tokens = 16 if smoke else PREFILL_TOKENS
     logits = torch.randn(tokens, EXPERTS, generator=gen, device=device)
     top = logits.topk(TOP_K, dim=-1)
-    return {"calls": calls, "x1": [torch.randn(1, hidden, generator=gen, device=device).to(dtype) for _ in range(calls)],
+    return {"calls": calls,
+            "x1": [torch.randn(1, hidden, generator=gen, device=device).to(dtype) for _ in range(calls)],
             "one_index": torch.zeros(1, 1, dtype=torch.long, device=device),
             "one_weight": torch.ones(1, 1, dtype=dtype, device=device),
             "out1": torch.empty(1, hidden, dtype=dtype, device=device),
@@ -200,7 +202,8 @@ def autotune(work: Workload, ffn_for, log, smoke: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="mixtral-8x7b", help="comma-separated: " + ", ".join(SHAPES))
-    parser.add_argument("--autotune", action="store_true", help="try decode launch configurations first and store the best")
+    parser.add_argument("--autotune", action="store_true",
+                        help="try decode launch configurations first and store the best")
     parser.add_argument("--tuning-dir", type=Path, default=TUNING_DIR)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--replays", type=int, default=20)
@@ -249,7 +252,8 @@ def main() -> None:
             config = load_int4_config(gpu, hidden, intermediate, args.tuning_dir)
         else:
             config = default_int4_config(hidden, intermediate)
-        config8 = load_config(gpu, hidden, intermediate) if device.type == "cuda" else default_config(hidden, intermediate)
+        config8 = (load_config(gpu, hidden, intermediate) if device.type == "cuda"
+                   else default_config(hidden, intermediate))
         ffn = ffn4(config)
         ffn8 = TritonMoEFFN(layout8, device, config=config8, max_tokens=inputs["xp"].shape[0], top_k=TOP_K, dtype=dtype)
         errors = {"one_expert": work4.check_one(ffn), "prefill": work4.check_prefill(ffn),
@@ -280,13 +284,15 @@ def main() -> None:
         if device.type == "cuda":
             read = [work4.read_ceiling() for _ in range(repeats)]
             figures["read_one_blob_s"] = spread(read)
-        goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": statistics.median(fraction),
-                                                          "met": statistics.median(fraction) >= ZERO_COPY_GOAL}}
+        zero_copy = statistics.median(fraction)
+        goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": zero_copy,
+                                                          "met": zero_copy >= ZERO_COPY_GOAL}}
         for key, goal in GOALS.get(name, {}).items():
             goals[key] = {"goal": goal, "measured": statistics.median(one), "met": statistics.median(one) <= goal}
         figures["goals"] = goals
         result["shapes"][name] = figures
-        log(f"{name}: one INT4 expert {statistics.median(one) * 1e6:.1f} us ({min(one) * 1e6:.1f}-{max(one) * 1e6:.1f}; "
+        log(f"{name}: one INT4 expert {statistics.median(one) * 1e6:.1f} us "
+            f"({min(one) * 1e6:.1f}-{max(one) * 1e6:.1f}; "
             f"{figures['one_expert_GBps']:.0f} GB/s), INT8 {statistics.median(one8) * 1e6:.1f} us; zero-copy "
             f"{statistics.median(fraction):.3f} of the copy ({min(fraction):.3f}-{max(fraction):.3f}); prefill "
             f"{statistics.median(prefill) * 1e6:.0f} us against INT8 {statistics.median(prefill8) * 1e6:.0f} us; "

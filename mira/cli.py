@@ -22,7 +22,8 @@ from mira.store.command import add_command as add_store_command
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
-              "matrices; the default), int8-row (INT8, one scale per row), none (the checkpoint's dtype)")
+              "matrices; the default), int8-row (INT8, one scale per row), int4 (4-bit, a bf16 scale and offset "
+              "per group of 64 weights), none (the checkpoint's dtype)")
 
 
 def _convert(args: argparse.Namespace) -> None:
