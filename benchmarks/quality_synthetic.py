@@ -1,4 +1,4 @@
-"""KL divergence and top-1 agreement of int8-shared and int8-row experts against bf16 experts, for a
+"""KL divergence and top-1 agreement of int8-shared, int8-row and int4 experts against bf16 experts, for a
 synthetic model at a published model's shapes (default Mixtral-8x7B; paper Table I at scale).
 
 Random weights have no outliers, unlike trained ones, so this understates the error of real
@@ -7,7 +7,7 @@ The expert weights are drawn once per expert (normal, std 0.02, rounded to bf16)
 (layer, expert) so that every scheme quantizes the same weights with the store's own quantization
 (mira.store.quant); the non-expert weights are the synthetic skeleton's (mira.bench.synthetic), the
 same for every scheme. Each scheme's model is built, run over the same random token ids, and freed
-before the next: the bf16 next-token log-probabilities are kept and every INT8 scheme is compared
+before the next: the bf16 next-token log-probabilities are kept and every quantized scheme is compared
 with them token by token (mira.eval.ppl.SchemeTotals; perplexity is left out, the ids being random).
 
     python benchmarks/quality_synthetic.py                                    # the H200: every layer
@@ -42,7 +42,7 @@ from mira.store.quant import quantize_expert  # noqa: E402
 from mira.store.store import ExpertStore, host_buffer  # noqa: E402
 
 REFERENCE = "none"
-SCHEMES = ("int8-shared", "int8-row")
+SCHEMES = ("int8-shared", "int8-row", "int4")
 LABEL = ("synthetic model: random weights (normal, std 0.02) have no outliers, so the error of real checkpoints is "
          "larger; synthetic routing")
 

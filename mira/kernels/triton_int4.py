@@ -357,14 +357,14 @@ def tuning_name(device_name: str) -> str:
 
 
 def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
-    """An untuned configuration: rows of 512 weights (256 bytes) per step, more programs for
-    small experts."""
+    """An untuned configuration: rows of up to 512 weights per step, more programs for small
+    experts, the integer-logic conversion (the tuning picks the byte-permute one where it is faster)."""
     rows = 16 if intermediate >= 8192 else 4
     cols = min(512, max(CHUNK, triton.next_power_of_2(hidden)))
     return KernelConfig(
-        gate_up_gemv=GemvConfig(block_rows=rows, block_cols=cols, unroll=2, cvt="prmt"),
+        gate_up_gemv=GemvConfig(block_rows=rows, block_cols=cols, unroll=2, cvt="bits"),
         down_gemv=GemvConfig(block_rows=8, block_cols=min(1024, max(CHUNK, triton.next_power_of_2(intermediate))),
-                             unroll=1, cvt="prmt"),
+                             unroll=1, cvt="bits"),
         gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
     )
 

@@ -77,14 +77,14 @@ def quantize(w13: torch.Tensor, w2: torch.Tensor, group: int = GROUP, zero_point
 
 def quantize_matrix(weights: torch.Tensor, group: int = GROUP, zero_points: bool = ZERO_POINTS
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """[R, C] weights -> packed codes uint8 [R, C/2], scales bf16 [R, N], offsets bf16 [R, N] or None.
-
-    Runs in float32, a few rows at a time."""
+    """[R, C] weights -> packed codes uint8 [R, C/2], scales bf16 [R, N], offsets bf16 [R, N] or None,
+    on the weights' device. Runs in float32, a few rows at a time."""
     R, C = weights.shape
     N = groups(C, group)
-    packed = torch.empty(R, C // 2, dtype=torch.uint8)
-    scale = torch.empty(R, N, dtype=torch.bfloat16)
-    offset = torch.empty(R, N, dtype=torch.bfloat16) if zero_points else None
+    device = weights.device  # quantized where the weights are (the CPU in `mira convert`)
+    packed = torch.empty(R, C // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(R, N, dtype=torch.bfloat16, device=device)
+    offset = torch.empty(R, N, dtype=torch.bfloat16, device=device) if zero_points else None
     step = max(1, CHUNK_ELEMENTS // (N * group))
     for start in range(0, R, step):
         rows = slice(start, start + step)
@@ -143,7 +143,8 @@ class _ClippingSearch:
         if self.pad:  # the padding of a short last group is not a weight
             self.work[:, -1, self.g.shape[2] - self.pad:] = 0
         error = self.work.square_().sum(dim=2)  # [r, N]
-        low, high = torch.as_tensor(low).expand_as(error), torch.as_tensor(high).expand_as(error)
+        low = torch.as_tensor(low, device=error.device).expand_as(error)
+        high = torch.as_tensor(high, device=error.device).expand_as(error)
         if self.error is None:
             self.error, self.scale, self.offset, self.shrink_lo, self.shrink_hi = error, s, m, low, high
             return
