@@ -15,7 +15,8 @@ from mira.runtime.config import PREFETCH, RESIDENCY, RuntimeConfig
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
-              "matrices; the default), int8-row (INT8, one scale per row), none (the checkpoint's dtype)")
+              "matrices; the default), int8-row (INT8, one scale per row), int4 (4-bit, a bf16 scale and offset "
+              "per group of 64 weights), none (the checkpoint's dtype)")
 
 
 class MiraArgumentParser(argparse.ArgumentParser):

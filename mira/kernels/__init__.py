@@ -2,8 +2,9 @@
 
 `make_moe_ffn` chooses the implementation once, at construction (never per call):
 
-- the fused Triton kernels (`mira.kernels.triton_ffn`) on a CUDA device, for the SiLU activation
-  (SwiGLU experts) and the `int8-shared` or `int8-row` schemes;
+- the fused Triton kernels (`mira.kernels.triton_ffn`; `mira.kernels.triton_int4` for `int4`) on a
+  CUDA device, for the SiLU activation (SwiGLU experts) and the `int8-shared`, `int8-row` or
+  `int4` schemes;
 - otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path and
   the ground truth the kernels are tested against.
 
@@ -121,14 +122,18 @@ def make_moe_ffn(
     unsupported = fused_unsupported(layout, gate)
     if backend == "triton" and unsupported is not None:
         raise MiraError(f"the fused kernels do not compute {unsupported}; use backend='auto' or 'reference'")
-    fused = layout.scheme in ("int8-shared", "int8-row") and act is not None and is_silu(act) and unsupported is None
+    fused = layout.scheme in ("int8-shared", "int8-row", "int4") and act is not None and is_silu(act) and unsupported is None
     if backend == "triton" and not fused:
         raise ValueError(
-            f"the fused kernels implement SiLU experts on int8-shared or int8-row blobs, not "
+            f"the fused kernels implement SiLU experts on int8-shared, int8-row or int4 blobs, not "
             f"{layout.scheme} with {act!r}; use backend='auto' to fall back to the reference"
         )
     installed = importlib.util.find_spec("triton") is not None
     if backend == "triton" or (backend == "auto" and fused and device.type == "cuda" and installed):
+        if layout.scheme == "int4":
+            from mira.kernels.triton_int4 import TritonInt4MoEFFN
+
+            return TritonInt4MoEFFN(layout, device, **triton_options)
         from mira.kernels.triton_ffn import TritonMoEFFN  # imports triton only when it is used
 
         return TritonMoEFFN(layout, device, **triton_options)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mira.store import int4
 from mira.store.layout import ExpertLayout
 
 
@@ -28,7 +29,10 @@ def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLa
     experts; biases, when the layout has them, follow each projection.
     """
     dtype = x.dtype
-    w13, w2 = views["w13"].to(dtype), views["w2"].to(dtype)
+    if layout.scheme == "int4":  # dequantized group by group (mira.store.int4)
+        w13, w2 = int4.dequantize(views, dtype)
+    else:
+        w13, w2 = views["w13"].to(dtype), views["w2"].to(dtype)
     if layout.scheme == "int8-shared":
         scale = views["scale"].to(dtype)
         gate_up = (x * scale) @ w13.T  # [T, 2I]

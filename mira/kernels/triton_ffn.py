@@ -465,6 +465,10 @@ class TritonMoEFFN:
     share its workspaces. On a CPU device it runs only under `TRITON_INTERPRET=1` (the tests).
     """
 
+    # scheme -> how its scales are laid out; a subclass for other blobs (mira.kernels.triton_int4)
+    # names its own and replaces _decode and _prefill_gemm
+    schemes = _SCHEME_IDS
+
     def __init__(
         self,
         layout: ExpertLayout,
@@ -489,9 +493,9 @@ class TritonMoEFFN:
         Raises:
             ValueError: the scheme has no INT8 kernel, or a blob would need offsets beyond int32.
         """
-        if layout.scheme not in _SCHEME_IDS:
+        if layout.scheme not in self.schemes:
             raise ValueError(
-                f"the fused kernels read int8-shared or int8-row blobs, not {layout.scheme!r}; "
+                f"these fused kernels read {' or '.join(self.schemes)} blobs, not {layout.scheme!r}; "
                 "use mira.kernels.make_moe_ffn, which falls back to the PyTorch reference"
             )
         if layout.nbytes >= 2**31:
@@ -505,7 +509,7 @@ class TritonMoEFFN:
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             config = load_config(name, H, I)
         self.config = config
-        self._scheme = _SCHEME_IDS[layout.scheme]
+        self._scheme = self.schemes[layout.scheme]
         sections = layout.sections
         self._w2_off = sections["w2"].offset
         self._s_in_off = sections["scale" if self._scheme == _SHARED else "scale13"].offset

@@ -5,6 +5,7 @@ store into a GPU slot or from disk into the store. A blob is a sequence of align
 
     int8-shared   w13 int8 [2I, H] | w2 int8 [H, I] | scale bf16 [H]
     int8-row      w13 int8 [2I, H] | w2 int8 [H, I] | scale13 bf16 [2I] | scale2 bf16 [H]
+    int4          w13 uint8 [2I, H/2] | w2 uint8 [H, I/2] | group scales    (mira.store.int4)
     none          w13 dtype [2I, H] | w2 dtype [H, I]          (dtype: the checkpoint's own)
 
 w13 holds the gate rows first, then the up rows (transformers' `gate_up_proj` order); experts
@@ -20,10 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEMES = ("int8-shared", "int8-row", "none")
+from mira.store import int4
+
+SCHEMES = ("int8-shared", "int8-row", "int4", "none")
 ALIGN = 128  # bytes; every section starts on this boundary (vectorised loads on the GPU)
 
-_DTYPES = {"int8": torch.int8, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float32": torch.float32}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,6 +84,10 @@ class ExpertLayout:
             specs.append(("scale", torch.bfloat16, (H,)))
         elif self.scheme == "int8-row":
             specs += [("scale13", torch.bfloat16, (rows13,)), ("scale2", torch.bfloat16, (H,))]
+        elif self.scheme == "int4":  # packed codes and group scales
+            if not self.gated:
+                raise ValueError("int4 stores gated experts only; convert this model with --quant int8-shared")
+            specs = int4.sections(H, I)
         if self.bias:
             specs += [("b13", torch.float32, (rows13,)), ("b2", torch.float32, (H,))]
         sections, offset = {}, 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from mira.store import int4
 from mira.store.layout import ExpertLayout
 
 QMAX = 127
@@ -48,6 +49,8 @@ def quantize_expert(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout, b
 def _quantize_weights(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout) -> dict[str, torch.Tensor]:
     if layout.scheme == "none":
         return {"w13": w13.to(layout.weight_dtype), "w2": w2.to(layout.weight_dtype)}
+    if layout.scheme == "int4":  # group-wise 4-bit: mira.store.int4
+        return int4.quantize(w13, w2)
     if layout.scheme == "int8-shared":
         amax = torch.maximum(w13.abs().amax(dim=0), w2.abs().amax(dim=1)).double()  # [H]
         scale = _scale_from_amax(amax)
@@ -60,6 +63,8 @@ def _quantize_weights(w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout)
 
 def dequantize_expert(views: dict[str, torch.Tensor], layout: ExpertLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 weights ([2I, H], [H, I]) from the typed views of one blob (for tests and analysis)."""
+    if layout.scheme == "int4":
+        return int4.dequantize(views, torch.float64)
     w13, w2 = views["w13"].double(), views["w2"].double()
     if layout.scheme == "int8-shared":
         scale = views["scale"].double()

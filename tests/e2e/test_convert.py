@@ -10,9 +10,10 @@ from mira.store.convert import convert
 from mira.store.store import ExpertStore
 
 
-def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, checkpoints, monkeypatch):
+@pytest.mark.parametrize("scheme", ["int8-shared", "int4"])
+def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, checkpoints, monkeypatch, scheme):
     checkpoint = checkpoints["qwen2_moe"]
-    reference = convert(checkpoint, tmp_path / "reference", "int8-shared", progress=False)
+    reference = convert(checkpoint, tmp_path / "reference", scheme, progress=False)
 
     real_pack, packed = convert_module.ExpertLayout.pack, []
 
@@ -24,7 +25,7 @@ def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, check
 
     monkeypatch.setattr(convert_module.ExpertLayout, "pack", failing_pack)
     with pytest.raises(KeyboardInterrupt):
-        convert(checkpoint, tmp_path / "store", "int8-shared", progress=False)
+        convert(checkpoint, tmp_path / "store", scheme, progress=False)
     partial = tmp_path / "store.partial"
     assert not (tmp_path / "store").exists() and partial.is_dir()
     assert list(json.loads((partial / "progress.json").read_text())["files"]) == ["experts/layer-000.safetensors"]
@@ -34,7 +35,7 @@ def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, check
     monkeypatch.setattr(convert_module.ExpertReader, "read",
                         lambda self, layer, expert, real=convert_module.ExpertReader.read:
                         resumed_layers.append(layer) or real(self, layer, expert))
-    manifest = convert(checkpoint, tmp_path / "store", "int8-shared", progress=False)
+    manifest = convert(checkpoint, tmp_path / "store", scheme, progress=False)
     assert 0 not in resumed_layers  # the finished layer was not converted again
     assert not partial.exists()
     assert manifest.files == reference.files  # byte-identical to an uninterrupted conversion

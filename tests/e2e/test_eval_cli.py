@@ -41,7 +41,7 @@ def test_ppl_reference_matches_transformers_and_int8_stays_close(checkpoints, te
     result = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text()) == result
     assert result["tokens"] == 150 and result["scored_tokens"] == 149 and result["windows"] == len(windows(150, 32, 12))
-    assert list(result["schemes"]) == ["none", "int8-shared", "int8-row"]
+    assert list(result["schemes"]) == ["none", "int8-shared", "int8-row", "int4"]
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     lines = [json.loads(line)["text"] for line in text_file.read_text().splitlines()]
@@ -56,6 +56,11 @@ def test_ppl_reference_matches_transformers_and_int8_stays_close(checkpoints, te
         assert abs(figures["perplexity_change"]) < 0.02
         assert figures["top1_agreement"] >= 0.9  # a random model's near-flat distributions flip some top-1 ties
         assert figures["perplexity_change"] == pytest.approx(figures["perplexity"] / none["perplexity"] - 1)
+    # int4: 16 levels instead of 255, further from the reference, still close (its top-1 agreement is
+    # near chance on this random model's flat distributions, so it is not checked here)
+    four = result["schemes"]["int4"]
+    assert result["schemes"]["int8-row"]["mean_kl"] < four["mean_kl"] < 0.02 and four["mean_kl"] <= four["max_kl"]
+    assert abs(four["perplexity_change"]) < 0.02
 
 
 def test_ppl_table_and_scheme_subset(checkpoints, text_file, capsys):
@@ -74,8 +79,8 @@ def test_ppl_table_and_scheme_subset(checkpoints, text_file, capsys):
     ("bad-jsonl", [], r"bad.jsonl line 2 has no \"text\" string; give every line one"),
     ("short", ["--context", "64"], r"the text has \d+ tokens, fewer than one window of 64; pass a longer text or a "
                                    r"smaller --context"),
-    ("short", ["--quant", "int8-shared,int4"], r"unknown quantization scheme int4; choose from int8-shared, int8-row, "
-                                               r"none"),
+    ("short", ["--quant", "int8-shared,int3"], r"unknown quantization scheme int3; choose from int8-shared, int8-row, "
+                                               r"int4, none"),
     ("short", ["--context", "8", "--stride", "8"], r"--stride 8 must be at least 1 and less than the context of 8"),
 ])
 def test_ppl_bad_input_gets_one_line(checkpoints, tmp_path, capsys, setup, extra, message):

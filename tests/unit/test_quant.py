@@ -82,4 +82,4 @@ def test_layout_round_trips_through_json_and_rejects_a_wrong_blob():
     with pytest.raises(ValueError, match="uint8 blob"):
         layout.views(torch.empty(layout.nbytes + 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unknown quantization scheme"):
-        ExpertLayout("int4", H, I)
+        ExpertLayout("int3", H, I)

@@ -1,0 +1,314 @@
+"""Time the fused INT4 expert kernels (mira.kernels.triton_int4) on one GPU, next to the INT8 ones.
+
+Per expert shape (default Mixtral-8x7B, 4096 x 14336; random codes, scales and offsets; bf16
+activations):
+
+- one expert at batch 1 from HBM: the INT4 decode launches; the INT8 (int8-shared) ones on the same
+  shape in the same run; a plain read of the INT4 blob's bytes in one launch (the read ceiling);
+  GB/s of blob bytes and the share of the design's 4.29 TB/s (DESIGN.md 3);
+- zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
+  of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth;
+- prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
+
+Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
+calls on rotating inputs (the bytes read per replay exceed the L2 cache); the JSON keeps every
+repeat with their median and range. --autotune first tries a few decode launch configurations
+(gate/up, then down; each checked against the reference) and writes the fastest into
+mira/kernels/tuning/<device>-int4.json (or --tuning-dir).
+
+    python benchmarks/kernels_int4.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
+    python benchmarks/kernels_int4.py --smoke   # a tiny shape, few repeats: checks the script runs (CPU too)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, random_slots  # noqa: E402
+
+import triton  # noqa: E402  (after kernels, which sets TRITON_INTERPRET without a GPU)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E402
+from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
+from mira.kernels.triton_int4 import (  # noqa: E402
+    TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
+)
+from mira.kernels.tuning import TUNING_DIR, GemvConfig, default_config, load_config, save_configs  # noqa: E402
+from mira.store.layout import ExpertLayout  # noqa: E402
+
+SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
+          "olmoe-1b-7b": (2048, 1024)}
+SMOKE_SHAPES = {"smoke": (64, 64)}
+EXPERTS, TOP_K, PREFILL_TOKENS = 8, 2, 512
+GOALS = {"mixtral-8x7b": {"one_expert_s": 30e-6}}  # the issue's goal for one Mixtral-shaped INT4 expert
+ZERO_COPY_GOAL = 0.90  # of the pinned copy's bandwidth
+
+GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
+    GemvConfig(16, 512, unroll=2, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
+    GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(32, 256, unroll=2, cvt="prmt"),
+    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(16, 512, unroll=2, num_warps=8, cvt="prmt"),
+    GemvConfig(16, 512, unroll=2, cvt="bits"), GemvConfig(8, 512, unroll=2, cvt="prmt", programs_per_sm=4),
+]
+DOWN = [  # down decode launch candidates
+    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
+    GemvConfig(4, 1024, unroll=2, cvt="prmt"), GemvConfig(16, 512, unroll=2, cvt="prmt"),
+    GemvConfig(8, 512, unroll=2, cvt="prmt", split=2), GemvConfig(16, 512, unroll=1, cvt="prmt", split=4),
+    GemvConfig(8, 1024, unroll=1, cvt="bits"),
+]
+
+
+def random_int4_slots(layout: ExpertLayout, count: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """[count, nbytes] INT4 blobs: random codes; scales and offsets that keep activations O(1)."""
+    slots = torch.randint(0, 256, (count, layout.nbytes), generator=gen, device=device, dtype=torch.uint8)
+    for name, section in layout.sections.items():
+        if section.dtype == torch.uint8:
+            continue
+        fan_in = layout.intermediate if name.endswith("2") else layout.hidden
+        scale = (torch.rand(count, *section.shape, generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
+        values = -7.5 * scale if name.startswith("offset") else scale  # offsets centre the codes on zero
+        slots[:, section.offset:section.offset + section.nbytes].copy_(values.to(torch.bfloat16).view(torch.uint8)
+                                                                        .view(count, -1))
+    return slots
+
+
+def addresses(rows, device) -> torch.Tensor:
+    return torch.tensor([row.data_ptr() for row in rows], dtype=torch.int64, device=device)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": values}
+
+
+class Workload:
+    """One scheme's blobs of one shape and the calls timed on them."""
+
+    def __init__(self, layout: ExpertLayout, slots: torch.Tensor, inputs: dict, timer: Timer):
+        self.layout, self.slots, self.timer = layout, slots, timer
+        self.inputs = inputs
+        device = slots.device
+        n, calls = slots.shape[0], inputs["calls"]
+        self.one_tables = [addresses([slots[i % n]], device) for i in range(calls)]
+        self.layer_tables = [addresses([slots[(EXPERTS * i + e) % n] for e in range(EXPERTS)], device)
+                             for i in range(calls)]
+
+    def one_expert(self, ffn) -> float:
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
+        return self.timer.graph(lambda i: ffn.forward_bases(x[i], index, weight, self.one_tables[i], out=out),
+                                self.inputs["calls"])
+
+    def check_one(self, ffn) -> float:
+        x, index, weight = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"]
+        ref = moe_ffn_reference(x.float(), index, weight.float(), [self.slots[0]], self.layout, F.silu)
+        return relative_error(ffn.forward_bases(x, index, weight, self.one_tables[0]), ref)
+
+    def prefill(self, ffn) -> float:
+        x, index, weight, out = self.inputs["xp"], self.inputs["p_index"], self.inputs["p_weight"], self.inputs["outp"]
+        calls = max(1, min(self.inputs["calls"], self.slots.shape[0] // EXPERTS))
+        return self.timer.graph(lambda i: ffn.forward_bases(x, index, weight, self.layer_tables[i], out=out), calls)
+
+    def check_prefill(self, ffn) -> float:
+        x, index, weight = self.inputs["xp"], self.inputs["p_index"], self.inputs["p_weight"]
+        layer = [self.slots[e % self.slots.shape[0]] for e in range(EXPERTS)]
+        ref = moe_ffn_reference(x.float(), index, weight.float(), layer, self.layout, F.silu)
+        return relative_error(ffn.forward_bases(x, index, weight, self.layer_tables[0]), ref)
+
+    def read_ceiling(self) -> float:
+        """A plain read of one blob's bytes in one launch (the fastest read we know, from kernels.py)."""
+        device = self.slots.device
+        programs = torch.cuda.get_device_properties(device).multi_processor_count * 16
+        words = self.slots.view(torch.int32)
+        sink = torch.empty(programs, dtype=torch.int32, device=device)
+        n = self.slots.shape[0]
+        return self.timer.graph(lambda i: _read_words[(programs,)](words[i % n], words.shape[1], sink, BLOCK=4096,
+                                                                   num_warps=4), self.inputs["calls"])
+
+    def zero_copy(self, ffn, smoke: bool) -> tuple[float, float, bool]:
+        """(pinned copy of one blob into a slot, the kernel reading the pinned blob, same result as from a slot)."""
+        nbytes, device = self.layout.nbytes, self.slots.device
+        count = min(16, max(4, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes)))
+        host = torch.empty(count, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        for r in range(count):
+            host[r].copy_(self.slots[r % self.slots.shape[0]])
+        slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host_tables = [addresses([host[r]], device) for r in range(count)]
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
+        x = x[0]
+        copy = self.timer.graph(lambda r: slot.copy_(host[r], non_blocking=True), count)
+        zero = self.timer.graph(lambda r: ffn.forward_bases(x, index, weight, host_tables[r], out=out), count)
+        same = torch.equal(ffn.forward_bases(x, index, weight, host_tables[0]),
+                           ffn.forward_bases(x, index, weight, self.one_tables[0]))
+        return copy, zero, same
+
+
+def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: int, gen: torch.Generator,
+                smoke: bool) -> dict:
+    tokens = 16 if smoke else PREFILL_TOKENS
+    logits = torch.randn(tokens, EXPERTS, generator=gen, device=device)
+    top = logits.topk(TOP_K, dim=-1)
+    return {"calls": calls,
+            "x1": [torch.randn(1, hidden, generator=gen, device=device).to(dtype) for _ in range(calls)],
+            "one_index": torch.zeros(1, 1, dtype=torch.long, device=device),
+            "one_weight": torch.ones(1, 1, dtype=dtype, device=device),
+            "out1": torch.empty(1, hidden, dtype=dtype, device=device),
+            "xp": torch.randn(tokens, hidden, generator=gen, device=device).to(dtype),
+            "p_index": top.indices, "p_weight": torch.softmax(top.values, -1).to(dtype),
+            "outp": torch.empty(tokens, hidden, dtype=dtype, device=device)}
+
+
+def autotune(work: Workload, ffn_for, log, smoke: bool):
+    """Coordinate search over the decode launches by one expert's time from HBM; returns the config."""
+    H, I = work.layout.hidden, work.layout.intermediate
+    best = default_int4_config(H, I)
+    tried = []
+    for field, candidates in (("gate_up_gemv", GATE_UP), ("down_gemv", DOWN)):
+        results = []
+        for candidate in (candidates[:2] if smoke else candidates):
+            config = dataclasses.replace(best, **{field: candidate})
+            try:
+                ffn = ffn_for(config)
+                error = work.check_one(ffn)
+                seconds = work.one_expert(ffn) if error < 2e-2 else math.inf
+            except Exception as failure:  # a configuration the compiler or the GPU refuses
+                error, seconds = repr(failure)[:160], math.inf
+            results.append((seconds, candidate))
+            tried.append({"field": field, "config": dataclasses.asdict(candidate), "seconds": seconds,
+                          "relative_error": error})
+            log(f"  {field} {candidate}: {seconds * 1e6:.1f} us (error {error})")
+        seconds, winner = min(results, key=lambda r: r[0])
+        if math.isfinite(seconds):
+            best = dataclasses.replace(best, **{field: winner})
+    return best, tried
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="mixtral-8x7b", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--autotune", action="store_true",
+                        help="try decode launch configurations first and store the best")
+    parser.add_argument("--tuning-dir", type=Path, default=TUNING_DIR)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels-int4-h200.json")
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape and few repeats (CPU or GPU)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.shapes.split(",")}
+    repeats = 3 if args.smoke else args.repeats
+    timer = Timer(device, 2 if args.smoke else args.replays)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    result = {
+        "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
+        "software": {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0]},
+        "setup": {"activations": str(dtype).removeprefix("torch."), "experts_per_layer": EXPERTS, "top_k": TOP_K,
+                  "prefill_tokens": PREFILL_TOKENS, "weights": "random codes, scales and offsets (not a checkpoint)",
+                  "timing": f"{repeats} repeats, each the median of {timer.replays} CUDA-graph replays over rotating "
+                            "inputs; per-call seconds"},
+        "shapes": {},
+    }
+    tuned = {}
+    for name, (hidden, intermediate) in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        layout4, layout8 = ExpertLayout("int4", hidden, intermediate), ExpertLayout("int8-shared", hidden, intermediate)
+        rotate = (4 << 20) if args.smoke else ROTATE_BYTES
+        slots4 = random_int4_slots(layout4, max(EXPERTS, math.ceil(rotate / layout4.nbytes)), device, gen)
+        slots8 = random_slots(layout8, max(EXPERTS, math.ceil(rotate / layout8.nbytes)), device, gen)
+        calls = 2 if args.smoke else min(64, slots4.shape[0])
+        inputs = make_inputs(hidden, device, dtype, calls, gen, args.smoke)
+        work4, work8 = Workload(layout4, slots4, inputs, timer), Workload(layout8, slots8, inputs, timer)
+
+        def ffn4(config, layout4=layout4):
+            return TritonInt4MoEFFN(layout4, device, config=config, max_tokens=inputs["xp"].shape[0], top_k=TOP_K,
+                                    dtype=dtype)
+
+        tried = []
+        if args.autotune:
+            config, tried = autotune(work4, ffn4, log, args.smoke)
+            tuned[hidden, intermediate] = config
+        elif device.type == "cuda":
+            config = load_int4_config(gpu, hidden, intermediate, args.tuning_dir)
+        else:
+            config = default_int4_config(hidden, intermediate)
+        config8 = (load_config(gpu, hidden, intermediate) if device.type == "cuda"
+                   else default_config(hidden, intermediate))
+        ffn = ffn4(config)
+        ffn8 = TritonMoEFFN(layout8, device, config=config8, max_tokens=inputs["xp"].shape[0], top_k=TOP_K, dtype=dtype)
+        errors = {"one_expert": work4.check_one(ffn), "prefill": work4.check_prefill(ffn),
+                  "int8_one_expert": work8.check_one(ffn8)}
+        one = [work4.one_expert(ffn) for _ in range(repeats)]
+        one8 = [work8.one_expert(ffn8) for _ in range(repeats)]
+        misses = [work4.zero_copy(ffn, args.smoke) for _ in range(repeats)]
+        fraction = [copy / zero for copy, zero, _ in misses]
+        prefill = [work4.prefill(ffn) for _ in range(repeats)]
+        prefill8 = [work8.prefill(ffn8) for _ in range(repeats)]
+        figures = {
+            "hidden": hidden, "intermediate": intermediate, "blob_bytes": layout4.nbytes,
+            "int8_blob_bytes": layout8.nbytes, "config": config.to_json(), "int8_config": config8.to_json(),
+            "relative_error_vs_fp32_reference": errors,
+            "one_expert_s": spread(one),
+            "one_expert_GBps": layout4.nbytes / statistics.median(one) / 1e9,
+            "one_expert_fraction_of_4.29TBps": layout4.nbytes / statistics.median(one) / HBM_DESIGN_BPS,
+            "int8_one_expert_s": spread(one8),
+            "int4_over_int8_one_expert": statistics.median(one) / statistics.median(one8),
+            "pinned_copy_s": spread([copy for copy, _, _ in misses]),
+            "zero_copy_s": spread([zero for _, zero, _ in misses]),
+            "zero_copy_GBps": layout4.nbytes / statistics.median([zero for _, zero, _ in misses]) / 1e9,
+            "zero_copy_fraction_of_copy_bandwidth": spread(fraction),
+            "zero_copy_equals_slot": all(same for _, _, same in misses),
+            "prefill_s": spread(prefill), "int8_prefill_s": spread(prefill8),
+            "autotune": tried,
+        }
+        if device.type == "cuda":
+            read = [work4.read_ceiling() for _ in range(repeats)]
+            figures["read_one_blob_s"] = spread(read)
+        zero_copy = statistics.median(fraction)
+        goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": zero_copy,
+                                                          "met": zero_copy >= ZERO_COPY_GOAL}}
+        for key, goal in GOALS.get(name, {}).items():
+            goals[key] = {"goal": goal, "measured": statistics.median(one), "met": statistics.median(one) <= goal}
+        figures["goals"] = goals
+        result["shapes"][name] = figures
+        log(f"{name}: one INT4 expert {statistics.median(one) * 1e6:.1f} us "
+            f"({min(one) * 1e6:.1f}-{max(one) * 1e6:.1f}; "
+            f"{figures['one_expert_GBps']:.0f} GB/s), INT8 {statistics.median(one8) * 1e6:.1f} us; zero-copy "
+            f"{statistics.median(fraction):.3f} of the copy ({min(fraction):.3f}-{max(fraction):.3f}); prefill "
+            f"{statistics.median(prefill) * 1e6:.0f} us against INT8 {statistics.median(prefill8) * 1e6:.0f} us; "
+            f"errors {errors}")
+        del work4, work8, slots4, slots8, ffn, ffn8
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    if tuned and not args.smoke:
+        path = save_configs(tuning_name(gpu), tuned, {"written_by": result["command"], "date": result["date"],
+                                                      "commit": result["commit"]}, args.tuning_dir)
+        log(f"tuned configurations written to {path}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {args.out} in {result['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()

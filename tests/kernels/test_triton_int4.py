@@ -1,0 +1,344 @@
+"""The fused INT4 Triton kernels against the PyTorch reference (DESIGN.md 2.8; STYLE.md habit 4).
+
+Without CUDA the kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in
+tests/conftest.py before triton is imported) at small odd sizes: H 96 is one whole group of 64 and a
+short one, I 40 one short group and not a whole number of 32-weight chunks. On a GPU the same tests
+run compiled, and the tests marked `gpu` add every real expert shape, a zero-copy read of a pinned
+host blob, the no-allocation / no-sync check of a decode step and graph replays.
+
+Every output and workspace is filled with NaN first, so an element a kernel fails to write fails
+the comparison. Tolerances as in test_triton_ffn.py: fp32 hidden states match the fp32 reference to
+1e-5 (relative norm); bf16 ones are compared with a float64 evaluation of the reference.
+
+T tokens, E experts, K routed per token, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton.language")
+
+from mira.kernels import ReferenceMoEFFN, make_moe_ffn  # noqa: E402
+from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels.triton_int4 import (  # noqa: E402
+    TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
+)
+from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig, save_configs  # noqa: E402
+from mira.store.layout import ExpertLayout  # noqa: E402
+from mira.store.quant import quantize_expert  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I, E, K = 96, 40, 6, 2
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2 if DEVICE == "cuda" else 2.5e-2
+
+DECODE_CONFIGS = {
+    # ragged H and I steps (masked loads); two conversions
+    "gemv-masked": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits"),
+                                down_gemv=GemvConfig(8, 32, unroll=1, cvt="native")),
+    # gate/up steps x unroll cover H exactly (unmasked loads); "prmt" runs as "bits" in the interpreter
+    "gemv-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="prmt", num_warps=1),
+                              down_gemv=GemvConfig(16, 64, unroll=1, cvt="bits", num_warps=1)),
+    # gate/up: runs of row blocks per program; down: the reduction split in 2 (spans of 32, the
+    # second ragged), the last program to arrive adding the partials
+    "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="bits"),
+                               down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="bits")),
+}
+PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
+    "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
+    "gemm-m32": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(32, 16, 128, num_warps=4, num_stages=2)),
+}
+CONFIGS = {**DECODE_CONFIGS, **PREFILL_CONFIGS}
+
+
+def quantized_blobs(layout: ExpertLayout, experts: int, seed: int, device: str = DEVICE) -> list[torch.Tensor]:
+    """`experts` blobs quantized from random fp32 weights (the path real stores take)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, i = layout.hidden, layout.intermediate
+    blobs = []
+    for _ in range(experts):
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(quantize_expert(torch.randn(2 * i, h, generator=gen) / h**0.5,
+                                    torch.randn(h, i, generator=gen) / i**0.5, layout), blob)
+        blobs.append(blob.to(device))
+    return blobs
+
+
+def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> list[torch.Tensor]:
+    """`experts` blobs of random codes and scales, made on the device (real shapes: fast); the
+    weights' spread is about 1 / sqrt(fan-in), so activations stay O(1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    slots = torch.randint(0, 256, (experts, layout.nbytes), generator=gen, device=device, dtype=torch.uint8)
+    for blob in slots:
+        for name, view in layout.views(blob).items():
+            if view.dtype == torch.uint8:
+                continue
+            fan_in = layout.intermediate if name.endswith("2") else layout.hidden
+            scale = (torch.rand(view.shape, generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
+            view.copy_(-7.5 * scale if name.startswith("offset") else scale)  # offsets centre the codes
+    return list(slots)
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int, device: str = DEVICE):
+    """Random top-k routing: distinct experts per token, repeated across tokens; softmax weights."""
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)  # [T, K]
+    return index.to(device), weights.to(device)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonInt4MoEFFN:
+    """A kernel object whose workspaces are all NaN."""
+    ffn = TritonInt4MoEFFN(layout, DEVICE, config=config, num_experts=E, max_tokens=tokens, top_k=K, dtype=dtype)
+    ffn._decode_act.fill_(float("nan"))
+    ffn._split_partials.fill_(float("nan"))
+    for buffer in ffn._prefill.values():
+        buffer.fill_(float("nan"))
+    return ffn
+
+
+def run_poisoned(ffn, hidden, index, weights, blobs) -> torch.Tensor:
+    out = torch.full_like(hidden, float("nan"))
+    assert ffn(hidden, index, weights, blobs, out=out) is out
+    return out
+
+
+@pytest.fixture(scope="module")
+def small():
+    layout = ExpertLayout("int4", H, I)
+    return layout, quantized_blobs(layout, E, seed=1)
+
+
+@pytest.mark.parametrize("config", DECODE_CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_matches_reference_fp32(small, tokens, config):
+    layout, blobs = small
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens)
+    ffn = poisoned_ffn(layout, DECODE_CONFIGS[config], tokens, torch.float32)
+    out = run_poisoned(ffn, hidden, index, weights, blobs)
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_prefill_matches_reference_fp32(small, tokens, config):
+    layout, blobs = small
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens)
+    ffn = poisoned_ffn(layout, PREFILL_CONFIGS[config], tokens, torch.float32)
+    out = run_poisoned(ffn, hidden, index, weights, blobs)
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
+
+
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-masked", 3), ("gemv-split", 2), ("gemm-m16", 19)])
+def test_bf16_hidden_matches_float64_reference(small, config, tokens):
+    layout, blobs = small
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+    index, weights = routing(tokens, E, K, seed=7)
+    weights = weights.bfloat16()
+    out = run_poisoned(poisoned_ffn(layout, CONFIGS[config], tokens, torch.bfloat16), hidden, index, weights, blobs)
+    assert out.dtype == torch.bfloat16
+    truth = moe_ffn_reference(hidden.double(), index, weights.double(), blobs, layout, F.silu)
+    assert relative_error(out, truth) < BF16_TOL
+
+
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-even", 4), ("gemm-m16", 19)])
+def test_repeated_experts(small, config, tokens):
+    """Every token routed to experts 3 and 5 (in either order); in the GEMM one expert's 19 pairs
+    span two blocks."""
+    layout, blobs = small
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    index = torch.tensor([[3, 5], [5, 3]] * (tokens // 2) + [[3, 5]] * (tokens % 2), device=DEVICE)  # [T, K]
+    weights = torch.rand(tokens, K, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = run_poisoned(poisoned_ffn(layout, CONFIGS[config], tokens, torch.float32), hidden, index, weights, blobs)
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
+
+
+def test_split_down_resets_its_counts(small):
+    """A split down launch's arrival counts are back at zero after a call, so the next call is
+    summed again, in the same order: equal to a fresh object's result."""
+    layout, blobs = small
+    config = DECODE_CONFIGS["gemv-split"]
+    ffn = poisoned_ffn(layout, config, 2, torch.float32)
+    first = torch.randn(2, H, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    second = torch.randn(1, H, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    index, weights = routing(2, E, K, seed=11)
+    run_poisoned(ffn, first, index, weights, blobs)
+    assert int(ffn._split_counts.count_nonzero()) == 0
+    again = run_poisoned(ffn, second, index[:1], weights[:1], blobs)
+    fresh = run_poisoned(poisoned_ffn(layout, config, 2, torch.float32), second, index[:1], weights[:1], blobs)
+    assert torch.equal(again, fresh)
+
+
+@pytest.mark.parametrize("config", ["gemv-masked", "gemm-m16"])
+def test_routed_expert_without_blob_yields_nan_rows(small, config):
+    layout, blobs = small
+    blobs = list(blobs)
+    blobs[2] = None
+    index = torch.tensor([[0, 1], [2, 4], [4, 5]], device=DEVICE)
+    weights = torch.full((3, K), 0.5, device=DEVICE)
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    out = TritonInt4MoEFFN(layout, DEVICE, config=CONFIGS[config])(hidden, index, weights, blobs)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+    ref = moe_ffn_reference(hidden[[0, 2]], index[[0, 2]], weights[[0, 2]], blobs, layout, F.silu)
+    assert relative_error(out[[0, 2]], ref) < FP32_TOL
+
+
+def test_forward_bases_matches_the_blob_list(small):
+    layout, blobs = small
+    ffn = TritonInt4MoEFFN(layout, DEVICE, config=DECODE_CONFIGS["gemv-masked"])
+    bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device=DEVICE)
+    hidden = torch.randn(2, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    index, weights = routing(2, E, K, seed=4)
+    assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), ffn(hidden, index, weights, blobs))
+
+
+def test_factory_picks_the_int4_kernels_and_the_reference_on_cpu(small):
+    layout, blobs = small
+    assert isinstance(make_moe_ffn("cpu", layout, F.silu), ReferenceMoEFFN)
+    assert isinstance(make_moe_ffn("cuda", layout, F.gelu), ReferenceMoEFFN)
+    fused = make_moe_ffn(DEVICE, layout, "silu", backend="triton", config=DECODE_CONFIGS["gemv-masked"])
+    assert isinstance(fused, TritonInt4MoEFFN)
+    hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    index, weights = routing(1, E, K, seed=9)
+    plain = make_moe_ffn(DEVICE, layout, "silu", backend="reference")
+    assert relative_error(fused(hidden, index, weights, blobs), plain(hidden, index, weights, blobs)) < FP32_TOL
+
+
+def test_int8_layouts_and_tensor_core_configs_are_refused():
+    with pytest.raises(ValueError, match="read int4 blobs, not 'int8-shared'"):
+        TritonInt4MoEFFN(ExpertLayout("int8-shared", H, I), DEVICE, config=default_int4_config(H, I))
+    mma = KernelConfig(gate_up_gemv=GemvConfig(16, 64, mma=True))
+    with pytest.raises(ValueError, match="no tensor-core GEMV"):
+        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=mma)
+    with pytest.raises(ValueError, match="multiple of 32 weights"):
+        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 16)))
+
+
+def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
+    tuned = KernelConfig(decode_max_pairs=8, gate_up_gemv=GemvConfig(8, 256, unroll=4, cvt="prmt"))
+    path = save_configs(tuning_name("NVIDIA H200"), {(H, I): tuned}, {"written_by": "test"}, directory=tmp_path)
+    assert path.name == "nvidia-h200-int4.json"
+    assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
+    assert load_int4_config("NVIDIA H200", H, 2 * I, directory=tmp_path) == default_int4_config(H, 2 * I)
+    assert load_int4_config("Other GPU", H, I, directory=tmp_path) == default_int4_config(H, I)
+
+
+# ---- GPU only: real shapes, zero-copy, allocation and sync -------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+REAL_SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
+               "olmoe-1b-7b": (2048, 1024)}
+
+
+@pytest.fixture(scope="module")
+def real_blobs():
+    cache = {}
+
+    def get(shape):
+        if shape not in cache:
+            cache.clear()  # one shape at a time
+            layout = ExpertLayout("int4", *REAL_SHAPES[shape])
+            cache[shape] = layout, random_blobs(layout, 8, seed=11, device="cuda")
+        return cache[shape]
+
+    return get
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # 2 and 8 routed pairs (decode), 128 (prefill)
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_real_shape_bf16_matches_fp32_reference(real_blobs, shape, tokens):
+    layout, blobs = real_blobs(shape)
+    ffn = make_moe_ffn("cuda", layout, F.silu)  # the stored (or default) configuration
+    assert isinstance(ffn, TritonInt4MoEFFN)
+    hidden = torch.randn(tokens, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    index, weights = routing(tokens, 8, K, seed=tokens, device="cuda")
+    out = torch.full((tokens, layout.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs, out=out)
+    truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
+    assert relative_error(out, truth) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_zero_copy_pinned_blob_gives_the_slot_result(real_blobs, shape, tokens):
+    layout, blobs = real_blobs(shape)
+    ffn = make_moe_ffn("cuda", layout, F.silu)
+    pinned = list(blobs)
+    pinned[3] = blobs[3].cpu().pin_memory()  # expert 3 missed: read over PCIe by the kernel
+    hidden = torch.randn(tokens, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(tokens, 8, K, seed=2, device="cuda")
+    index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
+    weights = weights.bfloat16()
+    assert torch.equal(ffn(hidden, index, weights, pinned), ffn(hidden, index, weights, blobs))
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_step_allocates_nothing_and_never_syncs(real_blobs):
+    layout, blobs = real_blobs("qwen3-30b-a3b")
+    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8)
+    bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
+    hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(1, 8, K, seed=0, device="cuda")
+    out = torch.empty_like(hidden)
+    ffn.forward_bases(hidden, index, weights, bases, out=out)  # warm-up: compilation
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        for _ in range(3):
+            ffn.forward_bases(hidden, index, weights, bases, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.gpu
+@gpu
+def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs):
+    layout, blobs = real_blobs("deepseek-v2-lite")
+    config = KernelConfig(gate_up_gemv=GemvConfig(8, 512, unroll=2, programs_per_sm=4, cvt="prmt"),
+                          down_gemv=GemvConfig(8, 512, unroll=1, split=3, cvt="prmt"))
+    ffn = TritonInt4MoEFFN(layout, "cuda", config=config, num_experts=8)
+    bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
+    hidden = torch.randn(2, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(2, 8, K, seed=4, device="cuda")
+    weights = weights.bfloat16()
+    first = ffn.forward_bases(hidden, index, weights, bases).clone()
+    truth = moe_ffn_reference(hidden.float(), index, weights.float(), blobs, layout, F.silu)
+    assert relative_error(first, truth) < 1e-2
+    for _ in range(10):
+        assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), first)
+    out = torch.empty_like(hidden)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    for _ in range(10):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, first)
+    assert int(ffn._split_counts.count_nonzero()) == 0
+
