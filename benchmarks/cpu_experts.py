@@ -58,13 +58,13 @@ def shape_config(name: str):
 
 
 def layout_for(config, scheme: str) -> ExpertLayout:
-    return ExpertLayout(scheme, config.hidden_size, adapter_for(config).intermediate_size(config))
+    return ExpertLayout(scheme, config.hidden_size, adapter_for(config).spec.intermediate)
 
 
 def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> tuple[ExpertStore, list[torch.Tensor]]:
     """At least two distinct synthetic blobs, `spread_bytes` of them in all (whole layers are made),
     and their store: keep it while the blobs are used, since collecting it unlocks their pages."""
-    layers = max(1, math.ceil(spread_bytes / (adapter_for(config).num_experts(config) * layout.nbytes)))
+    layers = max(1, math.ceil(spread_bytes / (adapter_for(config).spec.num_experts * layout.nbytes)))
     store = synthetic_store(config, layers, layout.scheme, pin=pin, progress=False)
     blobs = [store.blob(layer, e) for layer in range(layers) for e in range(store.num_experts)]
     return store, blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
