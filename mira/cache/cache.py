@@ -16,8 +16,8 @@ import numpy as np
 
 from mira.cache.policy import Access, Policy, Tier
 from mira.cache.slots import SlotPool
-from mira.cache.staging import ISSUED, PLACED, ROWS, UID, USED, DeviceStaging, PrefetchCounts
-from mira.cache.tables import ExpertTables
+from mira.cache.staging import ROWS, DeviceStaging, PrefetchCounts
+from mira.cache.tables import ISSUED, PLACED, UID, USED, ExpertTables
 from mira.cache.telemetry import Telemetry
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mira.cache.tables import ExpertTables
+from mira.cache.tables import ISSUED, PLACED, UID, USED, ExpertTables
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
 ROWS = 3  # target layers staged at once: i (being computed), i+1 and i+2
-UID, PLACED, ISSUED, USED = range(4)  # a target layer's state columns (mira.kernels.staging; PLACED: an address)
 
 
 @dataclass

@@ -24,7 +24,9 @@ import torch
 from mira.cache.slots import SlotPool
 from mira.store.store import ExpertStore
 
-STAGING_COLUMNS = 4  # mira.kernels.staging's state of a target layer
+UID, PLACED, ISSUED, USED = range(4)  # a target layer's staging state (mira.kernels.staging; PLACED: an address)
+STAGING_COLUMNS = 4
+STAGING_COUNTS = slice(ISSUED, USED + 1)  # what a drain hands over and restarts
 
 
 class ExpertTables:
@@ -98,13 +100,16 @@ class ExpertTables:
 
     def drain(self) -> tuple[np.ndarray, np.ndarray]:
         """The tokens routed per expert since the last drain, int64 [L, E], and staging's state per
-        target layer, [L, 4] (views of one host buffer, valid until the next drain); zero both.
+        target layer, [L, 4] (views of one host buffer, valid until the next drain); zero the
+        counts and staging's issued and used.
 
         The one host sync of a settle: one read-back for all layers, on the current stream (the
         compute stream, after the step's kernels).
         """
         self._read_back.copy_(self._counters)
-        self._counters.zero_()
+        self.pending.zero_()
+        self.staging[:, STAGING_COUNTS].zero_()  # an expert still placed keeps its uid and row (a prefill
+        # call settles between a stage and its restore)
         rows = self._read_back.numpy()  # valid until the next drain
         return rows[:, :self._experts], rows[:, self._experts:]
 

@@ -64,9 +64,10 @@ def _reference(store: ExpertStore, layer: int, hidden, index, weights) -> torch.
 def _assert_tables_follow_the_slots(cache: ExpertCache) -> None:
     """Every entry: the slot row of a resident expert, else its host blob; the rows list likewise."""
     tables = cache.tables.tables.tolist()
-    for layer in range(L):
-        for expert in range(E):
-            slot = cache._slot_of.get(layer * E + expert)
+    experts = cache.store.num_experts
+    for layer in range(cache.store.num_layers):
+        for expert in range(experts):
+            slot = cache._slot_of.get(layer * experts + expert)
             place = cache.store.blob(layer, expert) if slot is None else cache.pool.row(slot)
             assert tables[layer][expert] == place.data_ptr(), (layer, expert, slot)
             assert cache.tables.rows[layer][expert].data_ptr() == place.data_ptr(), (layer, expert, slot)
@@ -281,25 +282,26 @@ def test_an_unknown_residency_is_refused_with_the_fix(stores):
         mira.load(store, device="cpu", vram_budget=_budget(store, 12), residency="late", progress=False)
 
 
+@pytest.mark.parametrize("prompt", [10, DECODE_TOKENS + 8])  # a prompt one decode call takes; a prefill
 @pytest.mark.parametrize("residency", ["lagged", "inline"])
-def test_staging_generates_the_all_resident_text_and_leaves_no_stage_row_in_the_tables(stores, residency):
+def test_staging_generates_the_all_resident_text_and_leaves_no_stage_row_in_the_tables(stores, residency, prompt):
     """Prefetching (mira.cache.staging), in either residency: the same text as every expert
     resident; every step's staged entries are back on their blobs or slots when the step ends; the
     copies it issued are prefetches, each used or wasted, and the tokens it served are STAGE."""
     store = stores["mixtral", "int8-shared"]
     resident = mira.load(store, device="cpu", vram_budget=_budget(store, 24), progress=False)
-    expected = resident.generate(_prompt(), **GREEDY)
+    expected = resident.generate(_prompt(prompt), **GREEDY)
     model = mira.load(store, device="cpu", vram_budget=_budget(store, 12), prefetch="gate", residency=residency,
                       progress=False)
     layers = _layers(model)
     assert all(layer.lagged == layer.host_free == (residency == "lagged") for layer in layers)
     assert [layer._predicts for layer in layers] == [True] + [False] * (L - 1)  # only layer 0 has a layer 2 on
     assert model.cache.policy.capacity == 12 - 3 and model.cache.pool.num_slots == 12  # 3 stage rows
-    assert torch.equal(model.generate(_prompt(), **GREEDY), expected)
+    assert torch.equal(model.generate(_prompt(prompt), **GREEDY), expected)
     _assert_tables_follow_the_slots(model.cache)
     counts, stats = model.stats()["prefetch"], model.stats()["cache"]
-    decode_steps = GREEDY["max_new_tokens"] - 1
-    assert 0 < counts["issued"] <= decode_steps  # at most one per step: only layer 2 is a target
+    steps = GREEDY["max_new_tokens"]  # forward steps: the prompt's, then one per new token but the last
+    assert 0 < counts["issued"] <= steps  # at most one per step: only layer 2 is a target
     assert counts["used"] + counts["wasted"] == counts["issued"] == stats["prefetch_copies"]
     assert counts["used"] > 0 and stats["tokens_served"]["stage"] >= counts["used"]
 
@@ -326,3 +328,16 @@ def test_auto_residency_lags_only_policies_that_never_admit_a_miss_on_the_cpu(st
     assert lagged(policy="mira", prefetch="off", residency="lagged") and lagged(policy="lru", residency="lagged")
     assert not lagged(policy="mira", prefetch="gate")  # on the CPU "auto" lags no policy that admits misses
     assert not lagged(policy="static", profile=trace, residency="inline")
+
+
+def test_lagged_staging_across_a_prefill_generates_the_unbudgeted_text():
+    """The bundled model (12 MoE layers, so ten of them stage): a prefill settles while staged
+    experts are still placed for later layers; their entries must still be restored after their
+    layer, or a later stage into the same row would serve another expert's bytes."""
+    ids = torch.randint(2, 1000, (1, DECODE_TOKENS + 8), generator=torch.Generator().manual_seed(4))
+    expected = mira.load(None, device="cpu", progress=False).generate(ids, **GREEDY)
+    model = mira.load(None, device="cpu", vram_budget="10%", residency="lagged", prefetch="gate", progress=False)
+    assert torch.equal(model.generate(ids, **GREEDY), expected)
+    _assert_tables_follow_the_slots(model.cache)
+    assert model.stats()["prefetch"]["issued"] > 0
+

@@ -23,7 +23,8 @@ import torch
 
 from mira.cache.tables import ExpertTables
 from mira.cache.slots import SlotPool
-from mira.cache.staging import ISSUED, PLACED, ROWS, UID, USED, DeviceStaging
+from mira.cache.staging import ROWS, DeviceStaging
+from mira.cache.tables import ISSUED, PLACED, UID, USED
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
 
