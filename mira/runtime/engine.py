@@ -368,10 +368,9 @@ def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: in
 
 def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) -> int:
     """The budget that gives slots to `share` of all experts beyond the reserve (as `mira bench`'s 25%)."""
-    max_ctx = max_context
     slots = max(1, round(share * store.num_layers * store.num_experts))
     device = next(hf_model.parameters()).device
-    return sum(_reserve(device, hf_model, store, max_ctx)) + slots * store.blob_bytes
+    return sum(_reserve(device, hf_model, store, max_context)) + slots * store.blob_bytes
 
 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
