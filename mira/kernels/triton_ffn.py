@@ -171,6 +171,26 @@ def _gate_up_rows(
 
 
 @triton.jit
+def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block, split, SPLIT: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """A down GEMV program's rows of one token: stored at once, or, split over SPLIT programs, its
+    partial sums stored and the last program to arrive adds them all in a fixed order."""
+    if SPLIT == 1:
+        tl.store(out_row, total.to(out_row.dtype.element_ty), mask=in_rows)
+    else:
+        partials = partial_ptr + row_block * SPLIT * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(partials + split * BLOCK_H, total)
+        tl.debug_barrier()  # every thread's partial is stored before the count moves
+        arrived = tl.atomic_add(count_ptr + row_block, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
+            total = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for s in range(0, SPLIT):
+                total += tl.load(partials + s * BLOCK_H, cache_modifier=".cg")  # from L2, not a stale L1 line
+            tl.store(out_row, total.to(out_row.dtype.element_ty), mask=in_rows)
+            tl.atomic_xchg(count_ptr + row_block, 0)  # ready for the next call
+
+
+@triton.jit
 def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
@@ -217,21 +237,8 @@ def _down_gemv(
                 acc += tl.sum(tl.reshape(_int8_to_f32(w, CVT) * a[None, :], [BLOCK_H, BLOCK_I // VEC, VEC]), axis=2)
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
         total += tl.where(present, y, float("nan")) * weight
-    out_row = out_ptr + token * stride_ot + offs_h
-    if SPLIT == 1:
-        tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
-    else:
-        row_block = token * tl.num_programs(1) + block
-        partials = partial_ptr + row_block * SPLIT * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(partials + split * BLOCK_H, total)
-        tl.debug_barrier()  # every thread's partial is stored before the count moves
-        arrived = tl.atomic_add(count_ptr + row_block, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
-            total = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                total += tl.load(partials + s * BLOCK_H, cache_modifier=".cg")  # from L2, not a stale L1 line
-            tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
-            tl.atomic_xchg(count_ptr + row_block, 0)  # ready for the next call
+    _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
+                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.triton_ffn import _ROW, TritonMoEFFN, group_by_expert
+from mira.kernels.triton_ffn import _ROW, TritonMoEFFN, _store_down_rows, group_by_expert
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
 )
@@ -216,21 +216,8 @@ def _down_gemv4(
                 acc += _chunk_dots(w, a_even, a_odd, s, z, BLOCK_H, BLOCK_I // 2, CVT)
         y = tl.sum(acc, axis=1)
         total += tl.where(present, y, float("nan")) * weight
-    out_row = out_ptr + token * stride_ot + offs_h
-    if SPLIT == 1:
-        tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
-    else:
-        row_block = token * tl.num_programs(1) + block
-        partials = partial_ptr + row_block * SPLIT * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(partials + split * BLOCK_H, total)
-        tl.debug_barrier()  # every thread's partial is stored before the count moves
-        arrived = tl.atomic_add(count_ptr + row_block, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
-            total = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                total += tl.load(partials + s * BLOCK_H, cache_modifier=".cg")  # from L2, not a stale L1 line
-            tl.store(out_row, total.to(out_ptr.dtype.element_ty), mask=in_rows)
-            tl.atomic_xchg(count_ptr + row_block, 0)  # ready for the next call
+    _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
+                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
 
 
 @triton.jit
