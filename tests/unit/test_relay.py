@@ -20,7 +20,8 @@ LONG_S = 60.0  # an interval no test waits out
 
 def _consume(interval_s: float, produce, wakes: list | None = None) -> list[tuple[float, list]]:
     """Run `produce(relay, taken)` in a thread and take batches until END; each batch with its loop
-    time. `taken` is a semaphore released after each take, for producers that wait for one; `wakes`
+    time as the take returned (not when this loop next ran: on a busy machine that is later).
+    `taken` is a semaphore released after each take, for producers that wait for one; `wakes`
     gets an entry for each call the producer made into the loop."""
 
     async def main():
@@ -32,10 +33,13 @@ def _consume(interval_s: float, produce, wakes: list | None = None) -> list[tupl
         taken = threading.Semaphore(0)
         thread = threading.Thread(target=produce, args=(relay, taken))
         thread.start()
+        async def timed_take():  # the loop time right as the take returns, before any other task runs
+            items = await relay.take()
+            return loop.time(), items
+
         batches = []
         while not batches or batches[-1][1][-1] is not END:
-            items = await asyncio.wait_for(relay.take(), LONG_S)  # a missed wake fails, not hangs
-            batches.append((asyncio.get_running_loop().time(), items))
+            batches.append(await asyncio.wait_for(timed_take(), LONG_S))  # a missed wake fails, not hangs
             taken.release()
         thread.join()
         return batches
