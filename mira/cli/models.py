@@ -39,9 +39,9 @@ def _models(args: argparse.Namespace) -> None:
 
 def _kernels(spec) -> str:
     """"fused" where the Triton kernels compute these experts on CUDA, else "reference"."""
-    from mira.kernels import fused_unsupported, is_silu
+    from mira.kernels import fused_unsupported
     from mira.store.layout import ExpertLayout
 
     act, gate = spec.ffn_functions()
     layout = ExpertLayout("int8-shared", spec.hidden, spec.intermediate, gated=spec.gated, bias=spec.bias)
-    return "fused" if fused_unsupported(layout, gate) is None and is_silu(act) else "reference"
+    return "fused" if fused_unsupported(layout, act, gate) is None else "reference"

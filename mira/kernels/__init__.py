@@ -3,7 +3,8 @@
 `make_moe_ffn` chooses the implementation once, at construction (never per call):
 
 - the fused Triton kernels (`mira.kernels.triton_ffn`; `mira.kernels.triton_int4` for `int4`) on a
-  CUDA device, for the SiLU activation (SwiGLU experts) and the `int8-shared`, `int8-row` or
+  CUDA device, for gated experts whose gating has a closed form (SwiGLU, or a family's clamped
+  variant: mira.models.spec.GluForm), with or without biases, on the `int8-shared`, `int8-row` or
   `int4` schemes;
 - otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path and
   the ground truth the kernels are tested against.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from mira.errors import MiraError
 from mira.kernels.reference import moe_ffn_reference
+from mira.models.spec import GluForm
 from mira.store.layout import ExpertLayout
 
 BACKENDS = ("auto", "triton", "reference")
@@ -38,10 +40,12 @@ DECODE_TOKENS = 16
 class ReferenceMoEFFN:
     """`moe_ffn_reference` with the layout and activation bound, and an optional `out`."""
 
-    def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None) -> None:
+    def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None,
+                 absent_zero: bool = False) -> None:
         self.layout = layout
         self.act = act
         self.gate = gate
+        self.absent = "zero" if absent_zero else "raise"
 
     def __call__(
         self,
@@ -55,8 +59,10 @@ class ReferenceMoEFFN:
         if hidden.device.type != "cpu":  # a routed expert without a slot is read from the host store: copy it over
             blobs = list(blobs)
             for expert in top_k_index.unique().tolist():
-                blobs[expert] = blobs[expert].to(hidden.device, non_blocking=True)
-        result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act, self.gate)
+                if blobs[expert] is not None:
+                    blobs[expert] = blobs[expert].to(hidden.device, non_blocking=True)
+        result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act, self.gate,
+                                   self.absent)
         if out is None:
             return result
         out.copy_(result)
@@ -74,14 +80,22 @@ def is_silu(act: Callable | str) -> bool:
     return act is F.silu or isinstance(act, modules)
 
 
-def fused_unsupported(layout: ExpertLayout, gate: Callable | None) -> str | None:
-    """What of these experts the fused kernels do not compute (None: they compute all of it)."""
+def glu_of(act: Callable | str | None, gate: Callable | None) -> GluForm | None:
+    """The closed form of the experts' gating the fused kernels compute: SwiGLU for a SiLU
+    activation, a family gating's own form (mira.models.spec.FamilyGate.form); else None."""
     if gate is not None:
-        return f"the family's own gating ({gate!r})"
-    if layout.bias:
-        return "expert biases"
+        return getattr(gate, "form", None)
+    return GluForm() if act is not None and is_silu(act) else None
+
+
+def fused_unsupported(layout: ExpertLayout, act: Callable | str | None, gate: Callable | None) -> str | None:
+    """What of these experts the fused kernels do not compute (None: they compute all of it)."""
     if not layout.gated:
         return "ungated experts"
+    if glu_of(act, gate) is None:
+        return f"the gating {gate!r}" if gate is not None else f"the activation {act!r}"
+    if layout.scheme not in ("int8-shared", "int8-row", "int4"):
+        return f"{layout.scheme} blobs"
     return None
 
 
@@ -92,6 +106,7 @@ def make_moe_ffn(
     *,
     gate: Callable | None = None,
     backend: str = "auto",
+    absent_zero: bool = False,
     **triton_options,
 ) -> Callable[..., torch.Tensor]:
     """The expert FFN for this device, blob layout and activation, chosen once.
@@ -105,6 +120,9 @@ def make_moe_ffn(
             only the reference computes.
         backend: "auto" (Triton where it applies and is installed, else the reference), "triton" (raise if it does
             not apply; on a CPU device it needs TRITON_INTERPRET=1) or "reference".
+        absent_zero: a routed expert without a blob (address 0) adds zero, its weights unread: another
+            executor computes it (the CPU's share of a layer's misses). Else the kernels give NaN rows
+            for it and the reference raises.
         **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k, dtype)
             when the Triton path is chosen.
 
@@ -112,33 +130,27 @@ def make_moe_ffn(
         A callable `ffn(hidden, top_k_index, top_k_weights, blobs, *, out=None) -> [T, H]`.
 
     Raises:
-        ValueError: an unknown backend, or backend="triton" for a scheme or activation the fused
-            kernels do not implement.
-        MiraError: backend="triton" for biases, ungated experts or a family's own gating.
+        ValueError: an unknown backend.
+        MiraError: backend="triton" for experts the fused kernels do not compute (`fused_unsupported`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     device = torch.device(device)
-    unsupported = fused_unsupported(layout, gate)
+    unsupported = fused_unsupported(layout, act, gate)
     if backend == "triton" and unsupported is not None:
         raise MiraError(f"the fused kernels do not compute {unsupported}; use backend='auto' or 'reference'")
-    fused = layout.scheme in ("int8-shared", "int8-row", "int4") and act is not None and is_silu(act) and unsupported is None
-    if backend == "triton" and not fused:
-        raise ValueError(
-            f"the fused kernels implement SiLU experts on int8-shared, int8-row or int4 blobs, not "
-            f"{layout.scheme} with {act!r}; use backend='auto' to fall back to the reference"
-        )
     installed = importlib.util.find_spec("triton") is not None
-    if backend == "triton" or (backend == "auto" and fused and device.type == "cuda" and installed):
+    if backend == "triton" or (backend == "auto" and unsupported is None and device.type == "cuda" and installed):
+        options = dict(glu=glu_of(act, gate), absent_zero=absent_zero, **triton_options)
         if layout.scheme == "int4":
             from mira.kernels.triton_int4 import TritonInt4MoEFFN
 
-            return TritonInt4MoEFFN(layout, device, **triton_options)
+            return TritonInt4MoEFFN(layout, device, **options)
         from mira.kernels.triton_ffn import TritonMoEFFN  # imports triton only when it is used
 
-        return TritonMoEFFN(layout, device, **triton_options)
+        return TritonMoEFFN(layout, device, **options)
     if act is not None and not callable(act):
         from transformers.activations import ACT2FN
 
         act = ACT2FN[act]
-    return ReferenceMoEFFN(layout, act, gate)
+    return ReferenceMoEFFN(layout, act, gate, absent_zero)

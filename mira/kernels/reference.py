@@ -67,6 +67,7 @@ def moe_ffn_reference(
     layout: ExpertLayout,
     act: Callable | None,
     gate: Callable | None = None,
+    absent: str = "raise",
 ) -> torch.Tensor:
     """Weighted sum of the routed experts' outputs, like transformers' Experts.forward.
 
@@ -78,6 +79,7 @@ def moe_ffn_reference(
         layout: the blob layout of this store.
         act: the activation applied to the gate projection (to the up projection when ungated).
         gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
+        absent: a routed expert without a blob "raise"s, or adds "zero" (another executor computes it).
 
     Returns:
         [T, H] in hidden's dtype.
@@ -85,6 +87,8 @@ def moe_ffn_reference(
     out = torch.zeros_like(hidden)
     for expert in top_k_index.unique().tolist():  # ascending, as transformers adds them
         blob = blobs[expert]
+        if blob is None and absent == "zero":
+            continue
         if blob is None:
             raise ValueError(f"expert {expert} is routed but no blob was given for it")
         token_idx, k_pos = torch.where(top_k_index == expert)

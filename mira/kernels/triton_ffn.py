@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from mira.kernels.tuning import GemvConfig, KernelConfig, load_config
+from mira.models.spec import GluForm
 from mira.store.layout import ExpertLayout
 
 _SHARED, _ROW = 0, 1
@@ -106,11 +107,48 @@ def _int8_to_f32(w, CVT: tl.constexpr):
 
 
 @triton.jit
+def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
+           NAN_ABSENT: tl.constexpr):
+    """The experts' gated activation from the gate and up outputs (mira.models.spec.GluForm):
+    g * sigmoid(ALPHA * g) * (u + UP_OFFSET), g clamped from above and u on both sides at LIMIT
+    first when LIMIT > 0. SwiGLU is (1, 0, 0); gpt-oss's clamped SwiGLU (1.702, 7, 1)."""
+    if LIMIT > 0:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    if ALPHA == 1.0:
+        act = g * tl.sigmoid(g)
+    else:
+        act = g * tl.sigmoid(g * ALPHA)
+    if UP_OFFSET != 0.0:
+        u = u + UP_OFFSET
+    return _absent(act * u, present, NAN_ABSENT)
+
+
+@triton.jit
+def _absent(x, present, NAN_ABSENT: tl.constexpr):
+    """An expert routed without a blob (address 0): NaN rows, which no caller can miss, or (when
+    another executor computes it) the zeros its masked loads already gave."""
+    if NAN_ABSENT:
+        x = tl.where(present, x, float("nan"))
+    return x
+
+
+@triton.jit
+def _bias(base, OFFSET, rows, mask, HAS_BIAS: tl.constexpr):
+    """An expert's float32 bias at `rows` (its section at OFFSET in the blob), or 0.0 without biases."""
+    if HAS_BIAS:
+        return tl.load((base + OFFSET).to(tl.pointer_type(tl.float32)) + rows, mask=mask, other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
 def _gate_up_gemv(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    H, I, K, S_IN_OFF, ROWS,
+    H, I, K, S_IN_OFF, B13_OFF, ROWS,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
     from g * ROWS (whole blocks of BLOCK_I, one after another)."""
@@ -118,22 +156,24 @@ def _gate_up_gemv(
     row_start = tl.program_id(1) * ROWS
     token = pair // K
     base = tl.load(bases_ptr + tl.load(index_ptr + pair))
-    present = base != 0  # an expert routed without a blob yields NaN, not a fault
+    present = base != 0  # an expert routed without a blob yields NaN (or zero), not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
     s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
     row_end = tl.minimum(row_start + ROWS, I)
     h_limit = tl.where(present, H, 0)
     x_row = hidden_ptr + token * stride_ht
     for i0 in range(row_start, row_end, BLOCK_I):
-        _gate_up_rows(x_row, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present, h_limit,
-                      H, I, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC)
+        _gate_up_rows(x_row, base, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present,
+                      h_limit, H, I, B13_OFF, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC, HAS_BIAS, ALPHA,
+                      LIMIT, UP_OFFSET, NAN_ABSENT)
 
 
 @triton.jit
 def _gate_up_rows(
-    x_row, w13, s_in, act_row, offs_i, row_end, present, h_limit, H, I,
+    x_row, base, w13, s_in, act_row, offs_i, row_end, present, h_limit, H, I, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
+    EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end. Each thread
     sums its VEC adjacent products of a row before accumulating, so the accumulators are
@@ -165,8 +205,9 @@ def _gate_up_rows(
     if SCHEME == 1:  # int8-row: one scale per output row
         g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
         u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
-    act = g * tl.sigmoid(g) * u
-    act = tl.where(present, act, float("nan"))
+    g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
+    u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
     tl.store(act_row + offs_i, act, mask=in_rows)
 
 
@@ -194,9 +235,10 @@ def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block,
 def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
-    H, I, K, W2_OFF, S_OUT_OFF, SPAN,
+    H, I, K, W2_OFF, S_OUT_OFF, B2_OFF, SPAN,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr,
+    EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
     experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
@@ -236,7 +278,8 @@ def _down_gemv(
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
                 acc += tl.sum(tl.reshape(_int8_to_f32(w, CVT) * a[None, :], [BLOCK_H, BLOCK_I // VEC, VEC]), axis=2)
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
-        total += tl.where(present, y, float("nan")) * weight
+        y += _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
+        total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
                      token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
 
@@ -244,9 +287,10 @@ def _down_gemv(
 @triton.jit
 def _gate_up_gemv_mma(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # as _gate_up_gemv
-    H, I, K, S_IN_OFF,
+    H, I, K, S_IN_OFF, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
     operand (the other columns are zero), the weights the left one. The MMA work is wasted
@@ -288,17 +332,18 @@ def _gate_up_gemv_mma(
     if SCHEME == 1:
         g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
         u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
-    act = g * tl.sigmoid(g) * u
-    act = tl.where(present, act, float("nan"))
+    g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
+    u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
     tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
 
 
 @triton.jit
 def _down_gemv_mma(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # as _down_gemv
-    H, I, K, W2_OFF, S_OUT_OFF,
+    H, I, K, W2_OFF, S_OUT_OFF, B2_OFF,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """_down_gemv on the tensor cores (see _gate_up_gemv_mma); act is rounded to the output
     dtype for the product, as the reference does."""
@@ -331,7 +376,8 @@ def _down_gemv_mma(
             w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_I]
             acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
-        total += tl.where(present, y, float("nan")) * weight
+        y += _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
+        total += _absent(y, present, NAN_ABSENT) * weight
     tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=in_rows)
 
 
@@ -357,9 +403,10 @@ def _scale_pairs(
 @triton.jit
 def _gate_up_gemm(
     x_ptr, stride_xt, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
-    P, H, I, K, S_IN_OFF,
+    P, H, I, K, S_IN_OFF, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. The
     pairs' token rows are x's rows pair // K: the hidden states (int8-row) or the pairs' scaled
@@ -400,8 +447,10 @@ def _gate_up_gemm(
     if SCHEME == 1:
         acc_g = acc_g * tl.load(s_in + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         acc_u = acc_u * tl.load(s_in + I + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    act = tl.where(present, act, float("nan"))
+    if HAS_BIAS:
+        acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
+        acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -409,9 +458,10 @@ def _gate_up_gemm(
 @triton.jit
 def _down_gemm(
     act_ptr, sorted_pair_ptr, block_expert_ptr, bases_ptr, weights_ptr, y_ptr,  # act [P, I], y [P, H]
-    P, H, I, W2_OFF, S_OUT_OFF,
+    P, H, I, W2_OFF, S_OUT_OFF, B2_OFF,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 2: program (block of one expert's pairs, block of H rows) -> y rows,
     scaled and weighted (one row per pair; the launcher sums each token's K rows)."""
@@ -445,8 +495,11 @@ def _down_gemm(
         acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
     scale = tl.load(s_out + offs_n, mask=row_mask, other=0.0).to(tl.float32)
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
-    y = acc * scale[:, None] * weight[None, :]
-    y = tl.where(present, y, float("nan"))
+    y = acc * scale[:, None]
+    if HAS_BIAS:
+        y += _bias(base, B2_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
+    y = y * weight[None, :]
+    y = _absent(y, present, NAN_ABSENT)
     tl.store(y_ptr + pairs[None, :] * H + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -486,25 +539,35 @@ class TritonMoEFFN:
         max_tokens: int | None = None,
         top_k: int | None = None,
         dtype: torch.dtype | None = None,
+        glu: GluForm = GluForm(),
+        absent_zero: bool = False,
     ) -> None:
         """
         Args:
-            layout: the blob layout of the store; its scheme must be int8-shared or int8-row.
+            layout: the blob layout of the store; its scheme must be int8-shared or int8-row, its
+                experts gated (biases are read when it has them).
             device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
             config: launch configuration; default: the stored tuning for this device and shape
                 (`mira.kernels.tuning.load_config`).
             num_experts: experts per layer (E), to allocate the address table now.
             max_tokens, top_k: with both given, the prefill workspaces for max_tokens * top_k
                 routed pairs are allocated now (in `dtype`, default bf16 on CUDA, fp32 on CPU).
+            glu: the experts' gated activation (default SwiGLU).
+            absent_zero: a routed expert with address 0 adds zero instead of NaN rows (another
+                executor computes it).
 
         Raises:
-            ValueError: the scheme has no INT8 kernel, or a blob would need offsets beyond int32.
+            ValueError: the scheme has no INT8 kernel, the experts are ungated, or a blob would need
+                offsets beyond int32.
         """
         if layout.scheme not in self.schemes:
             raise ValueError(
                 f"these fused kernels read {' or '.join(self.schemes)} blobs, not {layout.scheme!r}; "
                 "use mira.kernels.make_moe_ffn, which falls back to the PyTorch reference"
             )
+        if not layout.gated:
+            raise ValueError("the fused kernels compute gated experts only; use mira.kernels.make_moe_ffn, which "
+                             "falls back to the PyTorch reference")
         if layout.nbytes >= 2**31:
             raise ValueError(f"an expert blob of {layout.nbytes} bytes needs 64-bit offsets, which these kernels do not use")
         self.layout = layout
@@ -521,6 +584,12 @@ class TritonMoEFFN:
         self._w2_off = sections["w2"].offset
         self._s_in_off = sections["scale" if self._scheme == _SHARED else "scale13"].offset
         self._s_out_off = sections["scale" if self._scheme == _SHARED else "scale2"].offset
+        self._b13_off = sections["b13"].offset if layout.bias else 0
+        self._b2_off = sections["b2"].offset if layout.bias else 0
+        # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
+        self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
+                              UP_OFFSET=float(glu.up_offset), NAN_ABSENT=not absent_zero)
+        self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
@@ -641,8 +710,8 @@ class TritonMoEFFN:
         act = self._decode_act  # [>= P, I] fp32
         dot_dtype, precision = self._dot_types(hidden.dtype)
         grid = (T * K, triton.cdiv(I, up.block_rows))
-        args = (hidden, hidden.stride(0), index, bases, act, H, I, K, self._s_in_off)
-        launch = dict(num_warps=up.num_warps, num_stages=up.num_stages)
+        args = (hidden, hidden.stride(0), index, bases, act, H, I, K, self._s_in_off, self._b13_off)
+        launch = dict(num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up)
         if up.mma:
             _gate_up_gemv_mma[grid](
                 *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols,
@@ -655,8 +724,8 @@ class TritonMoEFFN:
                 EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VEC=partial_sum(up), **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
-        args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off)
-        launch = dict(num_warps=down.num_warps, num_stages=down.num_stages)
+        args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off, self._b2_off)
+        launch = dict(num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down)
         if down.mma:
             _down_gemv_mma[grid](
                 *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols,
@@ -718,17 +787,17 @@ class TritonMoEFFN:
             x, x_stride, x_k = y, H, 1
         _gate_up_gemm[(n_blocks, triton.cdiv(I, g.block_n))](
             x, x_stride, sorted_pair, block_expert, bases, act,
-            P, H, I, x_k, self._s_in_off,
+            P, H, I, x_k, self._s_in_off, self._b13_off,
             SCHEME=self._scheme, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
             EVEN_K=H % g.block_k == 0, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            num_warps=g.num_warps, num_stages=g.num_stages,
+            num_warps=g.num_warps, num_stages=g.num_stages, **self._after_up,
         )
         _down_gemm[(n_blocks, triton.cdiv(H, g.block_n))](
             act, sorted_pair, block_expert, bases, weights, y,
-            P, H, I, self._w2_off, self._s_out_off,
+            P, H, I, self._w2_off, self._s_out_off, self._b2_off,
             BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
             EVEN_K=I % g.block_k == 0, DOT_DTYPE=dot_dtype, PRECISION=precision,
-            num_warps=g.num_warps, num_stages=g.num_stages,
+            num_warps=g.num_warps, num_stages=g.num_stages, **self._after_down,
         )
         torch.sum(y.view(T, K, H), dim=1, out=out)  # each token's K weighted expert outputs
 

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.triton_ffn import _ROW, TritonMoEFFN, _store_down_rows, group_by_expert
+from mira.kernels.triton_ffn import _ROW, TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
 )
@@ -99,16 +99,17 @@ def _chunk_dots(w, x_even, x_odd, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr,
 @triton.jit
 def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    H, I, K, S_IN_OFF, Z_IN_OFF, ROWS,
+    H, I, K, S_IN_OFF, Z_IN_OFF, B13_OFF, ROWS,
     GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    UNROLL: tl.constexpr, EVEN_H: tl.constexpr, CVT: tl.constexpr,
+    UNROLL: tl.constexpr, EVEN_H: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, g) -> act[pair, rows] for the ROWS rows from g * ROWS."""
     pair = tl.program_id(0)
     row_start = tl.program_id(1) * ROWS
     token = pair // K
     base = tl.load(bases_ptr + tl.load(index_ptr + pair))
-    present = base != 0  # an expert routed without a blob yields NaN, not a fault
+    present = base != 0  # an expert routed without a blob yields NaN (or zero), not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
     s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
     z_in = tl.multiple_of((base + Z_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
@@ -120,7 +121,9 @@ def _gate_up_gemv4(
         row_mask = offs_i < tl.where(present, row_end, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
         g = _rows_dot(x_row, w13, s_in, z_in, offs_i, row_mask, H, GROUP, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
         u = _rows_dot(x_row, w13, s_in, z_in, offs_i + I, row_mask, H, GROUP, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
-        act = tl.where(present, g * tl.sigmoid(g) * u, float("nan"))
+        g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
+        u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+        act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
         tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
 
 
@@ -164,9 +167,10 @@ def _rows_dot(
 def _down_gemv4(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
-    H, I, K, W2_OFF, S_OUT_OFF, Z_OUT_OFF, SPAN,
+    H, I, K, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF, SPAN,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
     UNROLL: tl.constexpr, SPLIT: tl.constexpr, EVEN_I: tl.constexpr, CVT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 2: program (token, block of H rows, s) -> the token's K experts summed over
     columns [s * SPAN, (s + 1) * SPAN) of I; split sums are added by the last program of a row
@@ -214,8 +218,8 @@ def _down_gemv4(
                 s = tl.load(s_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
                 acc += _chunk_dots(w, a_even, a_odd, s, z, BLOCK_H, BLOCK_I // 2, CVT)
-        y = tl.sum(acc, axis=1)
-        total += tl.where(present, y, float("nan")) * weight
+        y = tl.sum(acc, axis=1) + _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
+        total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
                      token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
 
@@ -231,9 +235,11 @@ def _codes_tile(w_ptrs, mask, ROWS: tl.constexpr, COLS: tl.constexpr, DOT_DTYPE:
 @triton.jit
 def _gate_up_gemm4(
     x_ptr, stride_xt, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
-    P, H, I, K, S_IN_OFF, Z_IN_OFF,
+    P, H, I, K, S_IN_OFF, Z_IN_OFF, B13_OFF,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. A K
     step lies in one group: its codes' product with the tokens is scaled per row afterwards."""
@@ -280,8 +286,10 @@ def _gate_up_gemm4(
                 acc_g += part
             else:
                 acc_u += part
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    act = tl.where(present, act, float("nan"))
+    if HAS_BIAS:
+        acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
+        acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -289,9 +297,10 @@ def _gate_up_gemm4(
 @triton.jit
 def _down_gemm4(
     act_ptr, sorted_pair_ptr, block_expert_ptr, bases_ptr, weights_ptr, y_ptr,  # act [P, I], y [P, H]
-    P, H, I, W2_OFF, S_OUT_OFF, Z_OUT_OFF,
+    P, H, I, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 2: program (block of one expert's pairs, block of H rows) -> y rows,
     weighted (one row per pair; the launcher sums each token's K rows)."""
@@ -331,8 +340,9 @@ def _down_gemm4(
         part += z[:, None] * tl.sum(a_t.to(tl.float32), axis=0)[None, :]
         acc += part
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
-    y = acc * weight[None, :]
-    y = tl.where(present, y, float("nan"))
+    if HAS_BIAS:
+        acc += _bias(base, B2_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
+    y = _absent(acc * weight[None, :], present, NAN_ABSENT)
     tl.store(y_ptr + pairs[None, :] * H + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -408,19 +418,19 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         common = dict(GROUP=int4.GROUP)
         rows = self._rows_per_program(T * K, up)
         _gate_up_gemv4[(T * K, triton.cdiv(I, rows))](
-            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._z_in_off, rows,
-            BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
+            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._z_in_off,
+            self._b13_off, rows, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
             EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **common,
-            num_warps=up.num_warps, num_stages=up.num_stages,
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
-            H, I, K, self._w2_off, self._s_out_off, self._z_out_off, span,
+            H, I, K, self._w2_off, self._s_out_off, self._z_out_off, self._b2_off, span,
             BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
             EVEN_I=splits * span == I, CVT=self._cvt(down), **common,
-            num_warps=down.num_warps, num_stages=down.num_stages,
+            num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down,
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:
@@ -437,11 +447,11 @@ class TritonInt4MoEFFN(TritonMoEFFN):
                       num_stages=g.num_stages)
         _gate_up_gemm4[(n_blocks, triton.cdiv(I, g.block_n))](
             hidden, hidden.stride(0), sorted_pair, block_expert, bases, act, P, H, I, K, self._s_in_off,
-            self._z_in_off, EVEN_K=H % block_k == 0, **common,
+            self._z_in_off, self._b13_off, EVEN_K=H % block_k == 0, **common, **self._after_up,
         )
         _down_gemm4[(n_blocks, triton.cdiv(H, g.block_n))](
             act, sorted_pair, block_expert, bases, weights, y, P, H, I, self._w2_off, self._s_out_off,
-            self._z_out_off, EVEN_K=I % block_k == 0, **common,
+            self._z_out_off, self._b2_off, EVEN_K=I % block_k == 0, **common, **self._after_down,
         )
         torch.sum(y.view(T, K, H), dim=1, out=out)  # each token's K weighted expert outputs
 

@@ -11,6 +11,8 @@ E experts, H hidden, I expert intermediate, T tokens.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,12 +83,62 @@ class ExpertsSpec:
         return FamilyGate(self.module, self.concatenated)
 
 
+@dataclass(frozen=True)
+class GluForm:
+    """A gated activation in closed form, as the fused kernels compute it:
+    g * sigmoid(alpha * g) * (u + up_offset), with g = min(gate, limit) and u = clamp(up, -limit,
+    limit) when there is a limit. SwiGLU is the default; gpt-oss's clamped SwiGLU is (1.702, 7, 1).
+    """
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(self.alpha * gate) * (up + self.up_offset)
+
+
+# The module attributes a family's own gating reads its constants from (gpt-oss: alpha, limit;
+# MiniMax-M3, HY-V4: swiglu_alpha, swiglu_limit; DeepSeek-V4: limit).
+_ALPHA_NAMES = ("alpha", "swiglu_alpha")
+_LIMIT_NAMES = ("limit", "swiglu_limit")
+
+
+def glu_form(gate: Callable[[torch.Tensor], torch.Tensor], module: nn.Module) -> GluForm | None:
+    """The closed form of a family's gating, when it has one: each GluForm built from the
+    module's constants is tried on gate-and-up values in float64 that cross every limit; the
+    first that gives the gating's own output is it. None: only the family's code computes it."""
+    alphas = {1.0} | {float(v) for name in _ALPHA_NAMES if isinstance(v := getattr(module, name, None), (int, float))}
+    limits = {None} | {float(v) for name in _LIMIT_NAMES
+                       if isinstance(v := getattr(module, name, None), (int, float)) and 0 < v < math.inf}
+    reach = max((limit for limit in limits if limit is not None), default=1.0) * 2 + 2
+    probe = torch.linspace(-reach, reach, 64, dtype=torch.float64)
+    gate_up = torch.cat((probe.repeat_interleave(64)[None], probe.repeat(64)[None]), dim=-1)  # every (g, u) pair
+    try:
+        expected = gate(gate_up).to(torch.float64)
+    except Exception:  # a gating that needs more than its input is not a closed form
+        return None
+    g, u = gate_up.chunk(2, dim=-1)
+    for alpha, limit, up_offset in itertools.product(sorted(alphas), [None, *sorted(l for l in limits if l)], (0.0, 1.0)):
+        form = GluForm(alpha, limit, up_offset)
+        if torch.allclose(form(g, u), expected, rtol=1e-5, atol=1e-6):  # a float32 step in the family's code
+            return form
+    return None
+
+
 class FamilyGate:
-    """A family's `_apply_gate`, fed in the family's own row order (Mira keeps gate rows first)."""
+    """A family's `_apply_gate`, fed in the family's own row order (Mira keeps gate rows first).
+
+    form: its closed form (`glu_form`), which the fused kernels compute; None when it has none.
+    """
 
     def __init__(self, module: nn.Module, concatenated: bool):
         self.module = module
         self.concatenated = concatenated
+        self.form = glu_form(self, module)
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not self.concatenated:  # [T, 2I] gate|up -> [T, 2I] g0 u0 g1 u1 ...

@@ -11,7 +11,7 @@ def test_mira_models_lists_every_interface_family_with_what_mira_does(capsys):
     listed = {row["model_type"]: row for row in json.loads(capsys.readouterr().out)["families"]}
     assert set(listed) == {family.model_type for family in moe_families()}
     assert listed["mixtral"]["runs"] is True and listed["mixtral"]["kernels"] == "fused"
-    assert listed["gpt_oss"]["runs"] is True and listed["gpt_oss"]["kernels"] == "reference"  # biases, own gating
+    assert listed["gpt_oss"]["runs"] is True and listed["gpt_oss"]["kernels"] == "fused"  # biases, clamped SwiGLU
     assert listed["nemotron_h"]["kernels"] == "reference"  # ungated experts
     main(["models"])
     table = capsys.readouterr().out.splitlines()

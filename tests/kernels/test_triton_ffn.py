@@ -35,6 +35,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(triton_language.zeros).__n
         "set it at the top of tests/conftest.py (before anything imports triton) or in the environment"
     )
 
+from mira.errors import MiraError
 from mira.kernels import ReferenceMoEFFN, is_silu, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels import triton_ffn  # noqa: E402
@@ -292,7 +293,7 @@ def test_factory_chooses_reference_on_cpu_and_for_other_activations_or_schemes()
     assert isinstance(make_moe_ffn("cuda", shared, F.gelu), ReferenceMoEFFN)
     assert isinstance(make_moe_ffn("cuda", ExpertLayout("none", H, I, torch.bfloat16), "silu"), ReferenceMoEFFN)
     assert is_silu(torch.nn.SiLU()) and is_silu("silu") and not is_silu(F.gelu)
-    with pytest.raises(ValueError, match="fall back"):
+    with pytest.raises(MiraError, match="do not compute the activation"):
         make_moe_ffn("cpu", shared, F.gelu, backend="triton")
     with pytest.raises(ValueError, match="unknown kernel backend"):
         make_moe_ffn("cpu", shared, F.silu, backend="cutlass")

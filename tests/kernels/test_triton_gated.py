@@ -1,0 +1,186 @@
+"""The fused kernels on experts with biases and a family's own gating, and with absent experts
+that add zero, against the PyTorch reference running the family's own `_apply_gate`.
+
+gpt-oss is the case: biases on both projections, gate and up rows interleaved in its checkpoint
+(Mira stores them gate first), and a clamped SwiGLU with its alpha, limit and up offset. The
+reference calls transformers' GptOssExperts._apply_gate itself (mira.models.spec.FamilyGate); the
+kernels compute the closed form Mira recognised in it (GluForm). Hidden states are scaled so that
+gate and up values cross the clamp limit on both sides.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, as in test_triton_ffn);
+the `gpu` tests add gpt-oss-20b's real shapes in bf16.
+
+T tokens, E experts, K routed per token, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton.language")
+
+from transformers import GptOssConfig  # noqa: E402
+
+from mira.kernels import make_moe_ffn  # noqa: E402
+from mira.kernels.reference import expert_ffn, moe_ffn_reference  # noqa: E402
+from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
+from mira.kernels.triton_int4 import TritonInt4MoEFFN  # noqa: E402
+from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig  # noqa: E402
+from mira.models.spec import GluForm, anatomy  # noqa: E402
+from mira.store.layout import ExpertLayout  # noqa: E402
+from mira.store.quant import quantize_expert  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I, E, K = 96, 40, 6, 2
+HIDDEN_GAIN = 8.0  # hidden states this large put gate and up outputs beyond gpt-oss's limit of 7
+FP32_TOL = 1e-5
+SCHEMES = ("int8-shared", "int8-row", "int4")
+KERNELS = {"int8-shared": TritonMoEFFN, "int8-row": TritonMoEFFN, "int4": TritonInt4MoEFFN}
+
+CONFIGS = {
+    "gemv": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits"),
+                         down_gemv=GemvConfig(16, 64, unroll=1, split=2, cvt="bits")),
+    "mma": KernelConfig(gate_up_gemv=GemvConfig(16, 32, mma=True, num_stages=2),
+                        down_gemv=GemvConfig(16, 16, mma=True, num_stages=2)),
+    "gemm": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
+}
+CASES = [(scheme, config) for scheme in SCHEMES for config in CONFIGS if not (scheme == "int4" and config == "mma")]
+
+
+def gpt_oss_gate(hidden: int = H, intermediate: int = I, experts: int = E):
+    """transformers' own gpt-oss gating, as Mira reads it from the family's Experts module."""
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=experts,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          vocab_size=64)
+    return anatomy(config).spec.gate_function()
+
+
+def biased_blobs(layout: ExpertLayout, experts: int, seed: int, device: str = DEVICE) -> list[torch.Tensor]:
+    """`experts` blobs quantized from random weights on the device, with random float32 biases."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, I = layout.hidden, layout.intermediate
+    blobs = []
+    for _ in range(experts):
+        w13 = torch.randn(2 * I, H, generator=gen, device=device) / H**0.5  # [2I, H]
+        w2 = torch.randn(H, I, generator=gen, device=device) / I**0.5  # [H, I]
+        b13 = torch.randn(2 * I, generator=gen, device=device)  # [2I]
+        b2 = torch.randn(H, generator=gen, device=device)  # [H]
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        layout.pack(quantize_expert(w13, w2, layout, b13, b2), blob)
+        blobs.append(blob)
+    return blobs
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)  # [T, K]
+    return index.to(DEVICE), weights.to(DEVICE)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def gate():
+    return gpt_oss_gate()
+
+
+@pytest.fixture(scope="module", params=SCHEMES)
+def store(request):
+    layout = ExpertLayout(request.param, H, I, bias=True)
+    return layout, biased_blobs(layout, E, seed=3)
+
+
+def test_gpt_oss_gating_is_recognised_in_closed_form(gate):
+    assert gate.form == GluForm(alpha=1.702, limit=7.0, up_offset=1.0)
+    probe = torch.linspace(-12, 12, 50, dtype=torch.float64)[None].repeat(3, 2)  # [3, 2 * 50]: g | u
+    assert torch.allclose(gate.form(*probe.chunk(2, dim=-1)), gate(probe))
+
+
+@pytest.mark.parametrize(("scheme", "config"), CASES)
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_biases_and_clamped_swiglu_match_the_familys_own_gating(gate, scheme, config, tokens):
+    layout = ExpertLayout(scheme, H, I, bias=True)
+    blobs = biased_blobs(layout, E, seed=5)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens)
+    ffn = KERNELS[scheme](layout, DEVICE, config=CONFIGS[config], glu=gate.form)
+    out = ffn(hidden, index, weights, blobs)
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
+    assert relative_error(out, ref) < FP32_TOL
+
+
+def test_the_clamp_is_reached(gate, store):
+    """The hidden scale above really drives gate and up values past the limit on both sides."""
+    layout, blobs = store
+    hidden = HIDDEN_GAIN * torch.randn(37, H, generator=torch.Generator().manual_seed(37)).to(DEVICE)
+    captured = []
+    expert_ffn(hidden.double(), layout.views(blobs[0]), layout, None, lambda gu: captured.append(gu) or gate(gu))
+    values = captured[0]
+    assert (values > 7).any() and (values < -7).any()
+
+
+@pytest.mark.parametrize(("scheme", "config"), CASES)
+def test_absent_experts_add_zero_when_asked(gate, scheme, config):
+    """With absent_zero, an expert whose address is 0 adds nothing (the CPU computes it), biases
+    and up offset included: the result equals the reference over the present experts only."""
+    layout = ExpertLayout(scheme, H, I, bias=True)
+    blobs = biased_blobs(layout, E, seed=7)
+    blobs[2] = blobs[4] = None
+    tokens = 5
+    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    index = torch.tensor([[0, 2], [2, 4], [4, 1], [3, 5], [2, 1]], device=DEVICE)  # token 1: both absent
+    weights = torch.rand(tokens, K, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="triton", absent_zero=True, config=CONFIGS[config])
+    out = ffn(hidden, index, weights, blobs)
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate, absent="zero")
+    assert torch.equal(out[1], torch.zeros(H, device=DEVICE))
+    assert relative_error(out, ref) < FP32_TOL
+    with pytest.raises(ValueError, match="no blob"):
+        moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
+
+
+def test_reference_backend_skips_absent_experts_too(gate, store):
+    layout, blobs = store
+    blobs = list(blobs)
+    blobs[1] = None
+    hidden = torch.randn(2, H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    index = torch.tensor([[0, 1], [1, 3]], device=DEVICE)
+    weights = torch.full((2, K), 0.5, device=DEVICE)
+    ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="reference", absent_zero=True)
+    out = ffn(hidden, index, weights, blobs)
+    only_present = torch.tensor([[3]], device=DEVICE)  # token 1's expert 3 alone, at its weight
+    expected = moe_ffn_reference(hidden[1:], only_present, weights[1:, 1:], blobs, layout, None, gate)
+    assert relative_error(out[1:], expected) < FP32_TOL
+
+
+GPT_OSS_20B = dict(hidden=2880, intermediate=2880, experts=32, top_k=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # 4 and 16 routed pairs (decode), 256 (prefill)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpt_oss_20b_shape_bf16_matches_fp32_reference(scheme, tokens):
+    H, I, E, K = (GPT_OSS_20B[k] for k in ("hidden", "intermediate", "experts", "top_k"))
+    gate = gpt_oss_gate(H, I, E)
+    layout = ExpertLayout(scheme, H, I, bias=True)
+    blobs = biased_blobs(layout, E, seed=11, device="cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=gen)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
+    ffn = make_moe_ffn("cuda", layout, None, gate=gate, backend="auto", num_experts=E)
+    assert isinstance(ffn, KERNELS[scheme])
+    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
+    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
+                            None, gate)
+    assert relative_error(out, ref) < 1e-2
