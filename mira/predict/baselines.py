@@ -45,7 +45,7 @@ class RouterRule:
     source layer and decode step, so it redoes their arithmetic (transformers 5.x) with out=
     operations instead:
 
-        logits  x W^T in the weight's dtype (DeepSeek keeps its router weight in fp32)
+        logits  x W^T (+ b: gpt-oss) in the weight's dtype (DeepSeek keeps its router weight in fp32)
         choice  softmax(logits) in fp32: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2;
                 sigmoid(logits) + e_score_correction_bias: DeepSeek-V3
         groups  only the best `topk_group` of `n_group` expert groups compete (DeepSeek-V2's
@@ -64,9 +64,12 @@ class RouterRule:
             raise ValueError(f"gate speculation knows the routers of Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V2/V3, "
                              f"not {type(router).__name__}; add its rule to RouterRule or pass --prefetch off")
         self.weight = weight  # [E, H]
+        linear_bias = getattr(router, "bias", None)
+        self.linear_bias = linear_bias if isinstance(linear_bias, torch.Tensor) and linear_bias.shape == weight.shape[:1] \
+            else None  # [E]: a bias of the router's linear layer (gpt-oss)
         self.top_k = top_k
         self.bias = getattr(router, "e_score_correction_bias", None)  # [E]: DeepSeek-V3's sigmoid routing
-        grouped = self.bias is not None or method == "group_limited_greedy"
+        grouped = (self.bias is not None or method == "group_limited_greedy") and hasattr(router, "num_group")
         self.groups = (router.num_group, router.topk_group) if grouped else None  # (n_group, topk_group)
 
     def route(self, hidden: torch.Tensor, ws: SpeculationWorkspace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +78,8 @@ class RouterRule:
         T = hidden.shape[0]
         x = hidden if hidden.dtype == self.weight.dtype else ws.x[:T].copy_(hidden)
         logits = ws.logits32[:T].copy_(torch.mm(x, self.weight.t(), out=ws.logits[:T]))  # [T, E] fp32
+        if self.linear_bias is not None:
+            logits.add_(self.linear_bias)
         probability = torch.softmax(logits, -1, out=ws.probability[:T])
         if self.bias is not None:
             choice = torch.sigmoid(logits, out=ws.choice[:T]).add_(self.bias)
@@ -100,6 +105,25 @@ class RouterRule:
         torch.topk(score, best, -1, out=(ws.group_best[:T], ws.group_index[:T]))  # [T, B]
         drop = ws.group_drop[:T].fill_(True).scatter_(1, ws.group_index[:T], False)  # [T, G]
         grouped.masked_fill_(drop[:, :, None], float("-inf") if self.bias is not None else 0.0)
+
+
+def speculates(router: nn.Module, tokens: int = 16) -> bool:
+    """Whether `RouterRule` picks this router's own experts: its rule is known and, on `tokens`
+    random states, it chooses the experts the router itself returns (its last output, [T, K]).
+    A family whose router selects otherwise then gets no gate speculation instead of wrong guesses."""
+    try:
+        rule = RouterRule(router)
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(tokens, rule.weight.shape[1], generator=generator).to(rule.weight.device, rule.weight.dtype)
+        with torch.no_grad():
+            _, chosen = rule.route(hidden, SpeculationWorkspace(rule, tokens, hidden.device))
+            output = router(hidden)
+    except Exception:  # an unknown rule, or a router that needs more than the hidden states
+        return False
+    own = output[-1] if isinstance(output, tuple) else None
+    if not isinstance(own, torch.Tensor) or own.shape != chosen.shape:
+        return False
+    return torch.equal(chosen.sort(dim=-1).values, own.sort(dim=-1).values)
 
 
 class SpeculationWorkspace:

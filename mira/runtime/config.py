@@ -170,6 +170,8 @@ class Facts:
     admits_misses: the configured policy admits missed experts into slots (mira.cache.policy).
     stage_slots: STAGE slots the configured policy would keep at `capacity`.
     has_heads: trained predictor heads are at hand (beside the store, or given).
+    speculates: gate speculation recomputes the model's routers (mira.predict.baselines.speculates);
+        both predictors need it.
     """
 
     device_type: str
@@ -179,6 +181,7 @@ class Facts:
     admits_misses: bool
     stage_slots: int
     has_heads: bool
+    speculates: bool = True
 
 
 @dataclass(frozen=True)
@@ -203,10 +206,12 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     from pinned memory (no host sync, so decode steps replay as CUDA graphs), and on the CPU only
     for policies that never admit a miss, which lose nothing by it. Staging
     needs STAGE slots and a predictor; lagged, "auto" prefetching stages only when residency is
-    "lagged" by name, since under "auto" residency decoding measured faster without it.
+    "lagged" by name, since under "auto" residency decoding measured faster without it, and only
+    for routers gate speculation recomputes.
 
     Raises:
-        MiraError: prefetch "trained" where there are no heads.
+        MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
+            gate speculation does not recompute.
     """
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
         return Decisions("static", True, None, facts.capacity)
@@ -216,6 +221,11 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
         mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda")
     prefetch = config.prefetch.mode
     stages = facts.stage_slots > 0 and prefetch != "off" and (not lagged or prefetch != "auto" or mode == "lagged")
+    if stages and not facts.speculates:
+        if prefetch != "auto":
+            raise MiraError(f"--prefetch {prefetch} needs gate speculation, which does not recompute this model's "
+                            "routers; pass --prefetch off (or auto)")
+        stages = False
     if stages and prefetch == "trained" and not facts.has_heads:
         raise MiraError("the store has no trained predictor heads; run `mira train-predictor`, or pass --prefetch gate")
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \

@@ -26,7 +26,7 @@ from mira.kernels import make_moe_ffn
 from mira.models.hub import locate
 from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
-from mira.predict.baselines import GateSpeculation, Predictor
+from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graphs import DecodeGraphs
@@ -252,7 +252,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   fused_kernels=hasattr(ffn, "forward_bases"),
                   admits_misses=_policy_class(config.cache.policy).admits_misses,
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
-                  has_heads=heads is not None or predictor_file(store.path).is_file())
+                  has_heads=heads is not None or predictor_file(store.path).is_file(),
+                  speculates=config.prefetch.mode == "off" or all(speculates(site.router) for site in sites[:1]))
     decided = resolve(config, facts)
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
@@ -376,10 +377,7 @@ def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
                heads: str | os.PathLike | None) -> Predictor:
     """The predictor `resolve` chose: "trained" (the given heads, else the store's) or "gate"."""
-    try:
-        gate = GateSpeculation(routers, store.num_experts)
-    except ValueError as error:  # a router whose rule gate speculation does not know (a family's own)
-        raise MiraError(str(error)) from None
+    gate = GateSpeculation(routers, store.num_experts)
     if kind == "gate":
         return gate
     if heads is not None:

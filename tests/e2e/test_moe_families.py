@@ -226,3 +226,19 @@ def _moe_error_bound(orig, spec, store, position, hidden, top_k_index, top_k_wei
         d_y = d_h @ (w2.abs() + step2 / 2).T + h.abs() @ (step2 / 2).T  # [T_e, H]
         bound.index_add_(0, token, d_y * top_k_weights[token, k, None].double().abs())
     return bound
+
+
+@pytest.mark.parametrize("family", [f for f in ("gpt_oss", "hunyuan_v1_moe") if f in OFFERED])
+def test_a_budget_with_prefetch_auto_runs_with_or_without_gate_speculation(family, family_store):
+    """gpt-oss's router is recomputed by gate speculation (its logits' bias included), HunYuan's
+    is not: under a budget that forces misses, prefetch auto stages for one and not the other, and
+    both generate the text they generate with every expert resident."""
+    _, store = family_store(family, "int8-shared")
+    ids = _prompt(seed=3)
+    resident = mira.load(store, device="cpu", progress=False)
+    expected = resident.hf_model.generate(ids, **GREEDY)
+    total = resident.store.num_layers * resident.store.num_experts
+    model = mira.load(store, device="cpu", progress=False, vram_budget="40%", residency="inline", prefetch="auto")
+    assert model.cache.policy.capacity < total
+    assert (model.cache.staging is not None) == (family == "gpt_oss")
+    assert torch.equal(model.hf_model.generate(ids, **GREEDY), expected)

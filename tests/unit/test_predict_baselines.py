@@ -77,3 +77,45 @@ def test_popularity_ranks_by_the_profile_of_the_target_layer():
     assert popularity.scores(0).tolist() == pytest.approx([0.1, 0.5, 0.4])
     popularity.observe(2, torch.tensor([[0, 0]]))  # fixed: observing changes nothing
     assert popularity.scores(0).tolist() == pytest.approx([0.1, 0.5, 0.4])
+
+
+def _first_router(family: str, seed: int = 0):
+    from mira.models.loader import router_of
+    from mira.models.interface import uses_experts_interface
+    from tiny_families import tiny_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    return next(router_of(module) for module in model.modules()
+                if any(uses_experts_interface(type(child)) for child in module.children()))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_speculation_is_trusted_where_it_picks_the_routers_own_experts(family):
+    """gpt-oss's router adds a bias to its logits: the rule adds it too, and picks the same experts."""
+    from mira.predict.baselines import speculates
+
+    router = _first_router(family)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            router.bias.normal_(0.0, 3.0)  # large enough to change the choice if it were left out
+    assert speculates(router)
+
+
+@pytest.mark.parametrize("family", ["zaya", "hunyuan_v1_moe", "afmoe"])
+def test_speculation_is_refused_where_the_router_has_no_rule(family):
+    from mira.predict.baselines import speculates
+
+    assert not speculates(_first_router(family))
+
+
+def test_speculation_is_refused_where_the_router_selects_otherwise():
+    """A router with the weight and top_k of a known rule whose choice differs (here: the lowest
+    logits) is caught by the probe, not trusted by its attributes."""
+    from mira.predict.baselines import speculates
+
+    router = _first_router("mixtral").eval()
+    assert speculates(router)
+    own = router.forward
+    router.forward = lambda hidden: own(-hidden)
+    assert not speculates(router)

@@ -66,6 +66,17 @@ def test_lagged_models_stage_on_the_device_only_for_a_named_predictor_or_residen
         _decide(prefetch="trained")
 
 
+def test_routers_gate_speculation_cannot_recompute_get_no_staging_unless_asked():
+    inline = dict(residency="inline", device_type="cpu", speculates=False)
+    assert _decide(prefetch="auto", **inline).predictor is None
+    assert _decide(prefetch="auto", has_heads=True, **inline) == Decisions("mira", False, None, 40)
+    with pytest.raises(MiraError, match="--prefetch off"):
+        _decide(prefetch="gate", **inline)
+    with pytest.raises(MiraError, match="--prefetch off"):
+        _decide(prefetch="trained", has_heads=True, **inline)
+    assert _decide(prefetch="gate", capacity=96, speculates=False).predictor is None  # all resident: nothing staged
+
+
 def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     config = RuntimeConfig().with_overrides(policy="lru", prefetch="gate", heads="h.safetensors", residency="inline",
                                             cuda_graphs=False, vram_budget="25%")
