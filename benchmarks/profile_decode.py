@@ -12,8 +12,9 @@ token and its routing with it. Reports per decode step:
 
 - wall time;
 - host time inside Mira's pieces (record_function ranges around them): MiraExperts.forward
-  (inclusive), cache.fetch, cache.stage, cache.after_layer, cache.settle (lagged residency's one
-  read-back and policy work per step), the predictor's scores, the FFN call;
+  (inclusive), cache.settle_layer (inline residency's read-back and policy work per layer),
+  cache.settle (lagged residency's one read-back and policy work per step), staging's work before
+  and after a layer, the predictor's scores, the FFN call;
 - host time blocked on the device (cudaStreamSynchronize: the per-layer read-back of routing);
 - device time by kind: the expert kernels (Triton), host-to-device copies, everything else
   (attention, norms, router, embeddings, LM head).
@@ -49,8 +50,8 @@ from mira.runtime.experts import MiraExperts
 from mira.store.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
-RANGES = ("MiraExperts.forward", "cache.fetch", "cache.stage", "cache.after_layer", "cache.settle",
-          "predictor.scores", "ffn")
+RANGES = ("MiraExperts.forward", "cache.settle_layer", "cache.settle", "staging.before_layer",
+          "staging.after_layer", "predictor.scores", "ffn")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -66,8 +67,11 @@ def _ranged(owner, attr: str, name: str) -> None:
 
 def _instrument(model) -> None:
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
-    for name in ("fetch", "stage", "after_layer", "settle"):
+    for name in ("settle_layer", "settle"):
         _ranged(model.cache, name, f"cache.{name}")
+    if model.cache.staging is not None:
+        for name in ("before_layer", "after_layer"):
+            _ranged(model.cache.staging, name, f"staging.{name}")
     if layers[0].predictor is not None:
         _ranged(layers[0].predictor, "scores", "predictor.scores")
     ffn = layers[0].ffn  # one kernel object serves every layer
