@@ -29,7 +29,7 @@ from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graphs import DecodeGraphs
+from mira.runtime.graphs import DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -133,7 +133,7 @@ class MiraModel:
         """The KV cache CUDA graphs can replay on: fixed buffers of max_context tokens, made once and
         emptied for each generate call (its buffers keep their addresses, so captured steps stay valid)."""
         if self._kv_cache is None:
-            self._kv_cache = StaticCache(config=self.hf_model.config, max_cache_len=self.max_context)
+            self._kv_cache = static_cache(self.hf_model.config, self.max_context)
         else:
             self._kv_cache.reset()
         return self._kv_cache

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers import PretrainedConfig, StaticCache
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from mira.runtime.experts import MiraExperts
 
@@ -40,6 +40,17 @@ def replayable_cache(cache: Any) -> bool:
     `StaticCache`, already filled by a prefill (its buffers exist)."""
     return (isinstance(cache, StaticCache) and len(cache.layers) > 0
             and all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers))
+
+
+def static_cache(config: PretrainedConfig, max_cache_len: int) -> StaticCache:
+    """transformers' `StaticCache` for `config`, with a full-length `StaticLayer` in place of each
+    sliding-window layer: that layer counts its tokens in a Python integer, which a replay would
+    not advance. The attention mask, built from the config's window, still keeps each sliding layer
+    to its window (the mask is all that limits it when no cache layer slides)."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [StaticLayer(max_cache_len=max_cache_len) if type(layer) is StaticSlidingWindowLayer else layer
+                    for layer in cache.layers]
+    return cache
 
 
 def _copied(value: Any) -> Any:

@@ -1,0 +1,34 @@
+"""The KV cache decode steps replay on (mira.runtime.graphs.static_cache): full-length layers in
+place of sliding-window ones, the mask keeping each sliding layer to its window. Checked against
+transformers' own decoding of a gpt-oss model whose window is shorter than the text."""
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import StaticLayer
+
+from mira.runtime.graphs import replayable_cache, static_cache
+from tiny_families import tiny_config
+
+
+def test_sliding_layers_become_full_length_and_decode_as_transformers_does():
+    config = tiny_config("gpt_oss")
+    config.sliding_window = 4  # far shorter than prompt and output: the window decides what is seen
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(2, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    greedy = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, disable_compile=True)
+    own = model.generate(ids, **greedy)  # transformers' default cache, sliding layers of 4 tokens
+    cache = static_cache(config, 64)
+    assert "sliding_attention" in config.layer_types
+    assert all(type(layer) is StaticLayer and layer.max_cache_len == 64 for layer in cache.layers)
+    replayed = model.generate(ids, past_key_values=cache, **greedy)
+    assert torch.equal(replayed.sequences, own.sequences)
+    for ours, theirs in zip(replayed.logits, own.logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert replayable_cache(cache)
+    unlimited = tiny_config("gpt_oss")
+    unlimited.sliding_window = 10_000  # no window: the same text only if the window above mattered
+    torch.manual_seed(0)
+    wide = AutoModelForCausalLM.from_config(unlimited, dtype=torch.float32).eval()
+    assert not torch.equal(wide.generate(ids, **greedy).sequences, own.sequences)
