@@ -29,7 +29,7 @@ from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graphs import DecodeGraphs, static_cache
+from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -176,7 +176,8 @@ def _one_sequence(input_ids: torch.Tensor, kwargs: dict, defaults) -> bool:
         value = kwargs.get(name)
         return (value if value is not None else getattr(defaults, name, None)) or 1
 
-    return (input_ids.shape[0] == 1 and kwargs.get("past_key_values") is None and setting("num_beams") == 1
+    return (input_ids.shape[0] == 1 and all(kwargs.get(name) is None for name in CACHE_ARGUMENTS)
+            and setting("num_beams") == 1
             and setting("num_return_sequences") == 1 and kwargs.get("assistant_model") is None)
 
 

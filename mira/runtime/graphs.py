@@ -53,14 +53,44 @@ def static_cache(config: PretrainedConfig, max_cache_len: int) -> StaticCache:
     return cache
 
 
+CACHE_ARGUMENTS = ("past_key_values", "cache")  # the KV cache's keyword (transformers renamed it)
+
+
 def _copied(value: Any) -> Any:
-    """Tensors (also inside tuples and lists, such as hidden states per layer) cloned; anything else,
-    such as the KV cache, as it is."""
+    """Tensors (also inside tuples, lists and dicts, such as hidden states per layer or attention
+    masks per layer type) cloned; anything else, such as the KV cache, as it is."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, (tuple, list)):
         return type(value)(_copied(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
     return value
+
+
+def _copy_into(buffer: Any, value: Any) -> None:
+    """The tensors of `value` copied into the same places of `buffer` (a `_copied` of its like)."""
+    if isinstance(value, torch.Tensor):
+        buffer.copy_(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _copy_into(buffer[key], item)
+
+
+def _argument_key(value: Any) -> Hashable:
+    """What a captured step depends on in one argument: a tensor's shape, dtype and device (its
+    values are copied in at replay), a dict of tensors' keys and theirs, a plain value itself.
+
+    Raises:
+        TypeError: anything else, which a replay could not reproduce.
+    """
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, value.device
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict) and all(isinstance(item, torch.Tensor) or item is None for item in value.values()):
+        return tuple((key, _argument_key(item)) for key, item in sorted(value.items()))
+    raise TypeError(type(value).__name__)
 
 
 class _Graph:
@@ -68,8 +98,7 @@ class _Graph:
     arguments each experts module was called with (graph buffers, rewritten by every replay)."""
 
     def __init__(self, forward: Callable, kwargs: dict[str, Any], layers: Sequence[MiraExperts], pool) -> None:
-        self.inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value
-                       for name, value in kwargs.items()}
+        self.inputs = {name: _copied(value) for name, value in kwargs.items()}
         self.calls: list[tuple[MiraExperts, tuple]] = []
         handles = [layer.register_forward_pre_hook(lambda module, args: self.calls.append((module, args)))
                    for layer in layers]
@@ -83,8 +112,7 @@ class _Graph:
 
     def replay(self, kwargs: dict[str, Any]):
         for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor):
-                self.inputs[name].copy_(value)
+            _copy_into(self.inputs[name], value)
         self.graph.replay()
         # a replay runs no Python: show the experts modules' forward pre-hooks (e.g. mira.runtime.tracing's
         # routing recorder) the arguments this step called them with, as an eager step would have
@@ -145,19 +173,18 @@ class DecodeGraphs:
 
     def _signature(self, kwargs: dict[str, Any]) -> Hashable | None:
         """What a captured step depends on, or None when this call must run eagerly."""
-        input_ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+        input_ids = kwargs.get("input_ids")
+        cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
         if (input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] != 1 or not input_ids.is_cuda
                 or kwargs.get("inputs_embeds") is not None or not replayable_cache(cache)
                 or not all(layer.host_free for layer in self.layers)):
             return None
         key: list[Hashable] = [id(cache)]
         for name, value in sorted(kwargs.items()):
-            if name == "past_key_values":
+            if name in CACHE_ARGUMENTS:
                 continue
-            if isinstance(value, torch.Tensor):
-                key.append((name, tuple(value.shape), value.dtype, value.device))
-            elif value is None or isinstance(value, (bool, int, float, str)):
-                key.append((name, value))
-            else:
+            try:
+                key.append((name, _argument_key(value)))
+            except TypeError:
                 return None
         return tuple(key)
