@@ -138,7 +138,7 @@ def _bench(args: argparse.Namespace) -> None:
                        profile=args.profile, repeats=args.repeats, schemes=schemes)
     device = torch.device(args.device or default_device())
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
-                         scheme=schemes[0])
+                         schemes=tuple(schemes))
     source.heads = args.heads
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)

@@ -106,13 +106,16 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
         _write_json(out, result)
 
     first_budgets = None
-    for scheme in [s or source.scheme for s in setup.schemes]:
-        if source.store is None or source.scheme != scheme:
+    for scheme in [source.scheme_of(s) for s in setup.schemes]:
+        stored = result.get("stores", {}).get(scheme, {})
+        if "budgets" in stored and _all_done(setup, scheme, done):  # resumed: its store is not even made
+            budgets = stored["budgets"]
+        else:
             source.open_store(scheme)  # the previous store was released: one store in host memory at a time
-        budgets = _scheme_runs(source, setup, device, max_context, vocab, result, done, save)
+            budgets = _scheme_runs(source, setup, device, max_context, vocab, result, done, save)
+            source.release_store()
+            free_memory(device)
         first_budgets = first_budgets or budgets
-        source.release_store()
-        free_memory(device)
     if any(c in BASELINES for c in setup.configs):
         try:
             _baselines(source, setup, first_budgets, device, vocab, rows, save, done)
@@ -143,14 +146,14 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
     profile = (Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else Popularity.of_routing(
         warm.cache.telemetry.counts[:, :, 0].reshape(-1), source.config.num_experts_per_tok, warm.store.num_layers))
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
-    result.setdefault("stores", {})[scheme] = {
-        "blob_bytes": warm.store.blob_bytes, "reserve_bytes": reserve, "all_experts_bytes": all_bytes,
-        "timings": getattr(source.store, "timings", None)}  # synthetic: fill and page-lock seconds
     del warm
     free_memory(device)
 
     budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
                for label in setup.budgets}
+    result.setdefault("stores", {})[scheme] = {
+        "blob_bytes": source.store.blob_bytes, "reserve_bytes": reserve, "all_experts_bytes": all_bytes,
+        "budgets": budgets, "timings": getattr(source.store, "timings", None)}  # synthetic: fill, page-lock s
     source.replay_from = CALIBRATION_ROWS
     for label, budget in budgets.items():
         for name in [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]:
@@ -331,6 +334,14 @@ def _decoding(source: Source) -> str:
     return "greedy (beam search where num_beams > 1)"
 
 
+def _all_done(setup: BenchSetup, scheme: str, done: set[tuple]) -> bool:
+    """Whether every Mira run of `scheme` that `setup` asks for is among the runs `done`."""
+    wanted = [_key(c, label, quant=scheme) for label in setup.budgets for c in setup.configs if c in MIRA_CONFIGS]
+    if setup.beams and setup.beam_budget in setup.budgets:
+        wanted += [_key("mira+p", setup.beam_budget, width, True, scheme) for width in setup.beams]
+    return all(key in done for key in wanted)
+
+
 def _run_key(row: dict) -> tuple:
     """What identifies a run within a bench result: configuration, budget, beam width, beam search,
     quantization scheme (None for the baselines, which run transformers' own weights)."""
@@ -415,7 +426,7 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
         "budgets": setup.budgets,
         "configs": setup.configs,
-        "quant": [scheme or source.scheme for scheme in setup.schemes],
+        "quant": [source.scheme_of(scheme) for scheme in setup.schemes],
         "repeats": setup.repeats,
         "runs": [],
     }

@@ -106,3 +106,57 @@ def test_a_scheme_the_bench_cannot_run_is_refused_before_anything_is_written(tmp
     code, err = cli("bench", "--synthetic", str(model), "--device", "cpu", "--quant", quant, "--out", str(out))
     assert code == 1 and err.startswith("mira: error: ") and phrase in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_a_store_is_refused_more_than_its_own_scheme(mixtral_store, tmp_path):
+    out = tmp_path / "bench.json"
+    code, err = cli("bench", "--model", str(mixtral_store), "--device", "cpu", "--quant", "int8-shared,int4",
+                    "--out", str(out))
+    assert code == 1 and "holds one quantization scheme; pass the model directory" in err
+    code, err = cli("bench", "--model", str(mixtral_store), "--device", "cpu", "--quant", "int4", "--out", str(out))
+    assert code == 1 and "holds int8-shared experts, not int4" in err
+    assert not out.exists()
+
+
+def test_each_store_is_gone_before_the_next_is_made_and_a_resumed_run_skips_finished_schemes(tmp_path, monkeypatch):
+    """Two large stores need not fit in host memory together: the int8-shared store has been collected
+    when the int4 one is filled. A resumed run whose int8-shared runs are all measured makes only the
+    int4 store."""
+    import gc
+    import weakref
+
+    from mira.bench import sources
+
+    made = []  # (scheme, weak reference) in the order the stores were made
+    alive_at_fill = []
+    build = sources.synthetic_store
+
+    def recording(config, num_layers, scheme, *args, **kwargs):
+        gc.collect()
+        alive_at_fill.append([s for s, ref in made if ref() is not None])
+        store = build(config, num_layers, scheme, *args, **kwargs)
+        made.append((scheme, weakref.ref(store)))
+        return store
+
+    monkeypatch.setattr(sources, "synthetic_store", recording)
+    model, routing = _tiny(tmp_path)
+    out = tmp_path / "bench.json"
+    common = ["bench", "--synthetic", str(model), "--routing", str(routing), "--device", "cpu", "--fixed", "8x3",
+              "--repeats", "1", "--configs", "mira", "--out", str(out), "--quiet"]
+    assert cli(*common, "--quant", "int8-shared,int4", "--budgets", BUDGET)[0] == 0
+    assert [s for s, _ in made] == ["int8-shared", "int4"] and alive_at_fill == [[], []]
+    first = json.loads(out.read_text())
+
+    made.clear()
+    alive_at_fill.clear()
+    assert cli(*common, "--quant", "int8-shared,int4", "--budgets", f"{BUDGET},all", "--resume")[0] == 0
+    assert [s for s, _ in made] == ["int8-shared", "int4"]  # both have an 'all' run to measure
+    made.clear()
+    assert cli(*common, "--quant", "int8-shared,int4", "--budgets", f"{BUDGET},all", "--resume")[0] == 0
+    assert made == []  # nothing left to measure: no store made
+    resumed = json.loads(out.read_text())
+    assert resumed["runs"][:2] == first["runs"]
+    assert [(r["quant"], r["budget"]) for r in resumed["runs"]] == [
+        ("int8-shared", BUDGET), ("int4", BUDGET), ("int8-shared", "all"), ("int4", "all")]
+    assert resumed["stores"]["int4"]["budgets"] == {BUDGET: int(1.5 * (1 << 20)),
+                                                    "all": resumed["stores"]["int4"]["all_experts_bytes"]}
