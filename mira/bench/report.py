@@ -91,8 +91,8 @@ def plot(result: dict, path: str) -> None:
                          if r.get("bound") and r.get("quant") == scheme}
                 points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
                 if points:
-                    axis.plot(*zip(*points), linestyle=":", color="black", marker="_",
-                              label=f"bound, {scheme} (DESIGN.md 4)" if len(schemes) > 1 else "bound (DESIGN.md 4)")
+                    axis.plot(*zip(*points), linestyle=":" if len(schemes) == 1 else style[scheme], color="black",
+                              marker="_", label=f"bound, {scheme} (DESIGN.md 4)" if len(schemes) > 1 else "bound (DESIGN.md 4)")
         axis.set_xticks(range(len(budgets)), budgets)
         axis.set_xlabel("VRAM budget")
         axis.set_ylabel(label)
