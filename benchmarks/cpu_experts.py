@@ -1,7 +1,7 @@
 """One expert on the CPU (mira.kernels.cpu_experts) against its copy over PCIe, per model shape.
 
-For each shape and INT8 scheme it builds synthetic expert blobs (random INT8, mira.bench.synthetic;
-page-locked with CUDA) spread over at least --spread-gb so that consecutive calls read distinct
+For each shape and scheme (both INT8 ones and int4) it builds synthetic expert blobs (random weights,
+mira.bench.synthetic; int4's quantized on the GPU where there is one; page-locked with CUDA) spread over at least --spread-gb so that consecutive calls read distinct
 weights that no CPU cache holds, and times on a CPU worker of --threads threads:
 
   cpu_us           one expert at each --tokens count, called in the worker's thread
@@ -39,7 +39,7 @@ from mira.store.layout import ExpertLayout
 from mira.store.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMES = ("int8-row", "int8-shared")
+SCHEMES = ("int8-row", "int8-shared", "int4")
 MAX_CALLS = 64  # per pass
 
 
@@ -65,7 +65,8 @@ def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> t
     """At least two distinct synthetic blobs, `spread_bytes` of them in all (whole layers are made),
     and their store: keep it while the blobs are used, since collecting it unlocks their pages."""
     layers = max(1, math.ceil(spread_bytes / (adapter_for(config).spec.num_experts * layout.nbytes)))
-    store = synthetic_store(config, layers, layout.scheme, pin=pin, progress=False)
+    store = synthetic_store(config, layers, layout.scheme, pin=pin, progress=False,
+                            device=torch.device("cuda") if pin else None)
     blobs = [store.blob(layer, e) for layer in range(layers) for e in range(store.num_experts)]
     return store, blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
 

@@ -45,6 +45,11 @@
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
+#   bash benchmarks/h200_suite.sh int4      # mira bench, Mixtral-8x7B shape replaying the same recorded routing,
+#                                           # 64 in / 64 out, 12 and 24 GiB, int4 against int8-shared in one run
+#                                           # (CONFIGS, default mira,static), 3 timed repeats; the int8 store
+#                                           # (45 GB, host memory only) is freed before the int4 one (25 GB) is
+#                                           # filled; a rerun resumes, skipping a scheme already measured (~8 min)
 #   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
@@ -120,6 +125,11 @@ case "${1:-}" in
       timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \
         --configs mira,lru,lru-lagged,lfu,static --repeats 3 --out "$OUT/bench-$preset-policies.json" --quiet --resume
     done ;;
+  int4)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
+      --configs "${CONFIGS:-mira,static}" --quant int8-shared,int4 --repeats 3 \
+      --out "$OUT/bench-mixtral-8x7b-int4.json" --quiet --resume ;;
   replay-tiny)
     timeout "$LIMIT" python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
       --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \

@@ -192,6 +192,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     source = open_source(args.model, args.synthetic, device, progress=False)
+    source.open_store(None)
     source.heads = args.heads
     context = args.prompt_tokens + 2 * args.steps + 8
     probe = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=context, prefetch=PrefetchConfig("off")), None)

@@ -190,6 +190,11 @@ def bench(d: Json) -> Lines:
                      f"{fmt(r.get('prefetch_precision'))} / {fmt(r.get('prefetch_recall'))}"])
     out += ["Every run (beam-search runs report tokens/s of the whole search as end-to-end):", ""]
     out += table(header, rows)
+    ratios = [[fmt(budget), f"`{config}`", "; ".join(f"`{k}` {fmt(v)}" for k, v in speeds.items())]
+              for budget, configs in (d.get("quant_comparison") or {}).items() for config, speeds in configs.items()]
+    if ratios:
+        out += ["Decode tokens/s by expert scheme, and each scheme's over int8-shared's (`quant_comparison`):", ""]
+        out += table(["budget", "configuration", "by scheme"], ratios)
     goals = d.get("goals") or {}
     if goals:
         out += ["Goals as the run computed them (`goals`):", ""]
@@ -201,7 +206,9 @@ def bench(d: Json) -> Lines:
 
 
 def run_name(r: Json) -> str:
-    return f"{r['config']} ({r['residency']})" if r.get("residency") else r["config"]
+    """The configuration, its scheme where the row names one, and its residency."""
+    name = f"{r['config']}/{r['quant']}" if r.get("quant") else r["config"]
+    return f"{name} ({r['residency']})" if r.get("residency") else name
 
 
 def eval_ppl(d: Json) -> Lines:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mira.bench.synthetic import PRESETS
+from mira.store.layout import SCHEMES
 
 DEFAULT_BUDGETS = "8GiB,12GiB,24GiB,48GiB,all"
 DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mira generate` does, and the baselines
@@ -49,6 +50,12 @@ def add_command(subparsers) -> None:
                             "the calibration prompts replay its first rows, every measured prompt the rows after "
                             "them. Its layer, expert and top-k counts must be the model's. Predictors that read "
                             "hidden states (gate speculation, trained heads) cannot be judged in a replay")
+    bench.add_argument("--quant", metavar="SCHEME[,SCHEME]",
+                       help=f"expert quantization schemes out of {', '.join(SCHEMES)}, each run in this run on a "
+                            f"store of its own, one after the other (default int8-shared, or a store's own scheme); "
+                            f"every row names its scheme, budgets given as sizes hold as many of the scheme's "
+                            f"experts as fit, and with two schemes the comparison gives each one's decode tokens/s "
+                            f"over int8-shared's")
     bench.add_argument("--prompts", metavar="FILE.jsonl",
                        help="prompt set: JSON lines with prompt, input_tokens and max_new_tokens (write one from "
                             "held-out ShareGPT with `python tools/bench_prompts.py`); default: the fixed setting")
@@ -122,14 +129,16 @@ def _bench(args: argparse.Namespace) -> None:
             raise MiraError(f"cannot read --fixed {args.fixed!r}; write INxOUT, e.g. 64x256") from None
         prompts = fixed_prompts(args.fixed_count, inputs, outputs)
         prompt_set = f"fixed {inputs} in / {outputs} out, random ids ({args.fixed_count} prompts)"
+    schemes = _schemes(args.quant)
     beams = [int(w) for w in args.beams.split(",") if w.strip()]
     setup = BenchSetup(prompts, prompt_set, _names(args.budgets), configs, beams=beams, beam_budget=args.beam_budget,
                        beam_new_tokens=args.beam_new_tokens, offload_prompts=args.offload_prompts,
                        offload_new_tokens=args.offload_new_tokens,
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
-                       profile=args.profile, repeats=args.repeats)
+                       profile=args.profile, repeats=args.repeats, schemes=schemes)
     device = torch.device(args.device or default_device())
-    source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing)
+    source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
+                         schemes=tuple(schemes))
     source.heads = args.heads
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
@@ -161,6 +170,26 @@ def _check_budget(label: str) -> None:
             raise MiraError(f"cannot read the budget {label!r}; a share of the experts is in (0%, 100%], like 25%")
         return
     parse_size(label)
+
+
+def _schemes(text: str | None) -> list[str | None]:
+    """--quant as a list of distinct schemes; [None] without it (the source's default).
+
+    Raises:
+        MiraError: an unknown or repeated scheme.
+    """
+    from mira.errors import MiraError
+
+    if text is None:
+        return [None]
+    schemes = _names(text)
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown or not schemes:
+        raise MiraError(f"unknown quantization scheme {', '.join(unknown) or repr(text)}; choose from "
+                        f"{', '.join(SCHEMES)}, e.g. --quant int8-shared,int4")
+    if len(set(schemes)) < len(schemes):
+        raise MiraError(f"--quant {text} names a scheme twice; name each once")
+    return schemes
 
 
 def _names(text: str) -> list[str]:

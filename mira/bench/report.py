@@ -5,12 +5,13 @@ from __future__ import annotations
 
 def format_table(result: dict) -> str:
     """One line per run: budget, configuration, speed, where tokens were served, PCIe, the bound."""
-    header = ["budget", "config", "beams", "slots", "TTFT s", "decode tok/s (range)", "e2e tok/s", "hot/stage/miss %",
+    header = ["budget", "config", "quant", "beams", "slots", "TTFT s", "decode tok/s (range)", "e2e tok/s", "hot/stage/miss %",
               "PCIe GB", "prefetch P/R", "bound tok/s", "achieved/bound"]
     lines = [header]
     for row in result["runs"]:
         if row.get("skipped"):
-            lines.append([row["budget"], row["config"], "", "", f"skipped: {row['skipped'][:70]}"] + [""] * 7)
+            lines.append([row["budget"], row["config"], row.get("quant", ""), "", "",
+                          f"skipped: {row['skipped'][:70]}"] + [""] * 7)
             continue
         served = row.get("tokens_served")
         share = "/".join(f"{100 * served[t] / max(sum(served.values()), 1):.0f}" for t in ("hot", "stage", "miss")) \
@@ -18,7 +19,7 @@ def format_table(result: dict) -> str:
         precision, recall = row.get("prefetch_precision"), row.get("prefetch_recall")
         bound = row.get("bound", {})
         lines.append([
-            row["budget"], row["config"], str(row.get("num_beams", 1)), str(row.get("slots", "")),
+            row["budget"], row["config"], row.get("quant", ""), str(row.get("num_beams", 1)), str(row.get("slots", "")),
             _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")),
             share,
             _num(row.get("pcie_gb")), f"{precision:.2f}/{recall:.2f}" if precision is not None else "",
@@ -36,7 +37,14 @@ def format_table(result: dict) -> str:
         body.append(f"note: in {len(steady)} run(s) decode routing barely changes from step to step ({changes['value']} "
                     f"of layer-steps change their experts, {changes['uniform']} under uniform routing): their budgets "
                     "hardly matter (mira.bench.variety)")
-    return "\n".join([title, *body, "", "mira against the fastest baseline:", *compared])
+    lines = [title, *body, "", "mira against the fastest baseline:", *compared]
+    for budget, configs in result.get("quant_comparison", {}).items():
+        for config, speeds in configs.items():
+            ratios = ", ".join(f"{key.replace('_over_', ' / ')} {value:.3f}x" for key, value in speeds.items()
+                               if "_over_" in key)
+            lines.append(f"{budget}: {config} decode tokens/s by scheme: " + ", ".join(
+                f"{scheme} {value:.3g}" for scheme, value in speeds.items() if "_over_" not in scheme) + f"; {ratios}")
+    return "\n".join(lines)
 
 
 CONFIG_ORDER = ("mira", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline", "mira-lagged", "mira-eager", "lru",
@@ -52,14 +60,18 @@ def plot(result: dict, path: str) -> None:
     from matplotlib import pyplot
 
     runs = [r for r in result["runs"] if not r.get("skipped") and not r.get("beam_search")]
+    schemes = list(dict.fromkeys(r["quant"] for r in runs if r.get("quant"))) or [None]
+    lines = ("-", "--", "-.", (0, (1, 1)))  # one per scheme, in the order they ran
+    style = {scheme: lines[i % len(lines)] for i, scheme in enumerate(schemes)}
     size = {r["budget"]: r.get("budget_bytes", 0) for r in runs if r["config"] != "hf-gpu"}
     budgets = sorted((b for b in result["budgets"] if b in size), key=size.get)
     colours = pyplot.get_cmap("tab20").colors
     colour = {name: colours[i % len(colours)] for i, name in enumerate(CONFIG_ORDER)}
     figure, axes = pyplot.subplots(1, 2, figsize=(12, 4.5))
     for axis, key, label in ((axes[0], "decode_tokens_per_s", "decode tokens/s"), (axes[1], "ttft_s", "TTFT (s)")):
-        for config in sorted(dict.fromkeys(r["config"] for r in runs), key=_config_rank):
-            chosen = [r for r in runs if r["config"] == config and r.get(key)]
+        series = dict.fromkeys((r["config"], r.get("quant")) for r in runs)
+        for config, scheme in sorted(series, key=lambda s: (_config_rank(s[0]), schemes.index(s[1]) if s[1] else 0)):
+            chosen = [r for r in runs if r["config"] == config and r.get("quant") == scheme and r.get(key)]
             if config == "hf-gpu" and chosen:
                 axis.axhline(chosen[0][key], linestyle="--", color=colour["hf-gpu"], label="hf-gpu (bf16, all on GPU)")
                 continue
@@ -70,12 +82,17 @@ def plot(result: dict, path: str) -> None:
             y = [r[key] for r in chosen]
             spread = [[v - r.get(f"{key}_range", [v, v])[0] for v, r in zip(y, chosen)],
                       [r.get(f"{key}_range", [v, v])[1] - v for v, r in zip(y, chosen)]]
-            axis.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=config, color=colour.get(config))
+            name = f"{config}/{scheme}" if scheme and len(schemes) > 1 else config
+            axis.errorbar(x, y, yerr=spread, marker="o", capsize=3, label=name, color=colour.get(config),
+                          linestyle=style.get(scheme, "-"))
         if key == "decode_tokens_per_s":
-            bound = {r["budget"]: r["bound"]["bound_tokens_per_s"] for r in runs if r.get("bound")}
-            points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
-            if points:
-                axis.plot(*zip(*points), linestyle=":", color="black", marker="_", label="bound (DESIGN.md 4)")
+            for scheme in schemes:
+                bound = {r["budget"]: r["bound"]["bound_tokens_per_s"] for r in runs
+                         if r.get("bound") and r.get("quant") == scheme}
+                points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
+                if points:
+                    axis.plot(*zip(*points), linestyle=":" if len(schemes) == 1 else style[scheme], color="black",
+                              marker="_", label=f"bound, {scheme} (DESIGN.md 4)" if len(schemes) > 1 else "bound (DESIGN.md 4)")
         axis.set_xticks(range(len(budgets)), budgets)
         axis.set_xlabel("VRAM budget")
         axis.set_ylabel(label)

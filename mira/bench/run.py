@@ -1,6 +1,7 @@
 """`mira bench`: every configuration of one model over one prompt set, at every budget (paper V, VI).
 
-Order of a run (the expert store is opened once):
+Order of a run, for each quantization scheme in turn (its expert store opened once, and released
+before the next scheme's is opened, so that two large stores never share host memory):
 
 1. warm-up at the all-experts budget on calibration prompts (random ids, not the measured
    prompts): compiles the kernels, gives the slot plan's reserve, and, for the static policy
@@ -10,7 +11,8 @@ Order of a run (the expert store is opened once):
    else gate speculation), Mira without prefetch, LRU on demand, static popularity; each runs the
    prompt set once untimed and then `repeats` times (mira.bench.measure.repeated);
 3. beam search at widths --beams with Mira+P at --beam-budget;
-4. the baselines, after the store is released: transformers all on the GPU (where it fits), then
+
+then the baselines, once, after the last store is released: transformers all on the GPU (where it fits), then
    transformers + accelerate offload at each budget.
 
 Results are written after every configuration, so an interrupted run keeps what it measured, and
@@ -78,6 +80,8 @@ class BenchSetup:
     offload_budgets: list[str] | None = None  # None: every budget but "all"
     profile: str | None = None  # a routing trace for the static policy and the mira policy's prior
     repeats: int = 3  # timed runs of every configuration, after one untimed
+    schemes: list[str | None] = field(default_factory=lambda: [None])  # stores run one after the other;
+    # None: the source's default (int8-shared, or a store's own)
 
 
 def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path, command: str,
@@ -101,6 +105,38 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     def save() -> None:
         _write_json(out, result)
 
+    first_budgets = None
+    for scheme in [source.scheme_of(s) for s in setup.schemes]:
+        stored = result.get("stores", {}).get(scheme, {})
+        if "budgets" in stored and _all_done(setup, scheme, done):  # resumed: its store is not even made
+            budgets = stored["budgets"]
+        else:
+            source.open_store(scheme)  # the previous store was released: one store in host memory at a time
+            budgets = _scheme_runs(source, setup, device, max_context, vocab, result, done, save)
+            source.release_store()
+            free_memory(device)
+        first_budgets = first_budgets or budgets
+    if any(c in BASELINES for c in setup.configs):
+        try:
+            _baselines(source, setup, first_budgets, device, vocab, rows, save, done)
+        except Exception as error:  # a baseline that breaks must not lose the runs measured so far
+            rows.append({"config": "baselines", "budget": ALL, "skipped": f"failed: {error!r}"})
+            print(_brief(rows[-1]), file=sys.stderr, flush=True)
+    result["comparison"] = compare(rows)
+    quant = compare_schemes(rows)
+    if quant:
+        result["quant_comparison"] = quant
+    save()
+    return result
+
+
+def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_context: int, vocab: int,
+                 result: dict, done: set[tuple], save) -> dict[str, int]:
+    """Every Mira configuration (and beam width) at every budget on the open store, after a warm-up
+    that compiles its kernels and gives its slot plan's reserve (and the static policy's profile);
+    the store's figures go to result["stores"]. Returns the budgets in bytes (budgets given as a
+    share of the experts, or "all", count this scheme's blob size; sizes are the same bytes for all)."""
+    rows, scheme = result["runs"], source.scheme
     source.replay_from = 0  # with a routing trace: calibration replays its first rows, measured runs the next
     warm = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=max_context), None)
     time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
@@ -109,41 +145,31 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     all_bytes = reserve + total_experts * warm.store.blob_bytes
     profile = (Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else Popularity.of_routing(
         warm.cache.telemetry.counts[:, :, 0].reshape(-1), source.config.num_experts_per_tok, warm.store.num_layers))
-    result["reserve_bytes"], result["all_experts_bytes"] = reserve, all_bytes
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
-    result["store"] = getattr(source.store, "timings", None)  # synthetic: fill and page-lock seconds
     del warm
     free_memory(device)
 
     budgets = {label: _budget_bytes(label, reserve, total_experts, source.store.blob_bytes, all_bytes)
                for label in setup.budgets}
+    result.setdefault("stores", {})[scheme] = {
+        "blob_bytes": source.store.blob_bytes, "reserve_bytes": reserve, "all_experts_bytes": all_bytes,
+        "budgets": budgets, "timings": getattr(source.store, "timings", None)}  # synthetic: fill, page-lock s
     source.replay_from = CALIBRATION_ROWS
     for label, budget in budgets.items():
-        for name in [c for c in setup.configs if c in MIRA_CONFIGS and (c, label, 1, False) not in done]:
+        for name in [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]:
             rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,
                                   repeats=setup.repeats))
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     if setup.beams and setup.beam_budget in budgets:
         beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
-        for width in [w for w in setup.beams if ("mira+p", setup.beam_budget, w, True) not in done]:
+        for width in [w for w in setup.beams if _key("mira+p", setup.beam_budget, w, True, scheme) not in done]:
             rows.append(_mira_row(source, "mira+p", setup.beam_budget, budgets[setup.beam_budget], beam_prompts,
                                   max_context, profile, vocab, num_beams=width, repeats=setup.repeats)
                         | {"beam_search": True})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
-
-    source.release_store()
-    free_memory(device)
-    if any(c in BASELINES for c in setup.configs):
-        try:
-            _baselines(source, setup, budgets, device, vocab, rows, save, done)
-        except Exception as error:  # a baseline that breaks must not lose the runs measured so far
-            rows.append({"config": "baselines", "budget": ALL, "skipped": f"failed: {error!r}"})
-            print(_brief(rows[-1]), file=sys.stderr, flush=True)
-    result["comparison"] = compare(rows)
-    save()
-    return result
+    return budgets
 
 
 def config_model(source: Source, name: str, budget: int, profile: Popularity, max_context: int):
@@ -159,7 +185,7 @@ def config_model(source: Source, name: str, budget: int, profile: Popularity, ma
 
 def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[BenchPrompt], max_context: int,
               profile: Popularity, vocab: int, num_beams: int = 1, repeats: int = 3) -> dict:
-    row = {"config": name, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
+    row = {"config": name, "quant": source.scheme, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
     try:
         model = config_model(source, name, budget, profile, max_context)
     except MiraError as error:
@@ -187,9 +213,9 @@ def _prefetcher(model) -> str | None:
 def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], device: torch.device, vocab: int,
                rows: list[dict], save, done: set[tuple]) -> None:
     """Append the baselines' runs to `rows` (saving after each); those keyed in `done` are not run."""
-    offload_budgets = [label for label in budgets if label != ALL and ("hf-offload", label, 1, False) not in done
+    offload_budgets = [label for label in budgets if label != ALL and _key("hf-offload", label) not in done
                        and (setup.offload_budgets is None or label in setup.offload_budgets)]
-    run_gpu = "hf-gpu" in setup.configs and ("hf-gpu", ALL, 1, False) not in done
+    run_gpu = "hf-gpu" in setup.configs and _key("hf-gpu", ALL) not in done
     run_offload = "hf-offload" in setup.configs and bool(offload_budgets)
     if not run_gpu and not run_offload:
         return
@@ -241,21 +267,59 @@ BASELINE_CONFIGS = ("lru", "lru-lagged", "lfu", "static", *BASELINES)
 
 
 def compare(rows: list[dict]) -> dict:
-    """Per budget, `mira` (what `mira generate` runs) against the fastest baseline's median decode
-    tokens/s, and mira's achieved/bound (beam-search and skipped rows left out)."""
-    rows = [r for r in rows if not r.get("beam_search") and not r.get("skipped") and r.get("decode_tokens_per_s")]
+    """Per budget (and scheme, when rows of several ran: cells "BUDGET, SCHEME"), `mira` (what `mira
+    generate` runs) against the fastest baseline's median decode tokens/s on the same store, and
+    mira's achieved/bound (beam-search and skipped rows left out; the baselines without a scheme,
+    transformers' own weights, count in every scheme's cells)."""
+    rows = _timed(rows)
+    schemes = list(dict.fromkeys(r["quant"] for r in rows if r.get("quant"))) or [None]
     out = {}
     for budget in dict.fromkeys(r["budget"] for r in rows):
-        here = {r["config"]: r for r in rows if r["budget"] == budget}
-        baselines = [c for c in BASELINE_CONFIGS if c in here]
-        if "mira" not in here or not baselines:
-            continue
-        best = max(baselines, key=lambda c: here[c]["decode_tokens_per_s"])
-        mira = here["mira"]["decode_tokens_per_s"]
-        out[budget] = {"mira": mira, "best_baseline": best, "best_baseline_tokens_per_s": here[best]["decode_tokens_per_s"],
-                       "mira_over_best_baseline": round(mira / here[best]["decode_tokens_per_s"], 3),
-                       "mira_achieved_over_bound": here["mira"].get("achieved_over_bound")}
+        for scheme in schemes:
+            here = {r["config"]: r for r in rows if r["budget"] == budget and r.get("quant") in (scheme, None)}
+            baselines = [c for c in BASELINE_CONFIGS if c in here]
+            if "mira" not in here or not baselines:
+                continue
+            best = max(baselines, key=lambda c: here[c]["decode_tokens_per_s"])
+            mira = here["mira"]["decode_tokens_per_s"]
+            cell = budget if len(schemes) == 1 else f"{budget}, {scheme}"
+            out[cell] = {"mira": mira, "best_baseline": best,
+                         "best_baseline_tokens_per_s": here[best]["decode_tokens_per_s"],
+                         "mira_over_best_baseline": round(mira / here[best]["decode_tokens_per_s"], 3),
+                         "mira_achieved_over_bound": here["mira"].get("achieved_over_bound")}
+            if scheme is not None:
+                out[cell]["quant"] = scheme
     return out
+
+
+REFERENCE_SCHEME = "int8-shared"  # the scheme the others are compared with, when it ran
+
+
+def compare_schemes(rows: list[dict]) -> dict:
+    """Per budget and configuration that ran on more than one scheme: each scheme's median decode
+    tokens/s and, for each other scheme, its ratio to the reference (int8-shared when it ran, else
+    the first scheme), under "<scheme>_over_<reference>". Empty when one scheme ran."""
+    rows = [r for r in _timed(rows) if r.get("quant")]
+    schemes = list(dict.fromkeys(r["quant"] for r in rows))
+    if len(schemes) < 2:
+        return {}
+    reference = REFERENCE_SCHEME if REFERENCE_SCHEME in schemes else schemes[0]
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["budget"], {}).setdefault(r["config"], {})[r["quant"]] = r["decode_tokens_per_s"]
+    for configs in out.values():
+        for name, speeds in list(configs.items()):
+            if len(speeds) < 2 or reference not in speeds:
+                del configs[name]
+                continue
+            for scheme in [s for s in schemes if s in speeds and s != reference]:
+                speeds[f"{scheme}_over_{reference}"] = round(speeds[scheme] / speeds[reference], 3)
+    return {budget: configs for budget, configs in out.items() if configs}
+
+
+def _timed(rows: list[dict]) -> list[dict]:
+    """The greedy runs that were measured (no beam search, no skipped run, a decode figure)."""
+    return [r for r in rows if not r.get("beam_search") and not r.get("skipped") and r.get("decode_tokens_per_s")]
 
 
 def _random_continuation(source: Source) -> bool:
@@ -270,9 +334,22 @@ def _decoding(source: Source) -> str:
     return "greedy (beam search where num_beams > 1)"
 
 
+def _all_done(setup: BenchSetup, scheme: str, done: set[tuple]) -> bool:
+    """Whether every Mira run of `scheme` that `setup` asks for is among the runs `done`."""
+    wanted = [_key(c, label, quant=scheme) for label in setup.budgets for c in setup.configs if c in MIRA_CONFIGS]
+    if setup.beams and setup.beam_budget in setup.budgets:
+        wanted += [_key("mira+p", setup.beam_budget, width, True, scheme) for width in setup.beams]
+    return all(key in done for key in wanted)
+
+
 def _run_key(row: dict) -> tuple:
-    """What identifies a run within a bench result: configuration, budget, beam width, beam search."""
-    return row["config"], row["budget"], row.get("num_beams", 1), bool(row.get("beam_search"))
+    """What identifies a run within a bench result: configuration, budget, beam width, beam search,
+    quantization scheme (None for the baselines, which run transformers' own weights)."""
+    return _key(row["config"], row["budget"], row.get("num_beams", 1), bool(row.get("beam_search")), row.get("quant"))
+
+
+def _key(config: str, budget: str, num_beams: int = 1, beam_search: bool = False, quant: str | None = None) -> tuple:
+    return config, budget, num_beams, beam_search, quant
 
 
 SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device")
@@ -296,7 +373,7 @@ def _resumed(path: Path, fresh: dict) -> dict:
                 f"cannot resume {path}: it holds another run ({field_name} {previous.get(field_name)!r}, this run "
                 f"{fresh[field_name]!r}); pass another --out, or drop --resume to start over")
     previous["runs"] = [row for row in previous["runs"] if not row.get("skipped")]
-    for key in ("budgets", "configs"):
+    for key in ("budgets", "configs", "quant"):
         previous[key] += [name for name in fresh[key] if name not in previous[key]]
     segment = ("command", "date", "machine", "context")
     first = {key: previous[key] for key in segment if key in previous}
@@ -326,10 +403,11 @@ def free_memory(device: torch.device) -> None:
 
 
 def _brief(row: dict) -> str:
+    name = f"{row['config']}/{row['quant']}" if row.get("quant") else row["config"]
     if row.get("skipped"):
-        return f"{row['config']:>10} {row['budget']:>7}: skipped ({row['skipped']})"
+        return f"{name:>10} {row['budget']:>7}: skipped ({row['skipped']})"
     beams = f" beams={row['num_beams']}" if row.get("num_beams", 1) > 1 else ""
-    return (f"{row['config']:>10} {row['budget']:>7}{beams}: TTFT {row.get('ttft_s')} s, decode "
+    return (f"{name:>10} {row['budget']:>7}{beams}: TTFT {row.get('ttft_s')} s, decode "
             f"{row.get('decode_tokens_per_s')} tok/s, e2e {row.get('e2e_tokens_per_s')} tok/s")
 
 
@@ -348,6 +426,7 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
         "budgets": setup.budgets,
         "configs": setup.configs,
+        "quant": [source.scheme_of(scheme) for scheme in setup.schemes],
         "repeats": setup.repeats,
         "runs": [],
     }

@@ -1,8 +1,10 @@
 """Where `mira bench` gets its models: a local model or store, or a synthetic model at real shapes.
 
-A source opens its expert store once and builds a fresh model for every configuration (so no
-configuration inherits another's cache state or hooks); it also builds the baselines' full model.
-With a routing trace, every model it builds routes as the trace did (mira.bench.replay).
+A source opens the expert store of one quantization scheme when asked (`open_store`; the previous
+one released first, so two large stores never share host memory) and builds a fresh model for every
+configuration (so no configuration inherits another's cache state or hooks); it also builds the
+baselines' full model. With a routing trace, every model it builds routes as the trace did
+(mira.bench.replay).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
 from mira.models.loader import build_model, moe_skeleton_layers, read_config
+from mira.models.registry import adapter_for
 from mira.runtime.config import RuntimeConfig
 from mira.runtime.engine import BUNDLED_MODEL, MiraModel, assemble, resolve_store, store_tokenizer
-from mira.store.manifest import is_store
+from mira.store.manifest import Manifest, is_store
 from mira.store.store import ExpertStore
+
+SYNTHETIC_SCHEMES = ("int8-shared", "int8-row", "int4")
 
 
 class Source:
@@ -31,8 +36,9 @@ class Source:
     label: str
     synthetic: bool  # random weights, hence random routers
     config: object  # transformers config
-    store: ExpertStore | None
+    store: ExpertStore | None = None  # the open store (`open_store`)
     tokenizer: object
+    device: torch.device
 
     heads: str | None = None  # trained predictor heads for prefetch "auto"/"trained" (else the store's own)
     trace: RoutingTrace | None = None  # routing to replay instead of the routers' own
@@ -44,6 +50,28 @@ class Source:
         if self.trace is not None:
             return f"replayed from {Path(self.trace.source).name} (real, recorded)"
         return "synthetic" if self.synthetic else "real"
+
+    @property
+    def scheme(self) -> str:
+        """The quantization scheme of the open store."""
+        return self.store.layout.scheme
+
+    def scheme_of(self, scheme: str | None) -> str:
+        """The scheme `scheme` names (None: the source's default).
+
+        Raises:
+            MiraError: the source cannot have a store of `scheme`.
+        """
+        raise NotImplementedError
+
+    def open_store(self, scheme: str | None) -> None:
+        """Make the store of `scheme` (None: the default) the one models are built on, releasing the
+        open one first.
+
+        Raises:
+            MiraError: no store of `scheme` can be had (a store of another scheme was given).
+        """
+        raise NotImplementedError
 
     def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
         """A Mira model of this source with `config` (its trained heads, if any, added)."""
@@ -66,15 +94,24 @@ class Source:
 
 
 class CheckpointSource(Source):
-    def __init__(self, path: Path | None, device: torch.device, progress: bool):
+    def __init__(self, path: Path | None, device: torch.device, progress: bool, scheme: str | None = None):
         self.model_dir = path or BUNDLED_MODEL
-        self.store_path = resolve_store(self.model_dir, None, progress)
         self.label = self.model_dir.name
         self.synthetic = False
-        self.config = read_config(self.store_path)
         self.device = device
-        self.store = ExpertStore.open(self.store_path, pin=device.type == "cuda", progress=progress)
+        self.progress = progress
+        self.store_path = resolve_store(self.model_dir, scheme, progress)  # converted on first use
+        self.default_scheme = Manifest.read(self.store_path).scheme  # int8-shared, or a store's own
+        self.config = read_config(self.store_path)
         self.tokenizer = store_tokenizer(self.store_path)
+
+    def scheme_of(self, scheme: str | None) -> str:
+        return scheme or self.default_scheme
+
+    def open_store(self, scheme: str | None) -> None:
+        self.store = None
+        self.store_path = resolve_store(self.model_dir, self.scheme_of(scheme), self.progress)
+        self.store = ExpertStore.open(self.store_path, pin=self.device.type == "cuda", progress=self.progress)
 
     def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -95,9 +132,24 @@ class SyntheticSource(Source):
         self.label = f"{self.name} (synthetic)"
         self.synthetic = True
         self.device = device
+        self.progress = progress
         self.tokenizer = None
-        self.store = synthetic_store(self.config, len(moe_skeleton_layers(self.config)), "int8-shared",
-                                     pin=device.type == "cuda", progress=progress, name=self.name)
+
+    def scheme_of(self, scheme: str | None) -> str:
+        scheme = scheme or "int8-shared"
+        if scheme not in SYNTHETIC_SCHEMES:
+            raise MiraError(f"a synthetic model's experts are random quantized weights: pass --quant with "
+                            f"{', '.join(SYNTHETIC_SCHEMES)}, not {scheme}")
+        if scheme == "int4" and not adapter_for(self.config).spec.gated:
+            raise MiraError(f"int4 stores gated experts only, and {self.name}'s have no gate; pass --quant int8-shared")
+        return scheme
+
+    def open_store(self, scheme: str | None) -> None:
+        scheme = self.scheme_of(scheme)
+        self.store = None  # released before the next is filled: two stores need not fit in host memory at once
+        self.store = synthetic_store(self.config, len(moe_skeleton_layers(self.config)), scheme,
+                                     pin=self.device.type == "cuda", progress=self.progress, name=self.name,
+                                     device=self.device)
 
     def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
         hf_model, sites, _ = synthetic_skeleton(self.config, self.device)
@@ -108,18 +160,25 @@ class SyntheticSource(Source):
 
 
 def open_source(model: str | None, synthetic: str | None, device: torch.device, progress: bool,
-                routing: str | None = None) -> Source:
+                routing: str | None = None, schemes: tuple[str | None, ...] = (None,)) -> Source:
     """The model to benchmark: `synthetic` (a preset name or a config.json) or `model` (a directory or
-    store; None: the bundled model), replaying the routing trace `routing` if given.
+    store; None: the bundled model), replaying the routing trace `routing` if given, able to open a
+    store of each of `schemes` (None: int8-shared, or a store's own); none is open yet.
 
     Raises:
-        MiraError: an unreadable trace or config, or a trace of another shape than the model.
+        MiraError: an unreadable trace or config, a trace of another shape than the model, or a
+            scheme the source cannot have (a Mira store has one).
     """
+    if model is not None and len(schemes) > 1 and is_store(Path(model)):
+        raise MiraError(f"{model} is a Mira store, which holds one quantization scheme; pass the model directory "
+                        "it was converted from to measure several")
     if routing is not None and not Path(routing).is_file():
         raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass an .npz of DESIGN.md 5")
     trace = RoutingTrace.load(routing) if routing is not None else None
     source = SyntheticSource(synthetic, device, progress) if synthetic is not None else CheckpointSource(
-        Path(model) if model else None, device, progress)
+        Path(model) if model else None, device, progress, schemes[0])
+    for scheme in schemes:
+        source.scheme_of(scheme)  # every scheme refused before any store is made
     source.trace = trace
     return source
 

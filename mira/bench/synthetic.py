@@ -10,6 +10,10 @@ locality of a trained model: every result is labelled "synthetic routing".
 A blob's values are chosen so that activations stay finite through every layer: INT8 weights
 uniform in [-127, 127] with a scale of 0.02 / 73 (73 ~ the standard deviation of that uniform),
 i.e. the dequantized weights have the 0.02 standard deviation of transformers' own initialisation.
+An `int4` store quantizes the same weights: each layer's draw, read as one expert's matrices, is
+quantized once (mira.store.int4, on the device given, as it is the slow step), and every expert of
+the layer is that expert with its rows rotated by an offset of its own (a row holds whole groups,
+so each group keeps its scale and offset).
 
 Attention that normalizes its queries and keys (Qwen3-MoE's and OLMoE's q_norm / k_norm) gets those
 norms' gains multiplied by `QK_NORM_GAIN`. With transformers' unit gains every attention logit is
@@ -42,6 +46,7 @@ from transformers import (
 from mira.errors import MiraError
 from mira.models.loader import ExpertsPlaceholder, experts_swapped, moe_sites
 from mira.models.registry import adapter_for
+from mira.store import int4
 from mira.store.layout import ExpertLayout
 from mira.store.manifest import Manifest, format_version
 from mira.store.store import ExpertStore, host_buffer
@@ -140,8 +145,10 @@ def synthetic_skeleton(config: PretrainedConfig, device: torch.device, seed: int
 
 
 def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin: bool, seed: int = 0,
-                    progress: bool = True, name: str = "synthetic") -> ExpertStore:
-    """Random INT8 expert blobs for every MoE layer, written straight into host memory [L, E, B]."""
+                    progress: bool = True, name: str = "synthetic", device: torch.device | None = None
+                    ) -> ExpertStore:
+    """Random expert blobs (int8-shared, int8-row or int4) for every MoE layer, written straight into
+    host memory [L, E, B]; int4's weights are quantized on `device` (default the CPU)."""
     adapter = adapter_for(config)
     spec = adapter.spec  # biases, where the family has them, stay zero (the host buffer starts zeroed)
     layout = ExpertLayout(scheme, spec.hidden, spec.intermediate, gated=spec.gated, bias=spec.bias)
@@ -149,8 +156,9 @@ def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin:
     start = time.perf_counter()
     data = host_buffer((num_layers, num_experts, layout.nbytes))  # [L, E, B]
     generator = torch.Generator().manual_seed(seed)
+    fill = _fill_int4_layer if scheme == "int4" else _fill_layer
     for layer in tqdm(range(num_layers), desc="synthetic experts", unit="layer", disable=not progress):
-        _fill_layer(data[layer], layout, generator)
+        fill(data[layer], layout, generator, device or torch.device("cpu"))
     manifest = Manifest(format_version(layout), config.model_type, f"synthetic:{name}", f"synthetic:{name}:{seed}",
                         list(range(num_layers)), num_experts, layout.to_json(), files={})
     store = ExpertStore(Path(f"<synthetic {name}>"), manifest, data)
@@ -162,17 +170,17 @@ def synthetic_store(config: PretrainedConfig, num_layers: int, scheme: str, pin:
     return store
 
 
-def _fill_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Generator) -> None:
+def _fill_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Generator, device: torch.device) -> None:
     """Random weights in every blob of one layer [E, B]: INT8 uniform, scales at WEIGHT_STD.
 
     One random draw per layer, read from a random offset (cyclically) for each expert: distinct
     experts at a fraction of the cost of a draw per expert.
     """
     if layout.scheme == "none":
-        raise ValueError("synthetic stores are INT8 (int8-shared or int8-row)")
+        raise ValueError("synthetic stores are quantized (int8-shared, int8-row or int4)")
     first = layout.views(layer[0])
     sizes = [first["w13"].numel(), first["w2"].numel()]
-    draw = torch.randint(-127, 128, (sum(sizes),), dtype=torch.int8, generator=generator)  # [P]
+    draw = _draw(sizes, generator)  # [P]
     for blob in layer:
         views = layout.views(blob)
         start = int(torch.randint(0, draw.numel(), (1,), generator=generator))
@@ -182,6 +190,36 @@ def _fill_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Gene
         for section in ("scale", "scale13", "scale2"):
             if section in views:
                 views[section].fill_(WEIGHT_STD / _UNIFORM_INT8_STD)
+
+
+def _fill_int4_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Generator,
+                     device: torch.device) -> None:
+    """The layer's INT8 draw at WEIGHT_STD as one expert's w13 [2I, H] and w2 [H, I], quantized to
+    int4 once, and every blob of the layer [E, B] that expert with its rows rotated."""
+    rows13, rows2 = layout.sections["w13"].shape[0], layout.sections["w2"].shape[0]
+    H, I = layout.hidden, layout.intermediate
+    draw = _draw([rows13 * H, rows2 * I], generator).to(device)  # [P]
+    weights = draw.float() * (WEIGHT_STD / _UNIFORM_INT8_STD)
+    quantized = int4.quantize(weights[: rows13 * H].view(rows13, H), weights[rows13 * H:].view(rows2, I))
+    base = {name: tensor.cpu() for name, tensor in quantized.items()}
+    rotations = {"13": _rotations(rows13, layer.shape[0], generator), "2": _rotations(rows2, layer.shape[0], generator)}
+    for expert, blob in enumerate(layer):
+        for name, view in layout.views(blob).items():
+            if name not in base:  # biases, where the family has them, stay zero
+                continue
+            source = base[name]  # [R, X]: rows of w13 or of w2, or their groups' scales or offsets
+            shift = int(rotations["13" if name.endswith("13") else "2"][expert])
+            _copy_cyclic(source.view(-1), shift * source.shape[1], view.view(-1))
+
+
+def _draw(sizes: list[int], generator: torch.Generator) -> torch.Tensor:
+    """INT8 weights uniform in [-127, 127], as many as `sizes` add up to [P]."""
+    return torch.randint(-127, 128, (sum(sizes),), dtype=torch.int8, generator=generator)
+
+
+def _rotations(rows: int, experts: int, generator: torch.Generator) -> torch.Tensor:
+    """A row offset per expert [E]: distinct while there are as many rows as experts."""
+    return torch.randperm(max(rows, experts), generator=generator)[:experts] % rows
 
 
 def _copy_cyclic(source: torch.Tensor, start: int, out: torch.Tensor) -> None:

@@ -21,7 +21,13 @@ The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
   W2 [H, I] is scaled per output channel, W2 = diag(s) W2q, so W2 h = s * (W2q h): s is the
   down product's per-row scale.
 
-`none` multiplies in the weights' own dtype (views, no conversion of the weights).
+`int4` dequantizes a block of rows at a time into a small per-thread buffer and multiplies in
+float32 (mira.kernels.cpu_int4, which says why not torch's INT4 matmul). `none` multiplies in the
+weights' own dtype (views, no conversion of the weights).
+
+Every layout the experts interface declares is served, as mira.kernels.reference.expert_ffn
+computes it: biases (float32 sections, added in float32 after each product), ungated experts
+(act(up)) and a family's own gating (`gate`, applied to the gate-and-up output [T, 2I]).
 
 T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate.
 """
@@ -33,6 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mira.kernels.cpu_int4 import Int4Matmul
 from mira.store.layout import ExpertLayout
 
 COMPUTE_DTYPE = torch.bfloat16  # activations of the INT8 products (see the module docstring)
@@ -45,33 +52,41 @@ class CpuExpertFFN:
 
     Args:
         layout: the blob layout of the store.
-        act: the activation applied to the gate projection (a callable such as `F.silu`).
+        act: the activation applied to the gate projection (to the up projection when ungated).
+        gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
     """
 
-    def __init__(self, layout: ExpertLayout, act: Callable) -> None:
+    def __init__(self, layout: ExpertLayout, act: Callable, gate: Callable | None = None) -> None:
         self.layout = layout
         self.act = act
+        self.gate = gate
+        rows13 = layout.sections["w13"].shape[0]  # 2I, or I when ungated
         # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
-        self._unit = torch.ones(2 * layout.intermediate, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
+        self._unit = torch.ones(rows13, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
         self._gate_up_mm = _int8_mm if layout.hidden % VECTOR == 0 else _int8_mm_fp32  # reduces over H
         self._down_mm = _int8_mm if layout.intermediate % VECTOR == 0 else _int8_mm_fp32  # reduces over I
+        self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One expert's SwiGLU FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob."""
+        """One expert's FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob."""
         scheme = self.layout.scheme
         if scheme == "none":
             dtype = views["w13"].dtype
             gate_up = F.linear(x.to(dtype), views["w13"])  # [T, 2I]
-            return F.linear(self._hidden(gate_up, dtype), views["w2"]).to(x.dtype)  # [T, H]
-        xc = x.to(COMPUTE_DTYPE)
-        if scheme == "int8-shared":
+            y = F.linear(self._hidden(gate_up, views).to(dtype), views["w2"])  # [T, H]
+        elif scheme == "int4":
+            w13 = (views["w13"], views["scale13"], views["offset13"])
+            gate_up = self._int4_mm(x.float(), *w13)  # [T, 2I] float32
+            y = self._int4_mm(self._hidden(gate_up, views), views["w2"], views["scale2"], views["offset2"])  # [T, H]
+        elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
-            gate_up = self._gate_up_mm(xc * scale, views["w13"], self._unit)  # [T, 2I]
-            down_scale = scale
+            gate_up = self._gate_up_mm(x.to(COMPUTE_DTYPE) * scale, views["w13"], self._unit)  # [T, 2I]
+            y = self._down_mm(self._hidden(gate_up, views).to(COMPUTE_DTYPE), views["w2"], scale)  # [T, H]
         else:
-            gate_up = self._gate_up_mm(xc, views["w13"], views["scale13"])  # [T, 2I]
-            down_scale = views["scale2"]
-        y = self._down_mm(self._hidden(gate_up, COMPUTE_DTYPE), views["w2"], down_scale)  # [T, H]
+            gate_up = self._gate_up_mm(x.to(COMPUTE_DTYPE), views["w13"], views["scale13"])  # [T, 2I]
+            y = self._down_mm(self._hidden(gate_up, views).to(COMPUTE_DTYPE), views["w2"], views["scale2"])
+        if self.layout.bias:
+            y = y.float() + views["b2"]
         return y.to(x.dtype)
 
     def __call__(
@@ -115,10 +130,18 @@ class CpuExpertFFN:
             return total.to(hidden.dtype)
         return out.copy_(total)
 
-    def _hidden(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """act(gate) * up [T, I] from [T, 2I] (gate columns first), computed in fp32, returned in `dtype`."""
-        gate, up = gate_up.float().chunk(2, dim=-1)  # [T, I] each
-        return (self.act(gate) * up).to(dtype)
+    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I] (gate columns first;
+        up columns only when ungated): its bias added, then the family's gate, act(gate) * up, or act(up)."""
+        gate_up = gate_up.float()
+        if self.layout.bias:
+            gate_up = gate_up + views["b13"]
+        if self.gate is not None:
+            return self.gate(gate_up)
+        if self.layout.gated:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+            return self.act(gate) * up
+        return self.act(gate_up)
 
 
 def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

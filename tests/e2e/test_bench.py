@@ -37,7 +37,7 @@ SMALL = {
 
 
 @pytest.mark.parametrize("family", sorted(SMALL))
-@pytest.mark.parametrize("scheme", ["int8-shared", "int8-row"])
+@pytest.mark.parametrize("scheme", ["int8-shared", "int8-row", "int4"])
 def test_a_synthetic_model_computes_what_transformers_computes_with_its_weights(family, scheme):
     config = SMALL[family]()
     skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"), seed=3)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mira.kernels import cpu_int4
 from mira.kernels.cpu_experts import COMPUTE_DTYPE, CpuExpertFFN
 from mira.kernels.reference import expert_ffn, moe_ffn_reference
 from mira.store.layout import ExpertLayout
@@ -16,22 +17,40 @@ from mira.store.quant import dequantize_expert, quantize_expert
 # (H, I): multiples of 16 (the vectorised product) and not (the fp32 form), in either or both
 SHAPES = [(64, 32), (128, 48), (96, 40), (40, 96), (72, 29), (130, 7)]
 TOKENS = [1, 3, 17]
-SCHEMES = [("int8-row", torch.int8), ("int8-shared", torch.int8), ("none", torch.bfloat16), ("none", torch.float32)]
+SCHEMES = [("int8-row", torch.int8), ("int8-shared", torch.int8), ("int4", torch.int8), ("none", torch.bfloat16),
+           ("none", torch.float32)]
 U32 = 2.0**-24  # unit roundoff of the fp32 accumulators
+SILU_SLOPE = 1.1  # |d silu / dx| <= 1.1 everywhere; so is |d (x sigmoid(a x)) / dx| for any a > 0
+ACT_ULPS = 4  # float32 roundings of evaluating an activation, at most
+LIMIT, ALPHA = 1.0, 1.702  # the clamped SwiGLU below: clamps well inside the test's gate/up values
+
+
+def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """A family's own gating (gpt-oss's form, gate rows first): [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+    return (up + 1) * gate * torch.sigmoid(ALPHA * gate)
+
+
+def shapes_of(scheme: str) -> list[tuple[int, int]]:
+    """int4 packs two weights per byte: its sizes are even (96 and 40 leave a short last group of 64)."""
+    return [s for s in SHAPES if not (s[0] % 2 or s[1] % 2)] + [(130, 70)] if scheme == "int4" else SHAPES
 
 
 def make_blobs(layout: ExpertLayout, experts: int, seed: int) -> list[torch.Tensor]:
     """Random experts whose hidden channels differ in size (as trained ones do), so int8-shared's
-    scale vector varies from channel to channel."""
+    scale vector varies from channel to channel; biases, when the layout has them, of the outputs' size."""
     g = torch.Generator().manual_seed(seed)
     H, I = layout.hidden, layout.intermediate
+    rows13 = 2 * I if layout.gated else I
     blobs = []
     for _ in range(experts):
         channel_gain = torch.exp(torch.randn(H, generator=g))  # [H]
-        w13 = torch.randn(2 * I, H, generator=g) / math.sqrt(H) * channel_gain
+        w13 = torch.randn(rows13, H, generator=g) / math.sqrt(H) * channel_gain
         w2 = torch.randn(H, I, generator=g) / math.sqrt(I) * channel_gain[:, None]
+        b13, b2 = torch.randn(rows13, generator=g), torch.randn(H, generator=g)
         blob = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.pack(quantize_expert(w13, w2, layout), blob)
+        layout.pack(quantize_expert(w13, w2, layout, b13, b2), blob)
         blobs.append(blob)
     return blobs
 
@@ -40,31 +59,58 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout) -> torch.Tensor:
+def compute_dtype(layout: ExpertLayout, views: dict) -> torch.dtype:
+    """The dtype the executor's products take: the weights' own (none), float32 (int4), else bf16."""
+    if layout.scheme == "none":
+        return views["w13"].dtype
+    return torch.float32 if layout.scheme == "int4" else COMPUTE_DTYPE
+
+
+def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) -> torch.Tensor:
     """A first-order bound [T, H] on |executor - exact| for one expert, from where the executor
-    rounds: activations to the compute dtype (and, int8-shared, x * s once more), the gate/up
-    outputs, the SwiGLU product and the down outputs, each within one unit roundoff u of that
-    dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms."""
+    rounds: activations to the compute dtype (and, int8-shared, x * s once more), int4's weights
+    dequantized in float32, the gate/up outputs, the bias added in float32, the activation evaluated
+    in float32 and rounded to the compute dtype, the down outputs, each within one unit roundoff u of
+    its dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms."""
     w13, w2 = dequantize_expert(views, layout)  # float64, exact
-    compute = views["w13"].dtype if layout.scheme == "none" else COMPUTE_DTYPE
+    compute = compute_dtype(layout, views)
     u = unit_roundoff(compute)
     xd = x.double()
     H, I = layout.hidden, layout.intermediate
-    input_roundings = (0 if x.dtype == compute else 1) + (1 if layout.scheme == "int8-shared" else 0)
+    weight_roundings = 1 if layout.scheme == "int4" else 0
+    input_roundings = (0 if torch.finfo(compute).eps <= torch.finfo(x.dtype).eps else 1) + (
+        1 if layout.scheme == "int8-shared" else 0)
     gate_up = xd @ w13.T  # [T, 2I]
-    err13 = ((input_roundings + 1) * u + H * U32) * (xd.abs() @ w13.abs().T)  # [T, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    e_gate, e_up = err13.chunk(2, dim=-1)
-    h = F.silu(gate) * up  # [T, I]
-    silu_slope = 1.1  # |d silu / dx| <= 1.1 everywhere
-    err_h = silu_slope * e_gate * up.abs() + F.silu(gate).abs() * e_up + u * h.abs()
+    err13 = ((input_roundings + 1) * u + (H + weight_roundings) * U32) * (xd.abs() @ w13.abs().T)  # [T, 2I]
+    if layout.bias:
+        gate_up = gate_up + views["b13"].double()
+        err13 = err13 + U32 * gate_up.abs()
+    if gate is not None:  # clamped_swiglu: clamps are 1-Lipschitz
+        g, up = gate_up.chunk(2, dim=-1)
+        e_g, e_up = err13.chunk(2, dim=-1)
+        g, up = g.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+        glu = g * torch.sigmoid(ALPHA * g)
+        h = (up + 1) * glu
+        err_h = SILU_SLOPE * e_g * (up + 1).abs() + glu.abs() * e_up
+    elif layout.gated:
+        g, up = gate_up.chunk(2, dim=-1)
+        e_g, e_up = err13.chunk(2, dim=-1)
+        h = F.silu(g) * up  # [T, I]
+        err_h = SILU_SLOPE * e_g * up.abs() + F.silu(g).abs() * e_up
+    else:
+        h = F.silu(gate_up)
+        err_h = SILU_SLOPE * err13
+    err_h = err_h + (u + ACT_ULPS * U32) * h.abs()
     y_mag = h.abs() @ w2.abs().T  # [T, H]
-    err_y = err_h @ w2.abs().T + (u + I * U32) * y_mag + unit_roundoff(x.dtype) * y_mag
-    return 2 * err_y
+    err_y = err_h @ w2.abs().T + (u + (I + weight_roundings) * U32) * y_mag
+    out_mag = y_mag
+    if layout.bias:
+        out_mag = y_mag + views["b2"].double().abs()
+        err_y = err_y + U32 * out_mag
+    return 2 * (err_y + unit_roundoff(x.dtype) * out_mag)
 
 
-@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("scheme,weight_dtype,shape", [(*s, shape) for s in SCHEMES for shape in shapes_of(s[0])])
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_expert_matches_float64_reference(scheme, weight_dtype, shape, tokens, x_dtype):
@@ -78,17 +124,51 @@ def test_expert_matches_float64_reference(scheme, weight_dtype, shape, tokens, x
     assert_matches_reference(y, x, views, layout)
 
 
-def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layout: ExpertLayout) -> None:
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) -> None:
     """y is the expert's output on x within the derived bound of the float64 reference, and no less
     accurate than the reference itself run in the executor's compute dtype (a tighter, statistical
     check: the bound is a worst case that real roundings stay far inside)."""
-    exact = expert_ffn(x.double(), views, layout, F.silu)  # the reference in float64
+    exact = expert_ffn(x.double(), views, layout, F.silu, gate)  # the reference in float64
     error = (y.double() - exact).abs()
-    bound = expert_bound(x, views, layout)
+    bound = expert_bound(x, views, layout, gate)
     assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
-    compute = views["w13"].dtype if layout.scheme == "none" else COMPUTE_DTYPE
-    in_dtype = expert_ffn(x.to(compute), views, layout, F.silu).to(x.dtype).double()
+    compute = compute_dtype(layout, views)
+    in_dtype = expert_ffn(x.to(compute), views, layout, F.silu, gate).to(x.dtype).double()
     assert error.max() <= 3 * (in_dtype - exact).abs().max()
+
+
+# (gated, bias, gate) beyond the plain SwiGLU layout; int4 stores gated experts only
+VARIANTS = {"bias": (True, True, None), "ungated": (False, False, None), "ungated+bias": (False, True, None),
+            "gate": (True, False, clamped_swiglu), "gate+bias": (True, True, clamped_swiglu)}
+
+
+@pytest.mark.parametrize("scheme,weight_dtype,variant", [
+    (*s, v) for s in SCHEMES for v in VARIANTS if not (s[0] == "int4" and not VARIANTS[v][0])])
+@pytest.mark.parametrize("shape", [(64, 32), (96, 40)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, weight_dtype, variant, shape, x_dtype):
+    gated, bias, gate = VARIANTS[variant]
+    H, I = shape
+    layout = ExpertLayout(scheme, H, I, weight_dtype, gated=gated, bias=bias)
+    views = layout.views(make_blobs(layout, 1, seed=H + I)[0])
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(I)).to(x_dtype)
+    y = CpuExpertFFN(layout, F.silu, gate=gate).expert(x, views)
+    assert y.dtype == x_dtype and y.shape == (5, H)
+    assert_matches_reference(y, x, views, layout, gate)
+
+
+def test_the_checks_catch_a_gate_or_a_bias_left_out():
+    """The executor without the family's gate, or reading a layout without its biases, is caught."""
+    H, I = 64, 32
+    layout = ExpertLayout("int4", H, I, bias=True)
+    views = layout.views(make_blobs(layout, 1, seed=7)[0])
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(7))
+    with pytest.raises(AssertionError):
+        assert_matches_reference(CpuExpertFFN(layout, F.silu).expert(x, views), x, views, layout, clamped_swiglu)
+    no_bias = ExpertLayout("int4", H, I)
+    y = CpuExpertFFN(no_bias, F.silu, gate=clamped_swiglu).expert(x, {k: v for k, v in views.items() if k[0] != "b"})
+    with pytest.raises(AssertionError):
+        assert_matches_reference(y, x, views, layout, clamped_swiglu)
 
 
 def test_activations_off_the_vector_alignment_are_served():
@@ -119,7 +199,7 @@ def test_the_checks_catch_a_scale_on_the_wrong_side():
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens):
     """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer."""
-    H, I, E, K = 72, 29, 6, 2
+    H, I, E, K = 72, 30 if scheme == "int4" else 29, 6, 2
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=tokens)
     g = torch.Generator().manual_seed(tokens)
@@ -177,7 +257,7 @@ class _RecordWeights(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+@pytest.mark.parametrize("scheme,weight_dtype", [s for s in SCHEMES if s[0] != "int4"])
 def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
     """No second copy of the weights: every product's weight is a view at its section's address."""
     H, I = 96, 40
@@ -189,6 +269,47 @@ def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
     expected = [base + layout.sections["w13"].offset, base + layout.sections["w2"].offset]
     assert [w.data_ptr() for w in recorded.weights] == expected
     assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
+
+
+class _RecordInt4(TorchFunctionMode):
+    """Records the packed codes int4 unpacks and the weights of every float32 product."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes, self.weights = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.bitwise_and:
+            self.codes.append(args[0])
+        if func is torch.matmul:
+            self.weights.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("block_rows", [3, 64])
+def test_int4_reads_its_codes_in_place_and_dequantizes_a_block_of_rows_at_a_time(monkeypatch, block_rows):
+    """No second copy of the weights: the codes unpacked are row blocks of the blob's own sections,
+    and every product's weight is one block of at most BLOCK_ELEMENTS; blocks that split the rows
+    (and a last shorter block) still give the reference's output."""
+    H, I = 96, 40
+    monkeypatch.setattr(cpu_int4, "BLOCK_ELEMENTS", block_rows * H)
+    layout = ExpertLayout("int4", H, I)
+    blob = make_blobs(layout, 1, seed=2)[0]
+    views = layout.views(blob)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    with _RecordInt4() as recorded:
+        y = CpuExpertFFN(layout, F.silu).expert(x, views)
+    assert_matches_reference(y, x, views, layout)
+    base, storage = blob.data_ptr(), blob.untyped_storage().data_ptr()
+    for name, rows, columns in (("w13", 2 * I, H), ("w2", H, I)):
+        section = base + layout.sections[name].offset
+        step = max(1, block_rows * H // columns)
+        expected = [section + start * columns // 2 for start in range(0, rows, step)]
+        assert [c.data_ptr() for c in recorded.codes if section <= c.data_ptr() < section + rows * columns // 2] \
+            == expected
+    assert all(c.untyped_storage().data_ptr() == storage for c in recorded.codes)
+    assert len(recorded.codes) == math.ceil(2 * I / max(1, block_rows)) + math.ceil(H / max(1, block_rows * H // I))
+    assert max(w.numel() for w in recorded.weights) <= block_rows * H
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from belady_reference import brute_force_misses
 from mira.bench.bound import decode_bound, warm_belady_misses
 from mira.kernels.machine import Machine
-from mira.bench.run import compare
+from mira.bench.run import compare, compare_schemes
 from mira.store.trace import RoutingTrace
 
 
@@ -91,3 +91,33 @@ def test_mira_is_compared_with_the_fastest_baseline_of_each_budget_ignoring_beam
         "all": {"mira": 100.0, "best_baseline": "hf-gpu", "best_baseline_tokens_per_s": 25.0,
                 "mira_over_best_baseline": 4.0, "mira_achieved_over_bound": None},
     }
+
+
+def test_with_two_schemes_each_gets_its_own_cells_and_their_ratio_per_budget():
+    rows = [
+        _row("mira", "12GiB", 4.0, quant="int8-shared", achieved_over_bound=2.0),
+        _row("static", "12GiB", 5.0, quant="int8-shared"),
+        _row("mira", "12GiB", 7.0, quant="int4", achieved_over_bound=1.25),
+        _row("static", "12GiB", 6.0, quant="int4"),
+        _row("lru", "24GiB", 3.0, quant="int4"),  # on one scheme only: no ratio
+        _row("mira", "24GiB", 8.0, quant="int8-shared"),
+        _row("mira", "24GiB", 14.0, quant="int4"),
+        _row("mira", "24GiB", 99.0, quant="int4", num_beams=2, beam_search=True),
+        _row("hf-gpu", "24GiB", 10.0),  # transformers' weights: a baseline of both schemes
+    ]
+    assert compare(rows) == {
+        "12GiB, int8-shared": {"mira": 4.0, "best_baseline": "static", "best_baseline_tokens_per_s": 5.0,
+                               "mira_over_best_baseline": 0.8, "mira_achieved_over_bound": 2.0, "quant": "int8-shared"},
+        "12GiB, int4": {"mira": 7.0, "best_baseline": "static", "best_baseline_tokens_per_s": 6.0,
+                        "mira_over_best_baseline": 1.167, "mira_achieved_over_bound": 1.25, "quant": "int4"},
+        "24GiB, int8-shared": {"mira": 8.0, "best_baseline": "hf-gpu", "best_baseline_tokens_per_s": 10.0,
+                               "mira_over_best_baseline": 0.8, "mira_achieved_over_bound": None, "quant": "int8-shared"},
+        "24GiB, int4": {"mira": 14.0, "best_baseline": "hf-gpu", "best_baseline_tokens_per_s": 10.0,
+                        "mira_over_best_baseline": 1.4, "mira_achieved_over_bound": None, "quant": "int4"},
+    }
+    assert compare_schemes(rows) == {
+        "12GiB": {"mira": {"int8-shared": 4.0, "int4": 7.0, "int4_over_int8-shared": 1.75},
+                  "static": {"int8-shared": 5.0, "int4": 6.0, "int4_over_int8-shared": 1.2}},
+        "24GiB": {"mira": {"int8-shared": 8.0, "int4": 14.0, "int4_over_int8-shared": 1.75}},
+    }
+    assert compare_schemes([r for r in rows if r.get("quant") != "int4"]) == {}  # one scheme: nothing to compare
