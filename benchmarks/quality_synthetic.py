@@ -1,4 +1,4 @@
-"""KL divergence and top-1 agreement of int8-shared and int8-row experts against bf16 experts, for a
+"""KL divergence and top-1 agreement of int8-shared, int8-row and int4 experts against bf16 experts, for a
 synthetic model at a published model's shapes (default Mixtral-8x7B; paper Table I at scale).
 
 Random weights have no outliers, unlike trained ones, so this understates the error of real
@@ -47,7 +47,7 @@ from mira.store.quant import quantize_expert  # noqa: E402
 from mira.store.store import ExpertStore, host_buffer  # noqa: E402
 
 REFERENCE = "none"
-SCHEMES = ("int8-shared", "int8-row")
+SCHEMES = ("int8-shared", "int8-row", "int4")
 LABEL = ("synthetic model: random weights (normal, std 0.02) have no outliers, so the error of real checkpoints is "
          "larger; synthetic routing")
 
