@@ -263,7 +263,12 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   has_heads=heads is not None or predictor_file(store.path).is_file(), cpu_unsupported=cpu_gap,
                   cpu_pays=costs is not None and cpu_pays(costs, hf_model.config.num_experts_per_tok,
                                                           store.blob_bytes))
-    decided = resolve(config, facts)
+    try:
+        decided = resolve(config, facts)
+    except MiraError:
+        if worker is not None:
+            worker.close()
+        raise
     if decided.cpu_experts is None and worker is not None:
         worker.close()
     elif decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes

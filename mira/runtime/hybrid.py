@@ -98,7 +98,7 @@ class CpuShare:
     tokens: int
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
-    predicted_s: float | None
+    predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
 
 
 class HybridExperts:
@@ -166,7 +166,7 @@ class HybridExperts:
         chosen = set(experts)
         tokens = sum(t for e, t in from_host if e in chosen)
         return CpuShare(layer_position, experts, tokens, future, begin,
-                        plan.predicted_s if plan is not None else None)
+                        (plan.predicted_s, plan.cpu_s) if plan is not None else None)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table, wait for the
@@ -174,7 +174,7 @@ class HybridExperts:
         self._tables.restore(share.layer_position, share.experts)
         out = self._rows.add_into(out, share.future.result())
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens,
-                              time.perf_counter() - share.begin, share.predicted_s)
+                              time.perf_counter() - share.begin, share.predicted)
         return out
 
     def summary(self) -> dict:

@@ -99,16 +99,20 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     jobs = []
     submit = hybrid.worker.submit
     hybrid.worker.submit = lambda job: jobs.append(list(job.experts)) or submit(job)
+    predicted = []  # ms per call: (the later side, the CPU's side)
     for seed, tokens in ((1, 1), (2, 2), (3, 3)):
         args = _call(seed, tokens)
         routed = sorted(args[1].unique().tolist())
         cpu = routed[: len(routed) // 2]
+        predicted.append((len(routed) - len(cpu), len(cpu)))
         got = layer(*args)
         torch.testing.assert_close(got.double(), _reference(model.store, 1, *args), rtol=1e-5, atol=1e-5)
         assert jobs[-1] == cpu and layer.ffn.absent[-1] == set(cpu)
     layer_times = hybrid.summary()["layers"]
     assert [row["layer"] for row in layer_times] == [1] and layer_times[0]["calls"] == 3
-    assert layer_times[0]["predicted_ms"] > 0 and layer_times[0]["measured_ms"] > 0
+    assert layer_times[0]["predicted_ms"] == pytest.approx(sum(p for p, _ in predicted) / 3, abs=1e-3)
+    assert layer_times[0]["predicted_cpu_ms"] == pytest.approx(sum(c for _, c in predicted) / 3, abs=1e-3)
+    assert layer_times[0]["measured_ms"] > 0
 
 
 def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
