@@ -83,7 +83,7 @@ def add_command(subparsers) -> None:
                        help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
-    bench.add_argument("--cpu-threads", type=positive_int, metavar="N",
+    bench.add_argument("--cpu-threads", type=positive_int, metavar="N", dest="cpu_expert_threads",
                        help="compute threads of the CPU that computes missed experts, in the configurations where "
                             "it does (mira where the calibration has it pay, mira-cpu-all); default: the torch "
                             "threads less one")
@@ -136,7 +136,7 @@ def _bench(args: argparse.Namespace) -> None:
     device = torch.device(args.device or default_device())
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing)
     source.heads = args.heads
-    source.cpu_threads = args.cpu_threads
+    source.cpu_threads = args.cpu_expert_threads
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
     print(format_table(result))

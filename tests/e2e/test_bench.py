@@ -80,7 +80,7 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     run = subprocess.run(
         [sys.executable, "-m", "mira.cli", "bench", "--budgets", "25%,all", "--configs",
          "mira+p,mira,mira-cpu-all,static,hf-gpu,hf-offload", "--fixed", "8x4", "--repeats", "2", "--out", str(out),
-         "--quiet", "--cpu-threads", "1"],
+         "--quiet", "--cpu-threads", "2"],  # on 2 cores the default is 1
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
@@ -109,7 +109,7 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     # every miss the policy leaves in host memory computed by a one-thread CPU worker: a miss for the policy still
     hybrid, plain = rows["mira-cpu-all", "25%"], rows["mira", "25%"]
     assert hybrid["residency"] == "inline" and hybrid["cpu_experts"]["mode"] == "all"
-    assert hybrid["cpu_experts"]["threads"] == 1 and 0 < hybrid["cpu_lookups"] <= hybrid["lookups"]["miss"]
+    assert hybrid["cpu_experts"]["threads"] == 2 and 0 < hybrid["cpu_lookups"] <= hybrid["lookups"]["miss"]
     assert 0 < hybrid["cpu_tokens"] <= hybrid["tokens_served"]["miss"] and plain["cpu_tokens"] == 0
     assert rows["mira-cpu-all", "all"]["cpu_experts"] == {"mode": "off"}  # every expert resident: no misses
     for budget in ("25%", "all"):  # mira against the fastest baseline that ran at the budget
