@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mira.cache.config import POLICIES
 from mira.errors import MiraError
-from mira.runtime.config import PREFETCH, RESIDENCY, RuntimeConfig
+from mira.runtime.config import CPU_EXPERTS, PREFETCH, RESIDENCY, RuntimeConfig
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
@@ -125,6 +125,9 @@ def check_model_options(args: argparse.Namespace) -> None:
             if value is not None:
                 raise MiraError(f"{flag} {value} has no effect on the CPU without --vram-budget (every expert is read "
                                 f"in place from host memory); pass --vram-budget (e.g. 25%) or leave out {flag}")
+    if args.cpu_experts == "off" and args.cpu_expert_threads is not None:
+        raise MiraError("--cpu-threads sets the threads of the CPU that computes missed experts, which --cpu-experts "
+                        "off switches off; pass --cpu-experts auto or all, or leave out --cpu-threads")
     if args.profile is not None and args.policy != "static":
         raise MiraError("--profile places the static policy's experts; pass --policy static with it, or leave it out")
     if args.policy == "static" and args.profile is None:
@@ -194,6 +197,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "host sync per MoE layer: each miss is placed before its kernel runs and copied once) "
                              "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
                              "static and on-demand; inline otherwise)")
+    parser.add_argument("--cpu-experts", choices=CPU_EXPERTS,
+                        help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
+                             "(the default: on CUDA, a cost model calibrated once per machine splits each layer's "
+                             "misses, and stays off where it gives the CPU none; off on the CPU), all (every miss the "
+                             "policy leaves in host memory) or off. On, MoE layers run inline (--residency)")
+    parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
+                        help="compute threads of the CPU that computes missed experts (default: --threads less one)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")
@@ -243,6 +253,7 @@ def load_model(args: argparse.Namespace):
     check_model_options(args)
     config = RuntimeConfig(device=args.device, vram_budget=args.vram_budget, max_context=args.max_context,
                            quant=args.quant, profile=args.profile, progress=not args.quiet)
-    settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency}
+    settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency,
+                "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads}
     return load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
                                                   **{k: v for k, v in settings.items() if v is not None}))

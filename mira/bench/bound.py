@@ -12,6 +12,10 @@ bandwidth). Here, summed over a run's decode steps:
 
 Summing before taking the max gives a bound no larger than the sum of per-step bounds: still a
 bound, slightly looser.
+
+With a CPU that computes missed experts from host memory, the misses' bytes can be read over PCIe
+and by the CPU at once: the hybrid bound divides them over the sum of both rates (the CPU's as
+calibrated, mira.runtime.calibrate).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def warm_belady_misses(sequence: np.ndarray, slots: int) -> int:
 
 
 def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes: int, kv_bytes_per_token: int,
-                 figures: Machine | None = None) -> dict:
+                 figures: Machine | None = None, cpu_bytes_per_s: float | None = None) -> dict:
     """The bound for the decode steps of `trace` (one token per step, batch 1).
 
     Args:
@@ -43,10 +47,11 @@ def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes:
         weight_bytes: non-expert bytes one step reads.
         kv_bytes_per_token: KV-cache bytes of one token of context.
         figures: the machine's bandwidths; default the reference machine's (mira.kernels.machine).
+        cpu_bytes_per_s: expert bytes the CPU computes per second; given, the hybrid bound too.
 
     Returns:
         decode steps, HBM and PCIe bytes, the bound in seconds (total and per step) and which
-        side binds.
+        side binds; with `cpu_bytes_per_s`, `hybrid_bound_s` and `hybrid_bound_tokens_per_s`.
     """
     if trace.seq_id is None or trace.is_prefill is None:
         raise ValueError("the trace needs seq_id and is_prefill")
@@ -63,9 +68,14 @@ def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes:
     pcie = misses * blob_bytes
     figures = figures or machine()
     hbm_s, pcie_s = hbm / figures.hbm_bytes_per_s, pcie / figures.pcie_bytes_per_s
-    return {"decode_steps": steps, "hbm_bytes": hbm, "pcie_bytes": pcie, "belady_misses": misses,
-            "bound_s": max(hbm_s, pcie_s), "bound_s_per_step": max(hbm_s, pcie_s) / steps,
-            "bound_tokens_per_s": steps / max(hbm_s, pcie_s), "bound_by": "HBM" if hbm_s >= pcie_s else "PCIe"}
+    bound = {"decode_steps": steps, "hbm_bytes": hbm, "pcie_bytes": pcie, "belady_misses": misses,
+             "bound_s": max(hbm_s, pcie_s), "bound_s_per_step": max(hbm_s, pcie_s) / steps,
+             "bound_tokens_per_s": steps / max(hbm_s, pcie_s), "bound_by": "HBM" if hbm_s >= pcie_s else "PCIe"}
+    if cpu_bytes_per_s:
+        hybrid_s = max(hbm_s, pcie / (figures.pcie_bytes_per_s + cpu_bytes_per_s))
+        bound.update(cpu_bytes_per_s=cpu_bytes_per_s, hybrid_bound_s=hybrid_s,
+                     hybrid_bound_tokens_per_s=steps / hybrid_s)
+    return bound
 
 
 def _positions(seq_id: np.ndarray) -> np.ndarray:

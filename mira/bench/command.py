@@ -16,7 +16,7 @@ DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mi
 
 def add_command(subparsers) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS
-    from mira.cli_args import output_file
+    from mira.cli_args import output_file, positive_int
 
     bench = subparsers.add_parser(
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
@@ -28,7 +28,8 @@ def add_command(subparsers) -> None:
                     "policy's STAGE slots), mira+p-lagged (the same prefetch staged on the device under lagged "
                     "residency: no host sync, steps replayed from CUDA graphs), mira+gate (prefetch by gate "
                     "speculation, inline), mira (no prefetch, "
-                    "residency auto: lagged on CUDA), mira-inline (inline: one host sync per MoE layer, each miss "
+                    "residency auto: lagged on CUDA, unless the CPU takes a share of the misses), mira-gpu (the same with no "
+                    "CPU share), mira-cpu-all (every miss computed on the CPU, inline), mira-inline (inline: one host sync per MoE layer, each miss "
                     "copied in once), mira-lagged (always "
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "
                     "twice), mira-eager (no CUDA graphs, also "
@@ -89,6 +90,10 @@ def add_command(subparsers) -> None:
                        help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
+    bench.add_argument("--cpu-threads", type=positive_int, metavar="N", dest="cpu_expert_threads",
+                       help="compute threads of the CPU that computes missed experts, in the configurations where "
+                            "it does (mira where the calibration has it pay, mira-cpu-all); default: the torch "
+                            "threads less one")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=output_file,
                        help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")
@@ -140,6 +145,7 @@ def _bench(args: argparse.Namespace) -> None:
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
                          schemes=tuple(schemes))
     source.heads = args.heads
+    source.cpu_threads = args.cpu_expert_threads
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
     print(format_table(result))

@@ -166,8 +166,11 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
     result = {**timing, **_difference(_cache_figures(model), before)}
     trace = recorder.trace()
     figures = machine(torch.cuda.get_device_name(model.device)) if model.device.type == "cuda" else machine()
+    costs = model.hybrid.costs if model.hybrid is not None else None
     bound = decode_bound(trace, model.cache.pool.num_slots, model.store.blob_bytes,
-                         _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model), figures)
+                         _weight_bytes_per_step(model.hf_model), _kv_bytes_per_token(model.hf_model), figures,
+                         cpu_bytes_per_s=model.store.blob_bytes / costs.cpu_s(1, model.store.blob_bytes)
+                         if costs is not None else None)
     result["bound"] = bound
     result["decode_route_changes"] = decode_route_changes(trace)
     if timing.get("decode_tokens_per_s"):
@@ -202,16 +205,19 @@ def _cache_figures(model: MiraModel) -> dict:
     # inline, each miss is one copy into a slot or one read of the pinned blob by the kernel; lagged,
     # always that read, and an admission after it one more copy; a staged expert, once admitted, too
     misses = cache["lookups"]["miss"]
+    cpu = stats["cpu_experts"]  # misses computed on the CPU: they cross no PCIe
     lagged = stats["residency"] == "lagged"
     admitted_again = cache["bytes_to_device"] if lagged else prefetch["admitted"] * model.store.blob_bytes
     on_gpu = model.device.type == "cuda"  # on the CPU, slots are RAM and nothing crosses PCIe
-    pcie = misses * model.store.blob_bytes + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
+    pcie = (misses - cpu.get("experts", 0)) * model.store.blob_bytes + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
     issued = prefetch["issued"]
     return {
         "slots": stats["slots"],
         "tokens_served": cache["tokens_served"],
         "lookups": cache["lookups"],
         "copies": cache["copies"],  # on-demand copies into slots (admissions)
+        "cpu_tokens": cpu.get("tokens", 0),  # tokens of missed experts computed on the CPU
+        "cpu_lookups": cpu.get("experts", 0),
         "pcie_gb": round(pcie / 1e9, 3),
         "prefetch": prefetch,
         # precision: staged copies that their layer used; recall: of the experts that crossed PCIe

@@ -6,12 +6,12 @@ from __future__ import annotations
 def format_table(result: dict) -> str:
     """One line per run: budget, configuration, speed, where tokens were served, PCIe, the bound."""
     header = ["budget", "config", "quant", "beams", "slots", "TTFT s", "decode tok/s (range)", "e2e tok/s", "hot/stage/miss %",
-              "PCIe GB", "prefetch P/R", "bound tok/s", "achieved/bound"]
+              "PCIe GB", "prefetch P/R", "bound tok/s", "achieved/bound", "CPU tokens", "hybrid bound tok/s"]
     lines = [header]
     for row in result["runs"]:
         if row.get("skipped"):
             lines.append([row["budget"], row["config"], row.get("quant", ""), "", "",
-                          f"skipped: {row['skipped'][:70]}"] + [""] * 7)
+                          f"skipped: {row['skipped'][:70]}"] + [""] * 9)
             continue
         served = row.get("tokens_served")
         share = "/".join(f"{100 * served[t] / max(sum(served.values()), 1):.0f}" for t in ("hot", "stage", "miss")) \
@@ -23,7 +23,8 @@ def format_table(result: dict) -> str:
             _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")),
             share,
             _num(row.get("pcie_gb")), f"{precision:.2f}/{recall:.2f}" if precision is not None else "",
-            _num(bound.get("bound_tokens_per_s")), _num(row.get("achieved_over_bound")),
+            _num(bound.get("bound_tokens_per_s")), _num(row.get("achieved_over_bound")), _num(row.get("cpu_tokens")),
+            _num(bound.get("hybrid_bound_tokens_per_s")),
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     title = f"{result['model']}, {result['routing']} routing, prompts: {result['prompt_set']}, {result['machine']}"
@@ -44,11 +45,29 @@ def format_table(result: dict) -> str:
                                if "_over_" in key)
             lines.append(f"{budget}: {config} decode tokens/s by scheme: " + ", ".join(
                 f"{scheme} {value:.3g}" for scheme, value in speeds.items() if "_over_" not in scheme) + f"; {ratios}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *layer_times(result)])
 
 
-CONFIG_ORDER = ("mira", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline", "mira-lagged", "mira-eager", "lru",
-                "lru-lagged", "static", "hf-gpu", "hf-offload")  # one colour each, the same in every chart
+def layer_times(result: dict) -> list[str]:
+    """Per run whose CPU computed missed experts: each MoE layer's cost-model prediction per call
+    (the later side, and the CPU's side) against the measured time (hand-off to the CPU's partial
+    sum added), in milliseconds."""
+    lines = []
+    for row in result["runs"]:
+        layers = [layer for layer in (row.get("cpu_experts") or {}).get("layers", []) if "predicted_ms" in layer]
+        if not layers:
+            continue
+        lines += ["", f"{row['config']} at {row['budget']}: predicted and measured ms per MoE layer call with a CPU "
+                      "share (over every run of the configuration)",
+                  "  layer  calls  CPU experts  predicted ms  predicted CPU ms  measured ms  predicted/measured"]
+        lines += [f"  {layer['layer']:>5}  {layer['calls']:>5}  {layer['experts']:>11}  {layer['predicted_ms']:>12.3f}  "
+                  f"{layer['predicted_cpu_ms']:>16.3f}  {layer['measured_ms']:>11.3f}  "
+                  f"{_num(layer.get('predicted_over_measured')):>18}" for layer in layers]
+    return lines
+
+
+CONFIG_ORDER = ("mira", "mira-gpu", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
+                "mira-lagged", "mira-eager", "lru", "lru-lagged", "static", "hf-gpu", "hf-offload")  # one colour each, the same in every chart
 
 
 def plot(result: dict, path: str) -> None:

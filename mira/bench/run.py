@@ -51,6 +51,8 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira+p-lagged": dict(policy="mira", prefetch="auto", residency="lagged"),  # staging on the device
     "mira+gate": dict(policy="mira", prefetch="gate", residency="inline"),
     "mira": dict(policy="mira", prefetch="off", residency="auto"),  # what `mira generate` does
+    "mira-gpu": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="off"),  # no CPU share of misses
+    "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
     "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
     "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),
     "mira-eager": dict(policy="mira", prefetch="off", residency="inline", cuda_graphs=False),  # every step eager
@@ -196,6 +198,7 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
                         _random_continuation(source), repeats=repeats))
     row["wall_s"] = round(time.perf_counter() - start, 2)
     row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
+    row["cpu_experts"] = model.stats()["cpu_experts"]  # the CPU's share of the misses, per layer, over every run
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
     del model
     free_memory(source.device)

@@ -41,6 +41,7 @@ class Source:
     device: torch.device
 
     heads: str | None = None  # trained predictor heads for prefetch "auto"/"trained" (else the store's own)
+    cpu_threads: int | None = None  # threads of the CPU computing missed experts, where a configuration has it
     trace: RoutingTrace | None = None  # routing to replay instead of the routers' own
     replay_from: int = 0  # the trace row every prompt starts from
 
@@ -78,7 +79,10 @@ class Source:
         raise NotImplementedError
 
     def _config(self, config: RuntimeConfig) -> RuntimeConfig:
-        return config.with_overrides(heads=self.heads) if self.heads else config
+        config = config.with_overrides(heads=self.heads) if self.heads else config
+        if self.cpu_threads is not None and config.hybrid.mode != "off":
+            config = config.with_overrides(cpu_threads=self.cpu_threads)
+        return config
 
     def _replaying(self, model: MiraModel) -> MiraModel:
         if self.trace is not None:

@@ -57,20 +57,28 @@ class ExpertCache:
             self.staging = DeviceStaging(self.tables, self.store, rows, self.transfer)
         return self.staging
 
-    def settle_layer(self, layer_position: int) -> None:
+    def settle_layer(self, layer_position: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Inline: before layer `layer_position`'s kernel, read its counted tokens back (one host
         sync) and ask the policy about them; the compute stream then waits for the routed experts'
-        slots, so an admitted miss is read from HBM after its one copy."""
+        slots, so an admitted miss is read from HBM after its one copy.
+
+        Returns:
+            (expert, tokens) of the routed experts read from device memory (slots, stage rows), and
+            of those read from their host blobs (misses the policy did not admit), ascending.
+        """
         if self.staging is not None:  # what layer - 2 staged for this layer, and its state, must be in place
             self.staging.wait_for(layer_position)
         per_expert, state = self.tables.drain_layer(layer_position)
         staged = state[UID] - layer_position * self.store.num_experts if state[PLACED] else None
         if staged is not None and per_expert[staged]:  # counted here: the restore after the kernel sees no tokens
             self.prefetch.used += 1
+        on_device, from_host = [], []
         for expert in self._settle(layer_position, per_expert, staged):
             uid = layer_position * self.store.num_experts + expert
             if uid in self._slot_of:
                 self.transfer.ready(self._slot_of[uid])
+            (on_device if uid in self._slot_of or expert == staged else from_host).append((expert, per_expert[expert]))
+        return on_device, from_host
 
     def settle(self) -> None:
         """Once per forward step, after it: read every layer's counters back at once and settle the

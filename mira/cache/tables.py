@@ -61,6 +61,7 @@ class ExpertTables:
         self._row_addresses = torch.tensor([pool.row(s).data_ptr() for s in range(S)], dtype=torch.int64,
                                            device=device)  # [S]
         self._uids = torch.arange(L * E, device=device)  # [L*E], the index of one entry's write
+        self._null = torch.zeros(1, dtype=torch.int64, device=device)  # the address of an expert another executor computes
         self.entries = self.blob_addresses.clone()  # [L*E]
         self.tables = self.entries.view(L, E)
         self.rows = [[store.blob(layer, expert) for expert in range(E)] for layer in range(L)]
@@ -90,6 +91,19 @@ class ExpertTables:
         self._write(uid, self.blob_addresses[uid : uid + 1])
         layer, expert = divmod(uid, self._experts)
         self.rows[layer][expert] = self._store.blob(layer, expert)
+
+    def hide(self, layer: int, experts: list[int]) -> None:
+        """Layer `layer`'s entries of `experts` become 0 and their rows None, on the current stream:
+        kernels that add zero for an absent expert (`make_moe_ffn(absent_zero=True)`) skip them while
+        the CPU computes them. Only for experts read from their host blobs; `restore` undoes it."""
+        for expert in experts:
+            self._write(layer * self._experts + expert, self._null)
+            self.rows[layer][expert] = None
+
+    def restore(self, layer: int, experts: list[int]) -> None:
+        """Undo `hide`: the entries go back to the host blobs, on the current stream (after the kernel)."""
+        for expert in experts:
+            self.to_host(layer * self._experts + expert)
 
     def drain_layer(self, layer: int) -> tuple[list[int], list[int]]:
         """Layer `layer`'s tokens routed per expert since it was last drained, [E], and its staging

@@ -74,3 +74,51 @@ class Telemetry:
             "prefetch_copies": self.prefetch_copies,
             "prefetch_bytes": self.prefetch_bytes,
         }
+
+
+class HybridTelemetry:
+    """Per MoE layer, the calls whose misses the CPU shared: experts and tokens it computed, and the
+    cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
+    the measured ones (hand-off to the CPU's partial sum added into the layer's output: the CPU's
+    side as the host sees it; the device's kernel is not waited for). A CPU-served expert is also
+    a miss in `Telemetry`: the policy saw it miss."""
+
+    def __init__(self, num_layers: int):
+        self.calls = [0] * num_layers
+        self.experts = [0] * num_layers
+        self.tokens = [0] * num_layers
+        self.measured_s = [0.0] * num_layers
+        self.predicted_s = [0.0] * num_layers  # over the calls that had a prediction
+        self.predicted_cpu_s = [0.0] * num_layers
+        self.predicted_calls = [0] * num_layers
+        self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
+
+    def record(self, layer_position: int, experts: int, tokens: int, measured_s: float,
+               predicted: tuple[float, float] | None) -> None:
+        """One call; `predicted`: (the layer's misses served, the CPU's side) in seconds, or None."""
+        self.calls[layer_position] += 1
+        self.experts[layer_position] += experts
+        self.tokens[layer_position] += tokens
+        self.measured_s[layer_position] += measured_s
+        if predicted is not None:
+            self.predicted_s[layer_position] += predicted[0]
+            self.predicted_cpu_s[layer_position] += predicted[1]
+            self.predicted_calls[layer_position] += 1
+            self.measured_with_prediction_s[layer_position] += measured_s
+
+    def summary(self) -> dict:
+        """Totals, and per layer with calls the mean predicted and measured milliseconds per call."""
+        layers = []
+        for layer, calls in enumerate(self.calls):
+            if not calls:
+                continue
+            predicted = self.predicted_calls[layer]
+            row = {"layer": layer, "calls": calls, "experts": self.experts[layer], "tokens": self.tokens[layer],
+                   "measured_ms": round(1e3 * self.measured_s[layer] / calls, 4)}
+            if predicted:
+                row["predicted_ms"] = round(1e3 * self.predicted_s[layer] / predicted, 4)
+                row["predicted_cpu_ms"] = round(1e3 * self.predicted_cpu_s[layer] / predicted, 4)
+                measured = self.measured_with_prediction_s[layer]
+                row["predicted_over_measured"] = round(self.predicted_s[layer] / measured, 4) if measured else None
+            layers.append(row)
+        return {"calls": sum(self.calls), "experts": sum(self.experts), "tokens": sum(self.tokens), "layers": layers}

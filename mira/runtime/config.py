@@ -18,6 +18,7 @@ from mira.store.layout import SCHEMES
 
 PREFETCH = ("auto", "trained", "gate", "off")
 RESIDENCY = ("auto", "lagged", "inline")
+CPU_EXPERTS = ("auto", "off", "all")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -45,6 +46,21 @@ class ResidencyConfig:
     """
 
     mode: str = "auto"
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Missed experts computed on the CPU, from the host store, while the others cross PCIe.
+
+    mode: "all" (every miss the policy leaves in host memory goes to the CPU), "off", or "auto"
+        (on CUDA, the calibrated cost model splits each layer's misses between the CPU and PCIe,
+        and turns itself off where it gives the CPU no share of a decode layer's misses; on the
+        CPU, off: both sides would be the same cores).
+    threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
+    """
+
+    mode: str = "auto"
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,11 +97,12 @@ class RuntimeConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
     def __post_init__(self) -> None:
         choices = {"quant": (self.quant, (None, *SCHEMES)), "policy": (self.cache.policy, POLICIES),
                    "prefetch": (self.prefetch.mode, PREFETCH), "residency": (self.residency.mode, RESIDENCY),
-                   "dtype": (self.dtype, (None, *DTYPES))}
+                   "dtype": (self.dtype, (None, *DTYPES)), "cpu_experts": (self.hybrid.mode, CPU_EXPERTS)}
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
@@ -98,17 +115,25 @@ class RuntimeConfig:
                                              or not isinstance(self.max_context, int) or self.max_context < 1):
             raise MiraError(f"--max-context {self.max_context} is not a positive number of tokens; pass at least 1 "
                             "(the prompt plus the new tokens must fit)")
+        threads = self.hybrid.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise MiraError(f"--cpu-threads {threads} is not a positive number of threads; pass 1 or more")
+        if self.hybrid.mode == "all" and self.residency.mode == "lagged":
+            raise MiraError("--cpu-experts all needs each layer's misses before its kernel, which lagged residency "
+                            "settles only after the step; pass --residency inline (or auto), or --cpu-experts off")
 
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
-        policy, prefetch (a mode), heads, residency (a mode) and cuda_graphs for the nested ones.
+        policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode) and
+        cpu_threads for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
         """
         nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
-                  "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled")}
-        flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs"}
+                  "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
+                  "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads")}
+        flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
         if unknown:
             raise MiraError(f"unknown setting {', '.join(unknown)}; choose from {', '.join(sorted(flat | set(nested)))}")
@@ -172,6 +197,8 @@ class Facts:
     has_heads: trained predictor heads are at hand (beside the store, or given).
     speculates: gate speculation recomputes the model's routers (mira.predict.baselines.speculates);
         both predictors need it.
+    cpu_pays: the calibrated cost model gives the CPU a share of a decode layer's misses (False
+        where nothing was calibrated).
     """
 
     device_type: str
@@ -182,6 +209,7 @@ class Facts:
     stage_slots: int
     has_heads: bool
     speculates: bool = True
+    cpu_pays: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,12 +218,14 @@ class Decisions:
     lagged: decode layers under the budget meet the cache after the step (mira.cache.tables).
     predictor: "trained", "gate", or None for no staging.
     policy_slots: slots the policy manages (staging keeps STAGING_ROWS of the capacity).
+    cpu_experts: which misses the CPU computes: "all", "split" (by the cost model) or None (none).
     """
 
     policy: str
     lagged: bool
     predictor: str | None
     policy_slots: int
+    cpu_experts: str | None = None
 
 
 def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
@@ -209,6 +239,10 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     "lagged" by name, since under "auto" residency decoding measured faster without it, and only
     for routers gate speculation recomputes.
 
+    Missed experts go to the CPU with cpu_experts "all", and with "auto" on CUDA where the
+    calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know its
+    misses before its kernel, so residency is inline (the CPU's share outweighs the host sync).
+
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
             gate speculation does not recompute.
@@ -216,8 +250,9 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
         return Decisions("static", True, None, facts.capacity)
     mode = config.residency.mode
+    cpu_experts = _cpu_experts(config, facts)
     possible = facts.device_type == "cpu" or facts.fused_kernels
-    lagged = possible and mode != "inline" and (
+    lagged = possible and mode != "inline" and cpu_experts is None and (
         mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda")
     prefetch = config.prefetch.mode
     stages = facts.stage_slots > 0 and prefetch != "off" and (not lagged or prefetch != "auto" or mode == "lagged")
@@ -231,4 +266,14 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
         if stages else None
     slots = facts.capacity - STAGING_ROWS if stages else facts.capacity
-    return Decisions(config.cache.policy, lagged, predictor, slots)
+    return Decisions(config.cache.policy, lagged, predictor, slots, cpu_experts)
+
+
+def _cpu_experts(config: RuntimeConfig, facts: Facts) -> str | None:
+    """`Decisions.cpu_experts` under a budget (see `resolve`)."""
+    mode = config.hybrid.mode
+    if mode == "all":
+        return "all"
+    if mode == "auto" and facts.device_type == "cuda" and facts.cpu_pays and config.residency.mode != "lagged":
+        return "split"
+    return None

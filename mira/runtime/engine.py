@@ -28,7 +28,10 @@ from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
+from mira.cache.costmodel import HybridCosts
+from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
+from mira.runtime.hybrid import CpuExperts, HybridExperts, cpu_pays, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
@@ -49,12 +52,13 @@ class MiraModel:
         tokenizer: the model's tokenizer, or None when the directory has none.
         config: the RuntimeConfig it was loaded with.
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
+        hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
             when switched off (`use_cuda_graphs(False)`) or on the CPU.
     """
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
-                 plan: SlotPlan | None, max_context: int, lagged: bool):
+                 plan: SlotPlan | None, max_context: int, lagged: bool, hybrid: HybridExperts | None = None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.config = config
@@ -63,6 +67,7 @@ class MiraModel:
         self.plan = plan
         self.max_context = max_context
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
+        self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
@@ -159,6 +164,7 @@ class MiraModel:
             "prefetch": self.cache.prefetch.as_dict(),
             "residency": "lagged" if self.lagged else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
+            "cpu_experts": self.hybrid.summary() if self.hybrid is not None else {"mode": "off"},
         }
 
 
@@ -196,7 +202,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
             or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
-            cuda_graphs.
+            cuda_graphs, cpu_experts (auto, off, all) and cpu_threads.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -249,13 +255,25 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
     ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
     heads = config.prefetch.heads
+    worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts)
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
                   admits_misses=_policy_class(config.cache.policy).admits_misses,
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
-                  speculates=config.prefetch.mode == "off" or all(speculates(site.router) for site in sites[:1]))
-    decided = resolve(config, facts)
+                  speculates=config.prefetch.mode == "off" or all(speculates(site.router) for site in sites[:1]),
+                  cpu_pays=costs is not None and cpu_pays(costs, hf_model.config.num_experts_per_tok,
+                                                          store.blob_bytes))
+    try:
+        decided = resolve(config, facts)
+    except MiraError:
+        if worker is not None:
+            worker.close()
+        raise
+    if decided.cpu_experts is None and worker is not None:
+        worker.close()
+    elif decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes
+        ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, absent_zero=True)
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
     placement = _policy(decided.policy, decided.policy_slots, total_experts, config.cache, profile)
@@ -264,13 +282,30 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.router for site in sites]
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
+    hybrid = None
+    if decided.cpu_experts is not None:
+        worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
+        hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
-                                                    lagged=decided.lagged))
-    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged)
+                                                    lagged=decided.lagged, hybrid=hybrid))
+    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid)
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
+
+
+def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,
+                       misses: bool) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
+    """On CUDA, where the CPU may take misses, its worker and this machine's calibrated costs
+    (mira.runtime.hybrid.machine_costs); else (None, None): on the CPU, "auto" stays off and "all"
+    needs no costs."""
+    mode = config.hybrid.mode
+    if device.type != "cuda" or mode == "off" or not misses or (
+            mode == "auto" and config.residency.mode == "lagged"):
+        return None, None
+    worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
+    return worker, machine_costs(worker, store, device)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

@@ -16,6 +16,7 @@ from mira.cache.cache import ExpertCache
 from mira.kernels import DECODE_TOKENS
 from mira.models.loader import router_of
 from mira.predict.baselines import Predictor
+from mira.runtime.hybrid import HybridExperts
 
 MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_k_index, top_k_weights, blobs) -> [T, H]
 
@@ -31,6 +32,9 @@ class MiraExperts(nn.Module):
     step can be replayed from a CUDA graph. Larger calls (prefill) always settle inline, after the
     lagged counts of earlier steps. With a predictor, a call stages its best prediction for
     layer_position + 2 on the device (mira.cache.staging).
+    With `hybrid`, an inline call hands some of its misses to the CPU worker, which computes them
+    while the kernel computes the rest, and adds the CPU's partial sum into the output
+    (mira.runtime.hybrid).
 
     A decode call (at most `DECODE_TOKENS` tokens) allocates no device memory: the predicted expert
     and the output live in buffers this layer owns. The output is a view of this layer's own
@@ -46,16 +50,20 @@ class MiraExperts(nn.Module):
         predictor: predicts the experts of layer_position + 2 from this layer's state (None: no prefetch).
         router: this layer's router, whose logits the predictor may use.
         lagged: leave decode calls' counts to the cache's settle after the step.
+        hybrid: the CPU's share of the misses (inline only; the FFN must add zero for absent experts).
 
     Raises:
         ValueError: lagged on CUDA under a budget with an FFN that cannot read the pinned host
-            store (the reference FFN: only the fused kernels read blobs by address).
+            store (the reference FFN: only the fused kernels read blobs by address), or lagged with hybrid.
     """
 
     def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, device: torch.device,
-                 predictor: Predictor | None = None, router: nn.Module | None = None, lagged: bool = False):
+                 predictor: Predictor | None = None, router: nn.Module | None = None, lagged: bool = False,
+                 hybrid: HybridExperts | None = None):
         super().__init__()
         device = torch.device(device)
+        if lagged and hybrid is not None:
+            raise ValueError("the CPU's share of the misses needs them before the kernel: pass lagged=False")
         if lagged and device.type == "cuda" and not hasattr(ffn, "forward_bases") and not cache.all_resident:
             raise ValueError(f"lagged residency on CUDA needs the fused kernels, which read missed experts "
                              f"from the pinned host store; {type(ffn).__name__} cannot: pass lagged=False")
@@ -64,6 +72,7 @@ class MiraExperts(nn.Module):
         self.ffn = ffn
         self.predictor = predictor
         self.lagged = lagged
+        self.hybrid = hybrid
         self._predicts = predictor is not None and layer_position + 2 < predictor.num_layers
         self._router_logits: torch.Tensor | None = None
         if self._predicts and router is not None:
@@ -95,13 +104,18 @@ class MiraExperts(nn.Module):
         self._pending.scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
         if self._staging is not None:
             self._stage(hidden_states, top_k_index)
+        share = None
         if not (self.lagged and decode):
-            self.cache.settle_layer(self.layer_position)
+            settled = self.cache.settle_layer(self.layer_position)
+            if self.hybrid is not None:
+                share = self.hybrid.start(self.layer_position, hidden_states, top_k_index, top_k_weights, *settled)
         out = self._output(hidden_states)
         if self._fused:
             out = self.ffn.forward_bases(hidden_states, top_k_index, top_k_weights, self._bases, out=out)
         else:
             out = self.ffn(hidden_states, top_k_index, top_k_weights, self._rows, out=out)
+        if share is not None:
+            out = self.hybrid.finish(share, out)
         if self._staging is not None:
             self._staging.after_layer(self.layer_position)
         return out
@@ -128,7 +142,8 @@ class MiraExperts(nn.Module):
         return self._out[:tokens]
 
     def extra_repr(self) -> str:
-        return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}, lagged={self.lagged}"
+        hybrid = f", cpu_experts={self.hybrid.mode}" if self.hybrid is not None else ""
+        return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}, lagged={self.lagged}{hybrid}"
 
 
 def model_routers(hf_model: nn.Module) -> list[nn.Module]:

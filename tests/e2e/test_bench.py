@@ -79,12 +79,13 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, "-m", "mira.cli", "bench", "--budgets", "25%,all", "--configs",
-         "mira+p,mira,static,hf-gpu,hf-offload", "--fixed", "8x4", "--repeats", "2", "--out", str(out), "--quiet"],
+         "mira+p,mira,mira-cpu-all,static,hf-gpu,hf-offload", "--fixed", "8x4", "--repeats", "2", "--out", str(out),
+         "--quiet", "--cpu-threads", "2"],  # on 2 cores the default is 1
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     rows = {(row["config"], row["budget"]): row for row in result["runs"]}
-    assert set(rows) == {(c, b) for c in ("mira+p", "mira", "static") for b in ("25%", "all")} | {
+    assert set(rows) == {(c, b) for c in ("mira+p", "mira", "mira-cpu-all", "static") for b in ("25%", "all")} | {
         ("hf-gpu", "all"), ("hf-offload", "all")}
     assert "needs a CUDA device" in rows["hf-offload", "all"]["skipped"]
     for (config, budget), row in rows.items():
@@ -105,6 +106,12 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     # auto residency: lagged for the static policy, which never admits a miss; inline for the mira policy
     assert rows["static", "25%"]["residency"] == "lagged" and rows["mira", "25%"]["residency"] == "inline"
     assert rows["mira+p", "25%"]["prefetch"]["issued"] > 0
+    # every miss the policy leaves in host memory computed by a one-thread CPU worker: a miss for the policy still
+    hybrid, plain = rows["mira-cpu-all", "25%"], rows["mira", "25%"]
+    assert hybrid["residency"] == "inline" and hybrid["cpu_experts"]["mode"] == "all"
+    assert hybrid["cpu_experts"]["threads"] == 2 and 0 < hybrid["cpu_lookups"] <= hybrid["lookups"]["miss"]
+    assert 0 < hybrid["cpu_tokens"] <= hybrid["tokens_served"]["miss"] and plain["cpu_tokens"] == 0
+    assert rows["mira-cpu-all", "all"]["cpu_experts"] == {"mode": "off"}  # every expert resident: no misses
     for budget in ("25%", "all"):  # mira against the fastest baseline that ran at the budget
         ran = {c: row["decode_tokens_per_s"] for (c, b), row in rows.items()
                if b == budget and c in ("static", "hf-gpu") and not row.get("skipped")}

@@ -78,6 +78,9 @@ GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
     (("--vram-budget", "lots"), ("cannot read the size 'lots'", "25%")),
     (("--vram-budget", "150%"), ("not a share",)),
     (("--threads", "0"), ("--threads", "not positive")),
+    (("--cpu-threads", "0"), ("--cpu-threads", "not positive")),
+    (("--cpu-threads=-1",), ("--cpu-threads", "not positive")),
+    (("--cpu-experts", "some"), ("--cpu-experts", "invalid choice: 'some'")),
     (("--stats-json", "/no/such/dir/stats.json"), ("--stats-json", "does not exist")),
 ])
 def test_values_out_of_range_are_refused_while_parsing(argv, phrases, fresh_cache):
@@ -107,6 +110,9 @@ def test_output_paths_are_checked_before_any_work(tmp_path, fresh_cache):
     (("--prefetch", "gate"), ("--prefetch gate has no effect on the CPU without --vram-budget",)),
     (("--residency", "lagged"), ("--residency lagged has no effect",)),
     (("--vram-budget", "25%", "--policy", "static"), ("--policy static", "pass --profile")),
+    (("--vram-budget", "25%", "--cpu-experts", "all", "--residency", "lagged"),
+     ("--cpu-experts all", "pass --residency inline")),
+    (("--cpu-experts", "off", "--cpu-threads", "2"), ("--cpu-threads", "pass --cpu-experts auto or all")),
     (("--max-context", "20000"), ("--max-context 20000 is beyond the 2048 positions", "pass --max-context 2048")),
 ])
 def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv, phrases, fresh_cache):
@@ -216,6 +222,8 @@ PARSED = {
     "--residency": [None, "lagged", "inline"],
     "--quant": [None, "int8-shared", "int8-row"],
     "--threads": [None, "1", "2"],
+    "--cpu-experts": [None, "off", "all", "auto"],
+    "--cpu-threads": [None, "1"],
     "--seed": [None, "3"],
 }
 UNPARSED = {
@@ -227,6 +235,8 @@ UNPARSED = {
     "--policy": ["bogus"],
     "--prefetch": ["x"],
     "--threads": ["0", "x"],
+    "--cpu-experts": ["some"],
+    "--cpu-threads": ["0", "-1"],
     "--seed": ["x"],
 }
 FLAGS = ["--raw", "--no-cuda-graphs"]

@@ -58,6 +58,17 @@ def test_decode_bound_by_hand():
     assert no_slots["bound_s_per_step"] == pytest.approx(438 / 3)
 
 
+def test_the_hybrid_bound_reads_the_misses_over_pcie_and_by_the_cpu_at_once():
+    # as above: 2 Belady misses of 10 bytes; PCIe 1 B/s and the CPU 3 B/s read them at 4 B/s together
+    machine = Machine(hbm_bytes_per_s=1000.0, pcie_bytes_per_s=1.0)
+    bound = decode_bound(_trace(), 4, 10, 100, 2, machine, cpu_bytes_per_s=3.0)
+    assert bound["bound_s"] == pytest.approx(20.0)  # the caching bound is unchanged
+    assert bound["hybrid_bound_s"] == pytest.approx(5.0) and bound["hybrid_bound_tokens_per_s"] == pytest.approx(3 / 5)
+    fast_cpu = decode_bound(_trace(), 4, 10, 100, 2, machine, cpu_bytes_per_s=1e6)
+    assert fast_cpu["hybrid_bound_s"] == pytest.approx(0.438)  # then HBM binds: 438 B at 1 kB/s
+    assert "hybrid_bound_s" not in decode_bound(_trace(), 4, 10, 100, 2, machine)
+
+
 def test_decode_bound_needs_decode_steps_and_sequence_ids():
     trace = _trace()
     prompt_only = RoutingTrace(trace.topk_ids[:2], 4, seq_id=trace.seq_id[:2], is_prefill=trace.is_prefill[:2])

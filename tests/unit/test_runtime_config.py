@@ -14,8 +14,10 @@ def _facts(**changes) -> Facts:
     return Facts(**{**facts, **changes})
 
 
-def _decide(residency="auto", prefetch="off", policy="mira", **facts) -> Decisions:
-    return resolve(RuntimeConfig().with_overrides(residency=residency, prefetch=prefetch, policy=policy), _facts(**facts))
+def _decide(residency="auto", prefetch="off", policy="mira", cpu_experts="auto", **facts) -> Decisions:
+    config = RuntimeConfig().with_overrides(residency=residency, prefetch=prefetch, policy=policy,
+                                            cpu_experts=cpu_experts)
+    return resolve(config, _facts(**facts))
 
 
 def test_setup_defaults_follow_the_device_and_the_model():
@@ -90,7 +92,25 @@ def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     (dict(policy="fifo"), "unknown policy 'fifo'"), (dict(residency="late"), "choose one of auto, lagged, inline"),
     (dict(quant="int3"), "unknown quant"), (dict(vram_budget=0), "not a positive number of bytes"),
     (dict(vram_budget="150%"), "or a share like 25%"), (dict(max_context=0), "not a positive number of tokens"),
+    (dict(cpu_experts="some"), "unknown cpu_experts 'some'; choose one of auto, off, all"),
+    (dict(cpu_threads=0), "--cpu-threads 0 is not a positive"), (dict(cpu_threads=-2), "--cpu-threads -2"),
+    (dict(cpu_threads=1.5), "--cpu-threads 1.5"),
+    (dict(cpu_experts="all", residency="lagged"), "pass --residency inline"),
 ])
 def test_bad_settings_are_refused_with_the_fix(settings, message):
     with pytest.raises(MiraError, match=message):
         RuntimeConfig().with_overrides(**settings)
+
+
+def test_the_cpu_takes_misses_with_all_and_where_the_calibration_says_it_pays_and_layers_then_run_inline():
+    assert _decide(cpu_experts="all") == Decisions("mira", False, None, 40, "all")  # auto residency: inline
+    assert _decide(cpu_experts="all", device_type="cpu", policy="on-demand", admits_misses=False).cpu_experts == "all"
+    assert not _decide(cpu_experts="all", device_type="cpu", policy="on-demand", admits_misses=False).lagged
+    assert _decide(cpu_pays=True) == Decisions("mira", False, None, 40, "split")
+    assert _decide(cpu_pays=False) == Decisions("mira", True, None, 40, None)  # auto off: lagged as before
+    assert _decide(cpu_pays=True, residency="lagged") == Decisions("mira", True, None, 40, None)  # lagged by name
+    assert _decide(cpu_pays=True, residency="inline").cpu_experts == "split"
+    assert _decide(cpu_pays=True, device_type="cpu").cpu_experts is None  # on the CPU both sides are the same cores
+    assert _decide(cpu_pays=True, cpu_experts="off") == Decisions("mira", True, None, 40, None)
+    assert _decide(cpu_experts="all", capacity=96).cpu_experts is None  # all resident: no misses
+    assert _decide(cpu_experts="all", prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "all")

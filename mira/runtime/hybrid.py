@@ -1,0 +1,174 @@
+"""The CPU's share of each MoE layer's misses, wired into decoding (DESIGN.md 2.8).
+
+Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`). `HybridExperts.start`
+chooses the misses the CPU computes (every one, or the cost model's split), copies the layer's
+rows to the host, hands the worker the job and hides those experts from the layer's address table
+(address 0: the kernel adds zero for them, its weights unread). The layer's kernel then computes
+the rest; `finish` restores the table, waits for the CPU's partial sum and adds it into the
+layer's output on the device. On a CPU-only run the "device side" is the reference FFN on the
+CPU, and the same steps run.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mira.cache.costmodel import HybridCosts, Split, split
+from mira.cache.tables import ExpertTables
+from mira.cache.telemetry import HybridTelemetry
+from mira.kernels import DECODE_TOKENS
+from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.kernels.reference import expert_ffn
+from mira.kernels.tuning import TUNING_DIR
+from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
+from mira.runtime.cpu_worker import CpuExpertWorker, HostRows
+from mira.store.cache import cache_dir
+from mira.store.store import ExpertStore
+
+
+class CpuExperts(CpuExpertFFN):
+    """The CPU executor of the store's experts. Activations in float32 (CPU-only runs) are computed
+    in float32 on the dequantized weights, as the reference FFN computes the other experts of the
+    layer, so greedy output does not depend on which side computed an expert; others go through the
+    executor's bf16 INT8 products."""
+
+    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return expert_ffn(x, views, self.layout, self.act, self.gate)
+        return super().expert(x, views)
+
+
+def worker_threads(requested: int | None) -> int:
+    """The CPU worker's threads: `requested`, else the caller's torch threads less one (at least 1)."""
+    return requested if requested is not None else max(1, torch.get_num_threads() - 1)
+
+
+def calibration_dir() -> Path:
+    """Where calibrations made at load are saved: beside the converted stores, under $MIRA_CACHE."""
+    return cache_dir().parent / "calibration"
+
+
+def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.device) -> HybridCosts:
+    """This machine's calibrated costs for the store's experts: shipped beside the kernel tuning,
+    else saved by an earlier load, else measured now (a few seconds, on one layer's blobs) and saved."""
+    key = entry_key(worker)
+    for directory in (TUNING_DIR, calibration_dir()):
+        costs = load_costs(costs_path(device, directory), key)
+        if costs is not None:
+            return costs
+    blobs = [store.blob(0, expert) for expert in range(store.num_experts)]
+    costs = calibrate(worker, blobs, device)
+    path = costs_path(device, calibration_dir())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_costs(path, key, costs, written_by="mira.load (--cpu-experts)")
+    return costs
+
+
+def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int) -> bool:
+    """Whether the cost model gives the CPU a share of a decode layer whose `top_k` experts all miss."""
+    return bool(split([(expert, 1) for expert in range(top_k)], blob_bytes, costs).cpu)
+
+
+@dataclass
+class CpuShare:
+    """The CPU's part of one layer call, in flight between `start` and `finish`."""
+
+    layer_position: int
+    experts: list[int]
+    tokens: int
+    future: object  # concurrent.futures.Future of the partial sum [T, H]
+    begin: float
+    predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
+
+
+class HybridExperts:
+    """Hands each layer's chosen misses to the CPU worker and adds its partial sums back.
+
+    Args:
+        worker: the CPU worker (closed when this object is collected).
+        store: the expert store (the host blobs the CPU reads).
+        tables: the cache's address tables (entries hidden from the kernel meanwhile).
+        costs: the calibrated costs (None: no predictions, which `split_misses` needs).
+        split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
+        device: where the layers run.
+
+    Attributes:
+        telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
+    """
+
+    def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
+                 split_misses: bool, device: torch.device):
+        if split_misses and costs is None:
+            raise ValueError("splitting misses needs calibrated costs")
+        self.worker = worker
+        self.costs = costs
+        self.split_misses = split_misses
+        self.telemetry = HybridTelemetry(store.num_layers)
+        self._tables = tables
+        self._blob_bytes = store.blob_bytes
+        self._blobs = [[store.blob(layer, e) for e in range(store.num_experts)] for layer in range(store.num_layers)]
+        self._device = torch.device(device)
+        self._rows: HostRows | None = None  # made by the first call, grown by a larger one
+        weakref.finalize(self, worker.close)
+
+    @property
+    def mode(self) -> str:
+        return "split" if self.split_misses else "all"
+
+    def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> Split | None:
+        """The layer's misses divided: the cost model's split, or every miss to the CPU; None
+        without costs for the latter (no prediction)."""
+        costs = self.costs
+        if self.split_misses:
+            busy = sum(costs.gpu(tokens) for _, tokens in on_device)
+            return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy)
+        if costs is None:
+            return None
+        cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
+        return Split(cpu=[e for e, _ in from_host], pcie=[], cpu_s=cpu_s,
+                     gpu_s=sum(costs.gpu(tokens) for _, tokens in on_device))
+
+    def start(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> CpuShare | None:
+        """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
+        from the table. None when the CPU gets none."""
+        if not from_host:
+            return None
+        plan = self.choose(on_device, from_host)
+        experts = plan.cpu if plan is not None else [e for e, _ in from_host]
+        if not experts:
+            return None
+        rows = self._host_rows(hidden, top_k_index.shape[1])
+        begin = time.perf_counter()
+        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position])
+        future = self.worker.submit(job)
+        self._tables.hide(layer_position, experts)
+        chosen = set(experts)
+        tokens = sum(t for e, t in from_host if e in chosen)
+        return CpuShare(layer_position, experts, tokens, future, begin,
+                        (plan.predicted_s, plan.cpu_s) if plan is not None else None)
+
+    def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
+        """After the layer's kernel has been launched on `out` [T, H]: restore the table, wait for the
+        CPU's partial sum and add it into `out` (on the device's current stream)."""
+        self._tables.restore(share.layer_position, share.experts)
+        out = self._rows.add_into(out, share.future.result())
+        self.telemetry.record(share.layer_position, len(share.experts), share.tokens,
+                              time.perf_counter() - share.begin, share.predicted)
+        return out
+
+    def summary(self) -> dict:
+        return {"mode": self.mode, "threads": self.worker.threads, **self.telemetry.summary()}
+
+    def _host_rows(self, hidden: torch.Tensor, top_k: int) -> HostRows:
+        rows = self._rows
+        tokens, size = hidden.shape
+        if rows is None or rows.hidden.shape[0] < tokens or rows.hidden.dtype != hidden.dtype \
+                or rows.top_k_index.shape[1] != top_k:
+            self._rows = rows = HostRows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype, self._device)
+        return rows

@@ -1,0 +1,65 @@
+"""On CUDA, missed experts computed by the CPU worker while the fused kernel computes the rest
+(mira.runtime.hybrid): the CPU path's greedy text in float32, layer outputs against the float64
+reference in bf16, with every miss on the CPU and with a hand-made split.
+
+Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mira
+from mira.cache.costmodel import HybridCosts, LinearCost
+from mira.kernels.reference import moe_ffn_reference
+from mira.runtime.experts import MiraExperts
+from mira.runtime.hybrid import HybridExperts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
+E, K, H = 8, 2, 64
+
+
+def _prompt():
+    return torch.randint(2, 320, (1, 16), generator=torch.Generator().manual_seed(5))
+
+
+def _budget(store, slots: int) -> int:
+    probe = mira.load(store, device="cuda", vram_budget=64 << 30, progress=False)
+    return probe.plan.reserve_bytes + slots * probe.store.blob_bytes
+
+
+def test_every_miss_on_the_cpu_generates_the_cpu_paths_float32_text(mixtral_store):
+    expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **GREEDY)
+    model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10),
+                      cpu_experts="all", progress=False)
+    assert model.stats()["residency"] == "inline" and model.hybrid.costs is not None  # calibrated for predictions
+    got = model.generate(_prompt(), **GREEDY).cpu()
+    cpu = model.stats()["cpu_experts"]
+    print(f"\n{cpu}")
+    assert torch.equal(got, expected) and cpu["tokens"] > 0
+    assert all("predicted_ms" in layer for layer in cpu["layers"])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
+    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=_budget(mixtral_store, 8),
+                      policy="on-demand", prefetch="off", cpu_experts="all", progress=False)
+    layer = min((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)), key=lambda m: m.layer_position)
+    if split:  # one miss costs 1 ms on either side: the CPU takes floor(n / 2) of n misses
+        blob = model.store.blob_bytes
+        costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+        layer.hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True,
+                                     torch.device("cuda"))
+    generator = torch.Generator().manual_seed(7)
+    for tokens in (1, 4, 40):
+        hidden = torch.randn(tokens, H, generator=generator)
+        index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])
+        weights = torch.rand(tokens, K, generator=generator)
+        got = layer(hidden.cuda().bfloat16(), index.cuda(), weights.cuda().bfloat16()).float().cpu()
+        blobs = [model.store.blob(0, e) for e in range(E)]
+        expected = moe_ffn_reference(hidden.double(), index, weights.bfloat16().double(), blobs, model.store.layout,
+                                     F.silu)
+        torch.testing.assert_close(got.double(), expected, rtol=3e-2, atol=3e-2)
+    assert layer.hybrid.telemetry.calls[0] == 3
+    assert torch.equal(model.cache.tables.tables[0].cpu(), model.cache.tables.blob_addresses[:E].cpu())  # restored

@@ -1,0 +1,148 @@
+"""Missed experts computed on the CPU worker while the layer's kernel computes the rest
+(mira.runtime.hybrid), on the CPU: the "device side" is the reference FFN, the same steps run.
+
+Checked against independent references: the float64 reference FFN on the store's blobs, the
+routing the layer was given (which experts miss, which tokens), a hand-worked split, and greedy
+output with the CPU's share switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mira
+from mira.cache.costmodel import HybridCosts, LinearCost
+from mira.kernels.reference import moe_ffn_reference
+from mira.runtime.experts import MiraExperts
+from mira.runtime.hybrid import HybridExperts
+
+E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64
+PROMPT = "Write a short poem about the sea."  # bf16 products for the CPU's share change this reply's tokens
+
+
+def _layers(model) -> list[MiraExperts]:
+    return sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)), key=lambda m: m.layer_position)
+
+
+def _on_demand(store, cpu_experts: str):
+    """Every routed expert misses (on-demand never admits) and is read from its host blob."""
+    probe = mira.load(store, device="cpu", vram_budget=1 << 30, progress=False)
+    budget = probe.plan.reserve_bytes + E * probe.store.blob_bytes  # the least: one layer
+    return mira.load(store, device="cpu", vram_budget=budget, policy="on-demand", prefetch="off",
+                     cpu_experts=cpu_experts, progress=False)
+
+
+class _Spy:
+    """Wraps a layer's FFN: records, per call, which routed experts it found without a blob."""
+
+    def __init__(self, ffn):
+        self.ffn, self.absent = ffn, []
+
+    def __call__(self, hidden, top_k_index, top_k_weights, blobs, out=None):
+        routed = top_k_index.unique().tolist()
+        self.absent.append({e for e in routed if blobs[e] is None})
+        return self.ffn(hidden, top_k_index, top_k_weights, blobs, out=out)
+
+
+def _call(seed: int, tokens: int):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, H, generator=generator)
+    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])  # [T, K]
+    weights = torch.rand(tokens, K, generator=generator)
+    return hidden, index, weights
+
+
+def _reference(store, layer: int, hidden, index, weights) -> torch.Tensor:
+    blobs = [store.blob(layer, e) for e in range(E)]
+    return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, store.layout, F.silu)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 20])  # decode calls, and a prefill call beyond the decode buffers
+def test_with_all_the_worker_computes_every_miss_and_the_kernel_sees_them_absent(mixtral_store, tokens):
+    model = _on_demand(mixtral_store, "all")
+    assert model.stats()["residency"] == "inline"  # on-demand lags on the CPU, unless the CPU takes misses
+    jobs = []
+    submit = model.hybrid.worker.submit
+    model.hybrid.worker.submit = lambda job: jobs.append(list(job.experts)) or submit(job)
+    entries = model.cache.tables.tables.clone()
+    for layer in _layers(model):
+        layer.ffn = spy = _Spy(layer.ffn)
+        args = _call(layer.layer_position + 10 * tokens, tokens)
+        routed = sorted(args[1].unique().tolist())
+        got = layer(*args)
+        torch.testing.assert_close(got.double(), _reference(model.store, layer.layer_position, *args), rtol=1e-5,
+                                   atol=1e-5)
+        assert jobs[-1] == routed and spy.absent == [set(routed)]  # every miss on the CPU, none in the kernel
+        assert all(blob is not None for blob in model.cache.tables.rows[layer.layer_position])  # restored
+    assert torch.equal(model.cache.tables.tables, entries)
+    cpu = model.stats()["cpu_experts"]
+    assert cpu["calls"] == len(jobs) == 3 and cpu["tokens"] == 3 * tokens * K
+    assert cpu["experts"] == sum(len(j) for j in jobs)
+    assert model.stats()["cache"]["tokens_served"]["miss"] == 3 * tokens * K  # a miss for the policy too
+
+
+def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_kernel(mixtral_store):
+    model = _on_demand(mixtral_store, "all")
+    blob = model.store.blob_bytes
+    # one miss costs 1 ms on either side, nothing per call: of n misses the CPU takes floor(n / 2)
+    # (a tie goes to the fewer CPU experts), the lowest ids (the split lists experts ascending)
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"))
+    layer = _layers(model)[1]
+    layer.hybrid, layer.ffn = hybrid, _Spy(layer.ffn)
+    jobs = []
+    submit = hybrid.worker.submit
+    hybrid.worker.submit = lambda job: jobs.append(list(job.experts)) or submit(job)
+    predicted = []  # ms per call: (the later side, the CPU's side)
+    for seed, tokens in ((1, 1), (2, 2), (3, 3)):
+        args = _call(seed, tokens)
+        routed = sorted(args[1].unique().tolist())
+        cpu = routed[: len(routed) // 2]
+        predicted.append((len(routed) - len(cpu), len(cpu)))
+        got = layer(*args)
+        torch.testing.assert_close(got.double(), _reference(model.store, 1, *args), rtol=1e-5, atol=1e-5)
+        assert jobs[-1] == cpu and layer.ffn.absent[-1] == set(cpu)
+    layer_times = hybrid.summary()["layers"]
+    assert [row["layer"] for row in layer_times] == [1] and layer_times[0]["calls"] == 3
+    assert layer_times[0]["predicted_ms"] == pytest.approx(sum(p for p, _ in predicted) / 3, abs=1e-3)
+    assert layer_times[0]["predicted_cpu_ms"] == pytest.approx(sum(c for _, c in predicted) / 3, abs=1e-3)
+    assert layer_times[0]["measured_ms"] > 0
+
+
+def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
+    """The bundled model under a budget that makes misses happen; auto on the CPU stays off."""
+    replies, stats = {}, {}
+    for mode in ("off", "all", "auto"):
+        model = mira.load(None, device="cpu", vram_budget="25%", cpu_experts=mode, progress=False)
+        ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                                  return_tensors="pt", return_dict=True)["input_ids"]
+        replies[mode] = model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1]:].tolist()
+        stats[mode] = model.stats()
+    assert len(replies["off"]) == 48 and replies["off"] == replies["all"] == replies["auto"]
+    assert stats["off"]["cpu_experts"] == {"mode": "off"} and stats["auto"]["cpu_experts"] == {"mode": "off"}
+    cpu = stats["all"]["cpu_experts"]
+    misses = stats["all"]["cache"]["lookups"]["miss"]
+    assert 0 < cpu["experts"] <= misses and cpu["tokens"] > 0  # admitted misses stay with the kernel
+    assert stats["all"]["cache"]["lookups"] == stats["off"]["cache"]["lookups"]  # the policy saw the same
+
+
+def test_the_command_line_generates_the_same_text_with_every_miss_on_the_cpu(tmp_path):
+    texts, reports = {}, {}
+    for mode in ("off", "all"):
+        stats = tmp_path / f"{mode}.json"
+        args = ["generate", "--device", "cpu", "--temperature", "0", "--max-new-tokens", "48", "--vram-budget", "25%",
+                "--prompt", PROMPT, "--quiet", "--cpu-experts", mode, "--stats-json", str(stats)]
+        run = subprocess.run([sys.executable, "-m", "mira.cli", *args, *(["--cpu-threads", "2"] if mode == "all" else [])],
+                             capture_output=True, text=True, timeout=300)  # the session's store cache
+        assert run.returncode == 0, run.stderr
+        texts[mode], reports[mode] = run.stdout, json.loads(stats.read_text())
+    assert texts["off"].strip() and texts["off"] == texts["all"]
+    assert reports["off"]["cpu_experts"] == {"mode": "off"}
+    cpu = reports["all"]["cpu_experts"]
+    assert cpu["mode"] == "all" and cpu["threads"] == 2 and cpu["tokens"] > 0
