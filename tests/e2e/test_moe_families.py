@@ -242,3 +242,19 @@ def test_a_budget_with_prefetch_auto_runs_with_or_without_gate_speculation(famil
     assert model.cache.policy.capacity < total
     assert (model.cache.staging is not None) == (family == "gpt_oss")
     assert torch.equal(model.hf_model.generate(ids, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("family", [f for f in ("gpt_oss",) if f in OFFERED])
+def test_every_miss_on_the_cpu_worker_keeps_the_text_of_biased_clamped_experts(family, family_store):
+    """gpt-oss's experts (biases, clamped SwiGLU) computed by the CPU worker for every miss give
+    the greedy text of the CPU share switched off."""
+    _, store = family_store(family, "int8-shared")
+    ids = _prompt(seed=5)
+    texts = {}
+    for mode in ("off", "all"):
+        model = mira.load(store, device="cpu", progress=False, vram_budget="40%", residency="inline", prefetch="off",
+                          cpu_experts=mode)
+        texts[mode] = model.hf_model.generate(ids, **GREEDY)
+        served = model.stats().get("cpu_experts", {})
+    assert served and sum(layer["tokens"] for layer in served["layers"]) > 0
+    assert torch.equal(texts["all"], texts["off"])
