@@ -198,10 +198,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
                              "static and on-demand; inline otherwise)")
     parser.add_argument("--cpu-experts", choices=CPU_EXPERTS,
-                        help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
-                             "(the default: on CUDA, a cost model calibrated once per machine splits each layer's "
-                             "misses, and stays off where it gives the CPU none; off on the CPU), all (every miss the "
-                             "policy leaves in host memory) or off. On, MoE layers run inline (--residency)")
+                        help="compute missed experts on the CPU from host memory while the others cross PCIe: off "
+                             "(the default), auto (on CUDA, a cost model calibrated once per machine splits each "
+                             "layer's misses, and stays off where it gives the CPU none; off on the CPU) or all (every "
+                             "miss the policy leaves in host memory). On, MoE layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one)")
     parser.add_argument("--no-cuda-graphs", action="store_true",

@@ -66,7 +66,7 @@ def layer_times(result: dict) -> list[str]:
     return lines
 
 
-CONFIG_ORDER = ("mira", "mira-gpu", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
+CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "static", "hf-gpu", "hf-offload")  # one colour each, the same in every chart
 
 

@@ -52,14 +52,15 @@ class ResidencyConfig:
 class HybridConfig:
     """Missed experts computed on the CPU, from the host store, while the others cross PCIe.
 
-    mode: "all" (every miss the policy leaves in host memory goes to the CPU), "off", or "auto"
+    mode: "off" (the default until the GPU runs show where the CPU's share pays for inline
+        residency), "all" (every miss the policy leaves in host memory goes to the CPU), or "auto"
         (on CUDA, the calibrated cost model splits each layer's misses between the CPU and PCIe,
         and turns itself off where it gives the CPU no share of a decode layer's misses; on the
         CPU, off: both sides would be the same cores).
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
     """
 
-    mode: str = "auto"
+    mode: str = "off"
     threads: int | None = None
 
 

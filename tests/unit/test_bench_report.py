@@ -11,7 +11,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
            "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "tokens_served": {"hot": 90, "stage": 0, "miss": 10},
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers}}
-    gpu = {**row, "config": "mira-gpu", "cpu_tokens": 0, "cpu_experts": {"mode": "off"},
+    gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"},
            "bound": {"bound_tokens_per_s": 50.0}}
     result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row, gpu]}
     lines = format_table(result).splitlines()
