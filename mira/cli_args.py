@@ -125,9 +125,9 @@ def check_model_options(args: argparse.Namespace) -> None:
             if value is not None:
                 raise MiraError(f"{flag} {value} has no effect on the CPU without --vram-budget (every expert is read "
                                 f"in place from host memory); pass --vram-budget (e.g. 25%) or leave out {flag}")
-    if args.cpu_experts == "off" and args.cpu_expert_threads is not None:
+    if args.cpu_experts in (None, "off") and args.cpu_expert_threads is not None:
         raise MiraError("--cpu-threads sets the threads of the CPU that computes missed experts, which --cpu-experts "
-                        "off switches off; pass --cpu-experts auto or all, or leave out --cpu-threads")
+                        "off (the default) leaves unused; pass --cpu-experts auto or all, or leave out --cpu-threads")
     if args.profile is not None and args.policy != "static":
         raise MiraError("--profile places the static policy's experts; pass --policy static with it, or leave it out")
     if args.policy == "static" and args.profile is None:
