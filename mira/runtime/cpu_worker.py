@@ -153,15 +153,17 @@ class HostRows:
         top_k: K.
         dtype: the hidden states' dtype.
         device: where the layer runs.
+        weights_dtype: the routing weights' dtype (kept as they come: a copy that also converts
+            would make a device temporary on every call).
     """
 
     def __init__(self, max_tokens: int, hidden_size: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, weights_dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.hidden = torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=cuda)  # [T, H]
         self.top_k_index = torch.empty(max_tokens, top_k, dtype=torch.int64, pin_memory=cuda)  # [T, K]
-        self.top_k_weights = torch.empty(max_tokens, top_k, dtype=torch.float32, pin_memory=cuda)  # [T, K]
+        self.top_k_weights = torch.empty(max_tokens, top_k, dtype=weights_dtype, pin_memory=cuda)  # [T, K]
         self.out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, pin_memory=cuda)  # [T, H] partial sums
         self._device_out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, device=self.device) if cuda \
             else None

@@ -261,7 +261,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   admits_misses=_policy_class(config.cache.policy).admits_misses,
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
-                  speculates=config.prefetch.mode == "off" or all(speculates(site.router) for site in sites[:1]),
+                  speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and cpu_pays(costs, hf_model.config.num_experts_per_tok,
                                                           store.blob_bytes))
     try:

@@ -143,7 +143,7 @@ class HybridExperts:
         experts = plan.cpu if plan is not None else [e for e, _ in from_host]
         if not experts:
             return None
-        rows = self._host_rows(hidden, top_k_index.shape[1])
+        rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
         job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position])
         future = self.worker.submit(job)
@@ -165,10 +165,12 @@ class HybridExperts:
     def summary(self) -> dict:
         return {"mode": self.mode, "threads": self.worker.threads, **self.telemetry.summary()}
 
-    def _host_rows(self, hidden: torch.Tensor, top_k: int) -> HostRows:
+    def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows
         tokens, size = hidden.shape
+        top_k = top_k_weights.shape[1]
         if rows is None or rows.hidden.shape[0] < tokens or rows.hidden.dtype != hidden.dtype \
-                or rows.top_k_index.shape[1] != top_k:
-            self._rows = rows = HostRows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype, self._device)
+                or rows.top_k_index.shape[1] != top_k or rows.top_k_weights.dtype != top_k_weights.dtype:
+            self._rows = rows = HostRows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype, self._device,
+                                         top_k_weights.dtype)
         return rows
