@@ -14,7 +14,8 @@ token and its routing with it. Reports per decode step:
 - host time inside Mira's pieces (record_function ranges around them): MiraExperts.forward
   (inclusive), cache.settle_layer (inline residency's read-back and policy work per layer),
   cache.settle (lagged residency's one read-back and policy work per step), staging's work before
-  and after a layer, the predictor's scores, the FFN call;
+  and after a layer, the predictor's scores, the FFN call, and with a CPU share its hand-off
+  (hybrid.start) and the wait for its partial sum (hybrid.finish);
 - host time blocked on the device (cudaStreamSynchronize: the per-layer read-back of routing);
 - device time by kind: the expert kernels (Triton), host-to-device copies, everything else
   (attention, norms, router, embeddings, LM head).
@@ -51,7 +52,7 @@ from mira.store.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RANGES = ("MiraExperts.forward", "cache.settle_layer", "cache.settle", "staging.before_layer",
-          "staging.after_layer", "predictor.scores", "ffn")
+          "staging.after_layer", "predictor.scores", "ffn", "hybrid.start", "hybrid.finish")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -77,6 +78,9 @@ def _instrument(model) -> None:
     ffn = layers[0].ffn  # one kernel object serves every layer
     if hasattr(ffn, "forward_bases"):
         _ranged(ffn, "forward_bases", "ffn")
+    if layers[0].hybrid is not None:  # one object serves every layer
+        for name in ("start", "finish"):
+            _ranged(layers[0].hybrid, name, f"hybrid.{name}")
     for layer in layers:
         _ranged(layer, "forward", "MiraExperts.forward")
         if not hasattr(ffn, "forward_bases"):  # the reference FFN, called as `layer.ffn(...)`

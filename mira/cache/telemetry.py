@@ -80,7 +80,8 @@ class HybridTelemetry:
     """Per MoE layer, the calls whose misses the CPU shared: experts and tokens it computed, and the
     cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
     the measured ones (hand-off to the CPU's partial sum added into the layer's output: the CPU's
-    side as the host sees it; the device's kernel is not waited for). A CPU-served expert is also
+    side as the host sees it; the device's kernel is not waited for), and the worker's own part of
+    that (rows ready to partial sum written). A CPU-served expert is also
     a miss in `Telemetry`: the policy saw it miss."""
 
     def __init__(self, num_layers: int):
@@ -88,18 +89,21 @@ class HybridTelemetry:
         self.experts = [0] * num_layers
         self.tokens = [0] * num_layers
         self.measured_s = [0.0] * num_layers
+        self.compute_s = [0.0] * num_layers  # the worker's own time, rows ready to partial sum written
         self.predicted_s = [0.0] * num_layers  # over the calls that had a prediction
         self.predicted_cpu_s = [0.0] * num_layers
         self.predicted_calls = [0] * num_layers
         self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
 
-    def record(self, layer_position: int, experts: int, tokens: int, measured_s: float,
+    def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
                predicted: tuple[float, float] | None) -> None:
-        """One call; `predicted`: (the layer's misses served, the CPU's side) in seconds, or None."""
+        """One call; `compute_s`: the worker's part of `measured_s`; `predicted`: (the layer's misses
+        served, the CPU's side) in seconds, or None."""
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
         self.tokens[layer_position] += tokens
         self.measured_s[layer_position] += measured_s
+        self.compute_s[layer_position] += compute_s
         if predicted is not None:
             self.predicted_s[layer_position] += predicted[0]
             self.predicted_cpu_s[layer_position] += predicted[1]
@@ -114,7 +118,8 @@ class HybridTelemetry:
                 continue
             predicted = self.predicted_calls[layer]
             row = {"layer": layer, "calls": calls, "experts": self.experts[layer], "tokens": self.tokens[layer],
-                   "measured_ms": round(1e3 * self.measured_s[layer] / calls, 4)}
+                   "measured_ms": round(1e3 * self.measured_s[layer] / calls, 4),
+                   "cpu_compute_ms": round(1e3 * self.compute_s[layer] / calls, 4)}
             if predicted:
                 row["predicted_ms"] = round(1e3 * self.predicted_s[layer] / predicted, 4)
                 row["predicted_cpu_ms"] = round(1e3 * self.predicted_cpu_s[layer] / predicted, 4)

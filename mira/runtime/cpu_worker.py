@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class CpuJob:
         blobs: length E, the host-store blob of every expert in `experts`.
         out: [T, H] host tensor the partial sum is written into (every row).
         ready: a CUDA event recorded after the copies that fill the host tensors (None on the CPU).
+        compute_s: set by the worker: seconds from the rows being ready to the partial sum written.
     """
 
     layer_position: int
@@ -55,6 +57,7 @@ class CpuJob:
     blobs: Sequence[torch.Tensor | None]
     out: torch.Tensor
     ready: torch.cuda.Event | None = None
+    compute_s: float = 0.0
 
 
 class CpuExpertWorker:
@@ -111,7 +114,10 @@ class CpuExpertWorker:
     def _compute(self, job: CpuJob) -> torch.Tensor:
         if job.ready is not None:
             job.ready.synchronize()  # blocks this thread only, with the GIL released
-        return self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
+        begin = time.perf_counter()
+        out = self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
+        job.compute_s = time.perf_counter() - begin
+        return out
 
     def _run(self, threads: int, started: Future) -> None:
         try:

@@ -26,7 +26,7 @@ from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import expert_ffn
 from mira.kernels.tuning import TUNING_DIR
 from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
-from mira.runtime.cpu_worker import CpuExpertWorker, HostRows
+from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob, HostRows
 from mira.store.cache import cache_dir
 from mira.store.store import ExpertStore
 
@@ -81,6 +81,7 @@ class CpuShare:
     layer_position: int
     experts: list[int]
     tokens: int
+    job: CpuJob
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
@@ -150,7 +151,7 @@ class HybridExperts:
         self._tables.hide(layer_position, experts)
         chosen = set(experts)
         tokens = sum(t for e, t in from_host if e in chosen)
-        return CpuShare(layer_position, experts, tokens, future, begin,
+        return CpuShare(layer_position, experts, tokens, job, future, begin,
                         (plan.predicted_s, plan.cpu_s) if plan is not None else None)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
@@ -159,7 +160,7 @@ class HybridExperts:
         self._tables.restore(share.layer_position, share.experts)
         out = self._rows.add_into(out, share.future.result())
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens,
-                              time.perf_counter() - share.begin, share.predicted)
+                              time.perf_counter() - share.begin, share.job.compute_s, share.predicted)
         return out
 
     def summary(self) -> dict:

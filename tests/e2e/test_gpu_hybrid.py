@@ -24,14 +24,14 @@ def _prompt():
     return torch.randint(2, 320, (1, 16), generator=torch.Generator().manual_seed(5))
 
 
-def _budget(store, slots: int) -> int:
-    probe = mira.load(store, device="cuda", vram_budget=64 << 30, progress=False)
+def _budget(store, slots: int, dtype: str) -> int:
+    probe = mira.load(store, device="cuda", dtype=dtype, vram_budget=64 << 30, progress=False)
     return probe.plan.reserve_bytes + slots * probe.store.blob_bytes
 
 
 def test_every_miss_on_the_cpu_generates_the_cpu_paths_float32_text(mixtral_store):
     expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **GREEDY)
-    model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10),
+    model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10, "float32"),
                       cpu_experts="all", progress=False)
     assert model.stats()["residency"] == "inline" and model.hybrid.costs is not None  # calibrated for predictions
     got = model.generate(_prompt(), **GREEDY).cpu()
@@ -43,7 +43,7 @@ def test_every_miss_on_the_cpu_generates_the_cpu_paths_float32_text(mixtral_stor
 
 @pytest.mark.parametrize("split", [False, True])
 def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
-    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=_budget(mixtral_store, 8),
+    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=_budget(mixtral_store, 8, "bfloat16"),
                       policy="on-demand", prefetch="off", cpu_experts="all", progress=False)
     layer = min((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)), key=lambda m: m.layer_position)
     if split:  # one miss costs 1 ms on either side: the CPU takes floor(n / 2) of n misses
