@@ -50,8 +50,8 @@ def format_table(result: dict) -> str:
 
 def layer_times(result: dict) -> list[str]:
     """Per run whose CPU computed missed experts: each MoE layer's cost-model prediction per call
-    (the later side, and the CPU's side) against the measured time (hand-off to the CPU's partial
-    sum added) and the worker's compute time within it, in milliseconds."""
+    (the later side, and the CPU's side) against the measured time (hand-off to the worker's partial
+    sum written) and the worker's compute time within it, in milliseconds."""
     lines = []
     for row in result["runs"]:
         layers = [layer for layer in (row.get("cpu_experts") or {}).get("layers", []) if "predicted_ms" in layer]

@@ -79,9 +79,9 @@ class Telemetry:
 class HybridTelemetry:
     """Per MoE layer, the calls whose misses the CPU shared: experts and tokens it computed, and the
     cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
-    the measured ones (hand-off to the CPU's partial sum added into the layer's output: the CPU's
-    side as the host sees it; the device's kernel is not waited for), and the worker's own part of
-    that (rows ready to partial sum written). A CPU-served expert is also
+    the measured ones (hand-off to the worker through with its partial sum: the CPU's side; the
+    device's kernel is not waited for), and the worker's own part of that (rows ready to partial
+    sum written). A CPU-served expert is also
     a miss in `Telemetry`: the policy saw it miss."""
 
     def __init__(self, num_layers: int):

@@ -3,7 +3,8 @@
 The GPU side copies a layer's hidden rows and routing into pinned host buffers (`HostRows.stage`,
 non-blocking, with an event), hands the worker a `CpuJob` naming the experts the CPU computes,
 launches its own kernel for the rest, and adds the worker's partial sum back on the device
-(`HostRows.add_into`) once the job's future is done. On a CPU-only run the same executor
+(`HostRows.add_into`): after the job's future is done, or, on CUDA, enqueued behind a hold that
+the job's `done` releases (mira.runtime.host_signal), so the host need not wait. On a CPU-only run the same executor
 (`mira.kernels.cpu_experts.CpuExpertFFN`) is simply called in place.
 
 Threads. torch computes on the CPU through OpenMP (`torch.__config__.parallel_info()`: "ATen
@@ -46,7 +47,9 @@ class CpuJob:
         blobs: length E, the host-store blob of every expert in `experts`.
         out: [T, H] host tensor the partial sum is written into (every row).
         ready: a CUDA event recorded after the copies that fill the host tensors (None on the CPU).
+        done: called by the worker once it is through with the job, whether it failed or not.
         compute_s: set by the worker: seconds from the rows being ready to the partial sum written.
+        finished: set by the worker: `time.perf_counter()` when it was through.
     """
 
     layer_position: int
@@ -57,7 +60,9 @@ class CpuJob:
     blobs: Sequence[torch.Tensor | None]
     out: torch.Tensor
     ready: torch.cuda.Event | None = None
+    done: Callable[[], None] | None = None
     compute_s: float = 0.0
+    finished: float = 0.0
 
 
 class CpuExpertWorker:
@@ -112,12 +117,17 @@ class CpuExpertWorker:
         self.close()
 
     def _compute(self, job: CpuJob) -> torch.Tensor:
-        if job.ready is not None:
-            job.ready.synchronize()  # blocks this thread only, with the GIL released
-        begin = time.perf_counter()
-        out = self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
-        job.compute_s = time.perf_counter() - begin
-        return out
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()  # blocks this thread only, with the GIL released
+            begin = time.perf_counter()
+            out = self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
+            job.compute_s = time.perf_counter() - begin
+            return out
+        finally:
+            job.finished = time.perf_counter()
+            if job.done is not None:
+                job.done()
 
     def _run(self, threads: int, started: Future) -> None:
         try:
@@ -173,20 +183,23 @@ class HostRows:
         self.out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, pin_memory=cuda)  # [T, H] partial sums
         self._device_out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, device=self.device) if cuda \
             else None
-        self._staged = torch.cuda.Event() if cuda else None
 
     def stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-              layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None]) -> CpuJob:
-        """A job for `experts` on this call's rows, copied here without a host sync."""
+              layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
+              done: Callable[[], None] | None = None) -> CpuJob:
+        """A job for `experts` on this call's rows, copied here without a host sync. Each job gets
+        an event of its own: the worker may reach a job only after the next one was staged."""
         T = hidden.shape[0]
         if T > self.hidden.shape[0]:
             raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
         rows = (self.hidden[:T], self.top_k_index[:T], self.top_k_weights[:T])
         for dst, src in zip(rows, (hidden, top_k_index, top_k_weights)):
             dst.copy_(src, non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
-        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged)
+        staged = None
+        if self._device_out is not None:
+            staged = torch.cuda.Event()
+            staged.record()
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], staged, done)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out` (call once its future is done)."""

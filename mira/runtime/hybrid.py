@@ -4,9 +4,14 @@ Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`).
 chooses the misses the CPU computes (every one, or the cost model's split), copies the layer's
 rows to the host, hands the worker the job and hides those experts from the layer's address table
 (address 0: the kernel adds zero for them, its weights unread). The layer's kernel then computes
-the rest; `finish` restores the table, waits for the CPU's partial sum and adds it into the
-layer's output on the device. On a CPU-only run the "device side" is the reference FFN on the
-CPU, and the same steps run.
+the rest; `finish` restores the table and adds the CPU's partial sum into the layer's output.
+
+On CUDA the host does not wait for the CPU's share: `finish` enqueues a hold on the stream
+(mira.runtime.host_signal) that the worker releases when its sum is written, then the copy and
+the add. The host goes on enqueueing the next layer's attention while the CPU computes, and
+waits only at that layer's own routing read-back. The next `start` collects the finished job
+(its telemetry, or the worker's error). On a CPU-only run the "device side" is the reference FFN
+on the CPU, and `finish` waits for the worker.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mira.kernels.reference import expert_ffn
 from mira.kernels.tuning import TUNING_DIR
 from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob, HostRows
+from mira.runtime.host_signal import HostSignal
 from mira.store.cache import cache_dir
 from mira.store.store import ExpertStore
 
@@ -115,6 +121,8 @@ class HybridExperts:
         self._blobs = [[store.blob(layer, e) for e in range(store.num_experts)] for layer in range(store.num_layers)]
         self._device = torch.device(device)
         self._rows: HostRows | None = None  # made by the first call, grown by a larger one
+        self._signal = HostSignal() if self._device.type == "cuda" else None
+        self._pending: CpuShare | None = None  # the job `finish` left to the stream, collected by `start`
         weakref.finalize(self, worker.close)
 
     @property
@@ -138,6 +146,7 @@ class HybridExperts:
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> CpuShare | None:
         """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
         from the table. None when the CPU gets none."""
+        self.collect()
         if not from_host:
             return None
         plan = self.choose(on_device, from_host)
@@ -146,7 +155,8 @@ class HybridExperts:
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
-        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position])
+        done = self._signal.post if self._signal is not None else None
+        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position], done)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
         chosen = set(experts)
@@ -155,16 +165,33 @@ class HybridExperts:
                         (plan.predicted_s, plan.cpu_s) if plan is not None else None)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
-        """After the layer's kernel has been launched on `out` [T, H]: restore the table, wait for the
-        CPU's partial sum and add it into `out` (on the device's current stream)."""
+        """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
+        CPU's partial sum into `out` on the device's current stream; on CUDA without waiting for it
+        (the stream holds until the worker is through), on the CPU after it."""
         self._tables.restore(share.layer_position, share.experts)
-        out = self._rows.add_into(out, share.future.result())
-        self.telemetry.record(share.layer_position, len(share.experts), share.tokens,
-                              time.perf_counter() - share.begin, share.job.compute_s, share.predicted)
-        return out
+        if self._signal is None:
+            out = self._rows.add_into(out, share.future.result())
+            self._record(share)
+            return out
+        self._signal.hold()
+        self._pending = share
+        return self._rows.add_into(out, share.job.out)
+
+    def collect(self) -> None:
+        """Wait for the job `finish` left to the stream, if any (by the next layer's read-back it is
+        done), record its telemetry, and raise the worker's error if it failed."""
+        share, self._pending = self._pending, None
+        if share is not None:
+            share.future.result()
+            self._record(share)
 
     def summary(self) -> dict:
+        self.collect()
         return {"mode": self.mode, "threads": self.worker.threads, **self.telemetry.summary()}
+
+    def _record(self, share: CpuShare) -> None:
+        self.telemetry.record(share.layer_position, len(share.experts), share.tokens, share.job.finished - share.begin,
+                              share.job.compute_s, share.predicted)
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows

@@ -126,3 +126,18 @@ def test_rows_go_to_the_worker_and_back_through_pinned_buffers():
         rows.add_into(out, worker.submit(job).result(timeout=60))
     expected = ffn(hidden, index, weights, blobs, experts).float().to(torch.bfloat16)
     assert torch.equal(out.cpu(), expected)
+
+
+def test_the_worker_calls_done_after_a_job_and_after_a_failed_one():
+    layout, blobs, hidden, index, weights = layer("int8-row", 3, seed=4)
+    rows = HostRows(4, H, K, hidden.dtype, "cpu")
+    calls = []
+    with CpuExpertWorker(CpuExpertFFN(layout, F.silu), threads=1) as worker:
+        job = rows.stage(hidden, index, weights, 0, index.unique().tolist(), blobs, done=lambda: calls.append("ok"))
+        worker.submit(job).result(timeout=60)
+        assert calls == ["ok"] and job.finished >= job.compute_s > 0
+        missing = [None] * len(blobs)  # no blob for an expert it is to compute: the job fails
+        failed = rows.stage(hidden, index, weights, 0, [int(index[0, 0])], missing, done=lambda: calls.append("failed"))
+        with pytest.raises(ValueError, match="no blob"):
+            worker.submit(failed).result(timeout=60)
+    assert calls == ["ok", "failed"]

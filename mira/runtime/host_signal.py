@@ -1,0 +1,57 @@
+"""A CUDA stream that waits for a host thread, with no host thread waiting for the stream.
+
+`HostSignal.hold(stream)` enqueues a CUDA host function (`cuLaunchHostFunc`) that is libc's
+`sem_wait` on a counting semaphore: CUDA's callback thread runs it in stream order, so the
+stream's later work starts only once some thread has called `post()` as many times as holds
+were enqueued so far. The callback is C, not Python: it needs no GIL and waits on no thread that
+might hold it. The caller goes on enqueueing work meanwhile. Each hold must be matched by exactly
+one post, or the stream stalls for good.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import torch
+
+SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit Linux; room to spare
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    libc.sem_post.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _launch_host_func():
+    cuda = ctypes.CDLL("libcuda.so.1")
+    launch = cuda.cuLaunchHostFunc
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # CUstream, CUhostFn, void *userData
+    launch.restype = ctypes.c_int  # CUresult
+    return launch
+
+
+class HostSignal:
+    """A semaphore that CUDA streams wait on (`hold`) and host threads release (`post`)."""
+
+    def __init__(self) -> None:
+        self._libc = _libc()
+        self._launch = _launch_host_func()
+        self._sem = ctypes.create_string_buffer(SEM_T_BYTES)
+        if self._libc.sem_init(self._sem, 0, 0):
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._wait = ctypes.cast(self._libc.sem_wait, ctypes.c_void_p)  # int sem_wait(sem_t *) as a CUhostFn
+
+    def hold(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue on `stream` (default: the current one) a wait for the next unmatched `post`."""
+        stream = stream or torch.cuda.current_stream()
+        status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._wait, ctypes.cast(self._sem, ctypes.c_void_p))
+        if status:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
+
+    def post(self) -> None:
+        """Release one hold (from any thread)."""
+        if self._libc.sem_post(self._sem):
+            raise OSError(ctypes.get_errno(), "sem_post failed")
