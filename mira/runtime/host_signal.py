@@ -18,8 +18,9 @@ import torch
 SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit Linux; room to spare
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def _libc() -> ctypes.PyDLL:
+    """libc, called with the GIL held: `post` then never waits to take the GIL back."""
+    libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
     libc.sem_post.argtypes = [ctypes.c_void_p]
     return libc
