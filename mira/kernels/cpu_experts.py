@@ -29,20 +29,12 @@ Every layout the experts interface declares is served, as mira.kernels.reference
 computes it: biases (float32 sections, added in float32 after each product), ungated experts
 (act(up)) and a family's own gating (`gate`, applied to the gate-and-up output [T, 2I]).
 
-One job (a layer's experts for the CPU) of the common layout, INT8 with SiLU-gated experts and no
-biases, runs as one TorchScript function (`_int8_silu_experts`), which holds no GIL while it runs:
-the CPU worker computes beside a host thread that is busy launching the next layer in Python, and
-a thread that took the GIL back after each of the ~25 operations of an expert would wait for that
-one each time. It computes what the per-expert Python path computes, operation for operation.
-
 T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
-from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +66,6 @@ class CpuExpertFFN:
         self._gate_up_mm = _int8_mm if layout.hidden % VECTOR == 0 else _int8_mm_fp32  # reduces over H
         self._down_mm = _int8_mm if layout.intermediate % VECTOR == 0 else _int8_mm_fp32  # reduces over I
         self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
-        common = layout.scheme in ("int8-shared", "int8-row") and layout.gated and not layout.bias
-        self._script = _scripted() if common and gate is None and act is F.silu else None
         self._views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # id(blob) -> (blob, its views)
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -127,43 +117,27 @@ class CpuExpertFFN:
         Raises:
             ValueError: an expert in `experts` has no blob.
         """
-        for expert in experts:
-            if blobs[expert] is None:
-                raise ValueError(f"expert {expert} is to be computed on the CPU but no blob was given for it")
-        if self._script is not None and self.scripted(hidden):
-            if out is None:
-                out = torch.empty(hidden.shape, dtype=hidden.dtype)
-            return self._scripted_call(hidden, top_k_index, top_k_weights, blobs, experts, out)
         total = torch.zeros(hidden.shape, dtype=torch.float32)  # [T, H]
         for expert in experts:
+            blob = blobs[expert]
+            if blob is None:
+                raise ValueError(f"expert {expert} is to be computed on the CPU but no blob was given for it")
             token_idx, k_pos = torch.where(top_k_index == expert)  # [T_e] each
             if token_idx.numel() == 0:
                 continue
-            y = self.expert(hidden[token_idx], self.views(blobs[expert]))  # [T_e, H]
+            y = self.expert(hidden[token_idx], self.views(blob))  # [T_e, H]
             total.index_add_(0, token_idx, y.float() * top_k_weights[token_idx, k_pos, None].float())
         if out is None:
             return total.to(hidden.dtype)
         return out.copy_(total)
 
-    def scripted(self, hidden: torch.Tensor) -> bool:
-        """Whether a call on `hidden` may take the TorchScript path (one that `expert` would compute alike)."""
-        return True
-
     def views(self, blob: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The typed views of a blob, made once per blob (their slicing is a dozen operations)."""
+        """The typed views of a blob, made once per blob: their slicing is a dozen operations, each of
+        which a worker thread must take the GIL back after."""
         held = self._views.get(id(blob))
         if held is None or held[0] is not blob:
             held = self._views[id(blob)] = (blob, self.layout.views(blob))
         return held[1]
-
-    def _scripted_call(self, hidden, top_k_index, top_k_weights, blobs, experts, out) -> torch.Tensor:
-        views = [self.views(blobs[expert]) for expert in experts]
-        shared = self.layout.scheme == "int8-shared"
-        return self._script(
-            hidden, top_k_index, top_k_weights, list(experts), [v["w13"] for v in views],
-            [self._unit if shared else v["scale13"] for v in views], [v["w2"] for v in views],
-            [v["scale" if shared else "scale2"] for v in views], [v["scale"] for v in views] if shared else [],
-            self._gate_up_mm is _int8_mm, self._down_mm is _int8_mm, out)
 
     def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
         """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I] (gate columns first;
@@ -189,52 +163,3 @@ def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 def _int8_mm_fp32(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The same product for any K through the fp32 form, rounded to bf16 like `_int8_mm`."""
     return torch._weight_int8pack_mm(x.float(), w, scale.float()).to(COMPUTE_DTYPE)
-
-
-def _int8_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, vector: bool) -> torch.Tensor:
-    """`_int8_mm` (vector) or `_int8_mm_fp32`, for TorchScript: x is freshly made, so aligned."""
-    if vector:
-        return torch._weight_int8pack_mm(x, w, scale)
-    return torch._weight_int8pack_mm(x.float(), w, scale.float()).to(torch.bfloat16)
-
-
-def _int8_silu_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       experts: List[int], w13: List[torch.Tensor], scale13: List[torch.Tensor],
-                       w2: List[torch.Tensor], scale2: List[torch.Tensor], input_scale: List[torch.Tensor],
-                       vector_gate_up: bool, vector_down: bool, out: torch.Tensor) -> torch.Tensor:
-    """`CpuExpertFFN.__call__` for SiLU-gated INT8 experts without biases: the sum, in float32, written
-    into `out` [T, H]; per expert, its views' weights and scales (`input_scale`: int8-shared's vector,
-    folded into the activations; empty for int8-row)."""
-    total = torch.zeros(hidden.shape, dtype=torch.float32)  # [T, H]
-    for i in range(len(experts)):
-        hits = (top_k_index == experts[i]).nonzero()  # [T_e, 2]: (token, k), row-major as torch.where
-        if hits.shape[0] == 0:
-            continue
-        token_idx, k_pos = hits[:, 0], hits[:, 1]
-        x = hidden.index_select(0, token_idx)  # [T_e, H]
-        x_in = x.to(torch.bfloat16)
-        if len(input_scale) > 0:
-            x_in = x_in * input_scale[i]
-        gate_up = _int8_product(x_in, w13[i], scale13[i], vector_gate_up).float()  # [T_e, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = (F.silu(gate) * up).to(torch.bfloat16)  # [T_e, I]
-        y = _int8_product(h, w2[i], scale2[i], vector_down).to(x.dtype)  # [T_e, H]
-        total.index_add_(0, token_idx, y.float() * top_k_weights[token_idx, k_pos].float().unsqueeze(1))
-    return out.copy_(total)
-
-
-_SCRIPT: list = []  # the scripted `_int8_silu_experts`, made on first use
-
-
-def _scripted():
-    """`_int8_silu_experts` as TorchScript (deprecated in torch, yet the one way here to run a loop of
-    operations without the GIL), or None where this torch cannot script it."""
-    if not _SCRIPT:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                _SCRIPT.append(torch.jit.script(_int8_silu_experts))
-        except (AttributeError, RuntimeError) as error:
-            warnings.warn(f"the CPU's expert jobs run per operation in Python (TorchScript failed: {error})")
-            _SCRIPT.append(None)
-    return _SCRIPT[0]

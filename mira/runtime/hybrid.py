@@ -10,16 +10,12 @@ On CUDA the host does not wait for the CPU's share: `finish` enqueues a hold on 
 (mira.runtime.host_signal) that the worker releases when its sum is written, then the copy and
 the add. The host goes on enqueueing the next layer's attention while the CPU computes, and
 waits only at that layer's own routing read-back. The next `start` collects the finished job
-(its telemetry, or the worker's error). The worker and the host thread share the GIL: a thread
-that waits for it can wait a whole switch interval (5 ms by default) while the other runs Python,
-longer than an expert takes, so on CUDA the interpreter's interval is lowered to `SWITCH_S`
-(process-wide). On a CPU-only run the "device side" is the reference FFN
+(its telemetry, or the worker's error). On a CPU-only run the "device side" is the reference FFN
 on the CPU, and `finish` waits for the worker.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -41,9 +37,6 @@ from mira.store.cache import cache_dir
 from mira.store.store import ExpertStore
 
 
-SWITCH_S = 1e-4  # the interpreter's switch interval while a CPU share runs beside a GPU
-
-
 class CpuExperts(CpuExpertFFN):
     """The CPU executor of the store's experts. Activations in float32 (CPU-only runs) are computed
     in float32 on the dequantized weights, as the reference FFN computes the other experts of the
@@ -54,9 +47,6 @@ class CpuExperts(CpuExpertFFN):
         if x.dtype == torch.float32:
             return expert_ffn(x, views, self.layout, self.act, self.gate)
         return super().expert(x, views)
-
-    def scripted(self, hidden: torch.Tensor) -> bool:
-        return hidden.dtype != torch.float32
 
 
 def worker_threads(requested: int | None) -> int:
@@ -132,8 +122,6 @@ class HybridExperts:
         self._device = torch.device(device)
         self._rows: HostRows | None = None  # made by the first call, grown by a larger one
         self._signal = HostSignal() if self._device.type == "cuda" else None
-        if self._signal is not None:
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))
         self._pending: CpuShare | None = None  # the job `finish` left to the stream, collected by `start`
         weakref.finalize(self, worker.close)
 

@@ -66,7 +66,9 @@ def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
                                      F.silu)
         error, kernel_error = ((y.double() - expected).abs().max().item() for y in (got, kernel_only))
         print(f"\n{tokens} tokens: max error {error:.4f} with the CPU's share, {kernel_error:.4f} without")
-        assert error <= 2 * kernel_error + 1e-3  # bf16 roundings of the same order on either side
+        # the CPU rounds x * s and the gate/up outputs to bf16, which the kernel keeps in fp32
+        # (tests/kernels/test_cpu_experts.py derives its bound from those roundings): about twice the error
+        assert error <= 3 * kernel_error + 1e-3
     hybrid.collect()
     assert hybrid.telemetry.calls[0] == 3
     assert torch.equal(model.cache.tables.tables[0].cpu(), model.cache.tables.blob_addresses[:E].cpu())  # restored

@@ -257,31 +257,18 @@ class _RecordWeights(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("scheme,weight_dtype,path", [(*s, "python") for s in SCHEMES if s[0] != "int4"] + [
-    (*s, "scripted") for s in SCHEMES if s[0].startswith("int8")])
-def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype, path):
-    """No second copy of the weights: every product's weight is a view at its section's address
-    (on the scripted path: every weight handed to the script)."""
+@pytest.mark.parametrize("scheme,weight_dtype", [s for s in SCHEMES if s[0] != "int4"])
+def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
+    """No second copy of the weights: every product's weight is a view at its section's address."""
     H, I = 96, 40
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blob = make_blobs(layout, 1, seed=0)[0]
-    ffn = CpuExpertFFN(layout, F.silu)
-    args = (torch.randn(2, H), torch.tensor([[0], [0]]), torch.ones(2, 1), [blob], [0])
-    if path == "python":
-        ffn.scripted = lambda hidden: False
-        with _RecordWeights() as recorded:
-            ffn(*args)
-        weights = recorded.weights
-    else:
-        handed = []
-        script = ffn._script
-        ffn._script = lambda *a: handed.append((a[4][0], a[6][0])) or script(*a)  # w13 and w2 of the one expert
-        ffn(*args)
-        weights = list(handed[0])
+    with _RecordWeights() as recorded:
+        CpuExpertFFN(layout, F.silu)(torch.randn(2, H), torch.tensor([[0], [0]]), torch.ones(2, 1), [blob], [0])
     base = blob.data_ptr()
     expected = [base + layout.sections["w13"].offset, base + layout.sections["w2"].offset]
-    assert [w.data_ptr() for w in weights] == expected
-    assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in weights)
+    assert [w.data_ptr() for w in recorded.weights] == expected
+    assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
 
 
 class _RecordInt4(TorchFunctionMode):
@@ -360,32 +347,10 @@ def test_bundled_models_store_matches_the_reference(bundled_store):
         assert (out.double() - exact).abs().max() <= 3 * (in_bf16 - exact).abs().max(), f"layer {layer}"
 
 
-@pytest.mark.parametrize("scheme", ["int8-row", "int8-shared"])
-@pytest.mark.parametrize("shape", [(64, 32), (72, 29), (40, 96)])
-@pytest.mark.parametrize("tokens", [1, 5, 33])
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_scripted_job_computes_what_the_python_path_does(scheme, shape, tokens, x_dtype):
-    """A SiLU-gated INT8 layer call runs as one TorchScript function (no GIL held); it gives the
-    per-expert Python path's result bit for bit, vectorised products and fp32 forms alike."""
-    H, I = shape
-    E, K = 6, 2
-    layout = ExpertLayout(scheme, H, I)
-    blobs = make_blobs(layout, E, seed=tokens + H)
-    g = torch.Generator().manual_seed(tokens)
-    hidden = torch.randn(tokens, H, generator=g).to(x_dtype)
-    top_k_index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])  # [T, K]
-    top_k_weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1).to(x_dtype)  # [T, K]
-    experts = [e for e in range(E) if e != 3]  # a subset, including any expert routed to no token
-    scripted = CpuExpertFFN(layout, F.silu)
-    assert scripted._script is not None and scripted.scripted(hidden)
-    python = CpuExpertFFN(layout, F.silu)
-    python.scripted = lambda hidden: False
-    got = scripted(hidden, top_k_index, top_k_weights, blobs, experts)
-    assert torch.equal(got, python(hidden, top_k_index, top_k_weights, blobs, experts))
-
-
-def test_other_layouts_and_activations_stay_on_the_python_path():
-    assert CpuExpertFFN(ExpertLayout("int8-row", 64, 32, bias=True), F.silu)._script is None
-    assert CpuExpertFFN(ExpertLayout("int8-row", 64, 32), F.gelu)._script is None
-    assert CpuExpertFFN(ExpertLayout("int8-row", 64, 32), F.silu, gate=clamped_swiglu)._script is None
-    assert CpuExpertFFN(ExpertLayout("int4", 64, 32), F.silu)._script is None
+def test_views_are_made_once_per_blob_and_follow_a_new_blob():
+    layout = ExpertLayout("int8-shared", 64, 32)
+    first, second = make_blobs(layout, 2, seed=9)
+    ffn = CpuExpertFFN(layout, F.silu)
+    views = ffn.views(first)
+    assert ffn.views(first) is views and views["w13"].data_ptr() == first.data_ptr()
+    assert ffn.views(second)["w13"].data_ptr() == second.data_ptr()
