@@ -136,19 +136,17 @@ def _read(path: Path) -> dict:
 
 
 def _time_cpu(ffn, blobs: Sequence[torch.Tensor], tokens: int, budget_s: float) -> float:
-    """Median seconds of one expert at `tokens` tokens, called as a job calls it, cycling through
-    `blobs` (runs on the worker)."""
-    x = torch.randn(tokens, ffn.layout.hidden).to(torch.bfloat16)
-    index = torch.zeros(tokens, 1, dtype=torch.int64)  # [T, K = 1]: every token to expert 0
-    weights = torch.ones(tokens, 1, dtype=torch.bfloat16)
-    out = torch.empty(tokens, ffn.layout.hidden, dtype=torch.float32)
-    ffn(x, index, weights, [blobs[0]], [0], out=out)  # first-call work (kernel selection) outside the timing
+    """Median seconds of one expert at `tokens` tokens, cycling through `blobs` (runs on the worker)."""
+    layout = ffn.layout
+    x = torch.randn(tokens, layout.hidden).to(torch.bfloat16)
+    views = [layout.views(blob) for blob in blobs]
+    ffn.expert(x, views[0])  # first-call work (kernel selection) outside the timing
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 10 * len(blobs)):
-        blob = blobs[len(times) % len(blobs)]
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 10 * len(views)):
+        view = views[len(times) % len(views)]
         begin = time.perf_counter()
-        ffn(x, index, weights, [blob], [0], out=out)
+        ffn.expert(x, view)
         times.append(time.perf_counter() - begin)
     return statistics.median(times)
 
