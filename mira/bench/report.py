@@ -38,7 +38,8 @@ def format_table(result: dict) -> str:
         body.append(f"note: in {len(steady)} run(s) decode routing barely changes from step to step ({changes['value']} "
                     f"of layer-steps change their experts, {changes['uniform']} under uniform routing): their budgets "
                     "hardly matter (mira.bench.variety)")
-    lines = [title, *body, "", "mira against the fastest baseline:", *compared]
+    lines = [title, *body] + (["", "mira against the fastest baseline:", *compared] if compared else [])
+    lines += cpu_share_lines(result)
     for budget, configs in result.get("quant_comparison", {}).items():
         for config, speeds in configs.items():
             ratios = ", ".join(f"{key.replace('_over_', ' / ')} {value:.3f}x" for key, value in speeds.items()
@@ -46,6 +47,30 @@ def format_table(result: dict) -> str:
             lines.append(f"{budget}: {config} decode tokens/s by scheme: " + ", ".join(
                 f"{scheme} {value:.3g}" for scheme, value in speeds.items() if "_over_" not in scheme) + f"; {ratios}")
     return "\n".join([*lines, *layer_times(result)])
+
+
+HYBRID_CONFIGS = ("mira-cpu-auto", "mira-cpu-all")
+
+
+def cpu_share_lines(result: dict) -> list[str]:
+    """Per budget and scheme where a configuration with a CPU share ran beside `mira` (GPU only):
+    its median decode tokens/s over mira's in the same run, and over the caching bound."""
+    lines = []
+    for row in result["runs"]:
+        if row.get("config") not in HYBRID_CONFIGS or "decode_tokens_per_s" not in row:
+            continue
+        gpu_only = [r for r in result["runs"] if r.get("config") == "mira" and r["budget"] == row["budget"]
+                    and r.get("quant") == row.get("quant") and r.get("num_beams", 1) == row.get("num_beams", 1)
+                    and "decode_tokens_per_s" in r]
+        if not gpu_only:
+            continue
+        speed, bound = row["decode_tokens_per_s"], row.get("bound", {}).get("bound_tokens_per_s")
+        line = (f"{row['budget']}: {row['config']} {speed:.3g} tokens/s, "
+                f"{speed / gpu_only[0]['decode_tokens_per_s']:.3f}x mira (GPU only)")
+        if bound:
+            line += f", {speed / bound:.3f}x the caching bound"
+        lines.append(line)
+    return ["", "the CPU's share against GPU-only mira in the same run:", *lines] if lines else []
 
 
 def layer_times(result: dict) -> list[str]:

@@ -5,13 +5,13 @@ from mira.bench.report import format_table
 
 def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_and_measured_times():
     layers = [{"layer": 0, "calls": 4, "experts": 4, "tokens": 4, "measured_ms": 2.0, "predicted_ms": 1.8,
-               "predicted_cpu_ms": 1.5, "predicted_over_measured": 0.9},
+               "predicted_cpu_ms": 1.5, "predicted_over_measured": 0.9, "cpu_compute_ms": 1.7},
               {"layer": 1, "calls": 2, "experts": 2, "tokens": 2, "measured_ms": 3.0}]  # no prediction: left out
     row = {"config": "mira-cpu-all", "budget": "8GiB", "num_beams": 1, "slots": 10, "ttft_s": 0.1,
            "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "tokens_served": {"hot": 90, "stage": 0, "miss": 10},
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers}}
-    gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"},
+    gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"}, "decode_tokens_per_s": 6.0,
            "bound": {"bound_tokens_per_s": 50.0}}
     result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row, gpu]}
     lines = format_table(result).splitlines()
@@ -20,4 +20,6 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[2].split()[-2:] == ["6", "75"] and lines[3].split()[-1] == "0"  # no hybrid bound without costs
     at = lines.index("mira-cpu-all at 8GiB: predicted and measured ms per MoE layer call with a CPU share (over "
                      "every run of the configuration)")
-    assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "0.9"] and len(lines) == at + 3
+    assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "1.7", "0.9"] and len(lines) == at + 3
+    compared = lines.index("the CPU's share against GPU-only mira in the same run:")
+    assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
