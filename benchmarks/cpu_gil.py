@@ -1,0 +1,145 @@
+"""What the GIL costs the CPU worker while the host thread runs Python (mira.runtime.hybrid).
+
+The CPU worker computes one expert per job from a host blob (int8-shared, SiLU-gated), timed in
+its own thread, in three settings of the host (this) thread:
+
+  idle        the host waits for the job
+  launching   the host runs a loop shaped like eager decoding: a few small torch operations
+              (each lets the GIL go) between short stretches of pure Python (which hold it)
+  spinning    the host runs pure Python only (it lets the GIL go at the switch interval alone)
+
+and in three forms of the job:
+
+  python      the executor's per-expert path (mira.kernels.cpu_experts), about 20 operations,
+              each of which gives the GIL up and must take it back
+  scripted    the same operations as one TorchScript function, which holds no GIL while it runs
+  python+switch  the per-expert path with the interpreter's switch interval at --switch-s
+
+Each figure: median and range over --repeats passes of --calls jobs over distinct blobs (a pass
+through --spread-gb of experts, so that no CPU cache holds a blob from the call before).
+
+    python benchmarks/cpu_gil.py --threads 15 [--shape 4096x14336] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_experts import blobs_for, layout_for, shape_config, summary  # noqa: E402
+
+from mira.bench.provenance import result_header  # noqa: E402
+from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
+from mira.runtime.cpu_worker import CpuExpertWorker  # noqa: E402
+
+
+def _one_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor, unit: torch.Tensor,
+                weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The executor's int8-shared expert on x [1, H], weighted into out [1, H] (float32)."""
+    gate_up = torch._weight_int8pack_mm(x.to(torch.bfloat16) * scale, w13, unit).float()  # [1, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch._weight_int8pack_mm((F.silu(gate) * up).to(torch.bfloat16), w2, scale)  # [1, H]
+    return out.copy_(y.float() * weight)
+
+
+def _scripted_jobs():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_one_expert)
+
+
+def host_launching(future: Future) -> None:
+    """Eager decoding's shape on the host until `future` is done: small torch operations between
+    stretches of Python."""
+    a, b = torch.zeros(8), torch.ones(8)
+    while not future.done():
+        for _ in range(6):
+            a.add_(b)
+        sum(range(200))  # a few microseconds of Python holding the GIL
+
+
+def host_spinning(future: Future) -> None:
+    while not future.done():
+        sum(range(200))
+
+
+def job_pass(job, views: list[dict], x: torch.Tensor, unit: torch.Tensor, calls: int) -> float:
+    """Mean seconds per job over `calls` distinct blobs (runs on the worker)."""
+    weight = torch.ones(1, 1)
+    out = torch.empty(1, x.shape[1])
+    start = time.perf_counter()
+    for i in range(calls):
+        v = views[i % len(views)]
+        job(x, v["w13"], v["w2"], v["scale"], unit, weight, out)
+    return (time.perf_counter() - start) / calls
+
+
+def measure(worker: CpuExpertWorker, job, views, x, unit, host: str, args) -> dict:
+    worker.call(job_pass, job, views[:2], x, unit, 4).result()  # first calls (scripting's profiling runs) untimed
+    runs = []
+    for _ in range(args.repeats):
+        future = worker.call(job_pass, job, views, x, unit, args.calls)
+        if host == "launching":
+            host_launching(future)
+        elif host == "spinning":
+            host_spinning(future)
+        runs.append(future.result() * 1e6)
+    return summary(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU worker")
+    parser.add_argument("--shape", default="mixtral-8x7b", help="a preset of mira.bench.synthetic or HxI")
+    parser.add_argument("--spread-gb", type=float, default=1.0, help="distinct blob bytes cycled through")
+    parser.add_argument("--calls", type=int, default=32, help="jobs per pass")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--switch-s", type=float, default=1e-4, help="the switch interval of python+switch")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-gil.json")
+    args = parser.parse_args()
+    config = shape_config(args.shape)
+    layout = layout_for(config, "int8-shared")
+    cuda = torch.cuda.is_available()
+    store, blobs = blobs_for(config, layout, args.spread_gb * 1e9, pin=cuda)
+    ffn = CpuExpertFFN(layout, F.silu)
+    views = [ffn.views(blob) for blob in blobs]
+    x = torch.randn(1, layout.hidden).to(torch.bfloat16)
+    unit = torch.ones(2 * layout.intermediate, dtype=torch.bfloat16)
+    jobs = {"python": _one_expert, "scripted": _scripted_jobs(), "python+switch": _one_expert}
+    default_switch = sys.getswitchinterval()
+    results: dict = {}
+    with CpuExpertWorker(ffn, args.threads) as worker:
+        for name, job in jobs.items():
+            sys.setswitchinterval(args.switch_s if name == "python+switch" else default_switch)
+            for host in ("idle", "launching", "spinning"):
+                row = results.setdefault(name, {})[host] = measure(worker, job, views, x, unit, host, args)
+                print(f"{name:14s} host {host:9s} {row['median']:10.1f} us per expert "
+                      f"({row['min']:.1f}-{row['max']:.1f})", flush=True)
+    sys.setswitchinterval(default_switch)
+    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                           "cuda" if cuda else None)
+    report |= {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
+               "blob_bytes": layout.nbytes, "distinct_blobs": len(blobs), "threads": worker.threads,
+               "switch_s": {"default": default_switch, "python+switch": args.switch_s},
+               "repeats": args.repeats, "calls": args.calls, "us_per_expert": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    del store
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
