@@ -5,7 +5,8 @@ its own thread, in three settings of the host (this) thread:
 
   idle        the host waits for the job
   launching   the host runs a loop shaped like eager decoding: a few small torch operations
-              (each lets the GIL go) between short stretches of pure Python (which hold it)
+              (each lets the GIL go) between short stretches of pure Python (which hold it);
+              the loop calibration runs beside the timed CPU (mira.runtime.calibrate.keep_host_busy)
   spinning    the host runs pure Python only (it lets the GIL go at the switch interval alone)
 
 and in three forms of the job:
@@ -43,6 +44,7 @@ from cpu_experts import blobs_for, layout_for, shape_config, summary  # noqa: E4
 
 from mira.bench.provenance import result_header  # noqa: E402
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
+from mira.runtime.calibrate import keep_host_busy  # noqa: E402
 from mira.runtime.cpu_worker import CpuExpertWorker  # noqa: E402
 
 
@@ -59,16 +61,6 @@ def _scripted_jobs():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return torch.jit.script(_one_expert)
-
-
-def host_launching(future: Future) -> None:
-    """Eager decoding's shape on the host until `future` is done: small torch operations between
-    stretches of Python."""
-    a, b = torch.zeros(8), torch.ones(8)
-    while not future.done():
-        for _ in range(6):
-            a.add_(b)
-        sum(range(200))  # a few microseconds of Python holding the GIL
 
 
 def host_spinning(future: Future) -> None:
@@ -93,7 +85,7 @@ def measure(worker: CpuExpertWorker, job, views, x, unit, host: str, args) -> di
     for _ in range(args.repeats):
         future = worker.call(job_pass, job, views, x, unit, args.calls)
         if host == "launching":
-            host_launching(future)
+            keep_host_busy(future)
         elif host == "spinning":
             host_spinning(future)
         runs.append(future.result() * 1e6)

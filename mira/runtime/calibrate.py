@@ -2,7 +2,10 @@
 per expert by token count, and with a GPU its PCIe bandwidth and kernel time, in a few seconds.
 
 The CPU is timed on the worker's own thread (its thread count) over distinct blobs, so that no
-expert's weights are still in the CPU's caches from the call before. With a GPU, copies run over
+expert's weights are still in the CPU's caches from the call before, while the calling thread does
+what the host thread does beside the worker in decoding: small torch operations between stretches
+of Python. The two share the GIL, and the worker takes it back after each operation
+(benchmarks/cpu_gil.py measures what that costs). With a GPU, copies run over
 PCIe meanwhile, as they do when both sides serve misses: host memory bandwidth is shared, and
 the CPU computes more slowly then. Results are kept per machine beside the kernel tuning
 (`mira.kernels.tuning`): `<device>-hybrid.json`, one entry per CPU, thread count, shape and scheme.
@@ -17,6 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ CPU_BUDGET_S = 1.0  # CPU timing, all token counts together
 ROUND_TRIPS = 30  # of an empty job, for the per-call cost
 KERNEL_CALLS = 20  # launches timed together per GPU figure
 PCIE_BYTES_PER_S_GUESS = 50e9  # sizes the copy load before the bandwidth is measured
+HOST_OPERATIONS, HOST_ELEMENTS, HOST_PYTHON = 6, 8, 200  # the host's loop beside the timed CPU (keep_host_busy)
 
 
 def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device | str, *,
@@ -67,12 +72,23 @@ def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: to
         gpu = _gpu_kernel(worker, blobs[0], device, tokens)
         load = _copy_load(blobs, device, seconds=cpu_budget_s, bytes_per_s=bandwidth)
     per_count = max(cpu_budget_s / len(tokens), 1e-3)
-    seconds = [worker.call(_time_cpu, worker.ffn, blobs, t, per_count).result() for t in tokens]
+    seconds = [keep_host_busy(worker.call(_time_cpu, worker.ffn, blobs, t, per_count)) for t in tokens]
     if load is not None:
         load.synchronize()
     cpu_call = _round_trip(worker, blobs, device)
     return HybridCosts(blob_bytes=layout.nbytes, cpu=LinearCost.fit(list(tokens), seconds), cpu_call_s=cpu_call,
                        pcie_bytes_per_s=bandwidth, pcie_latency_s=latency, gpu=gpu)
+
+
+def keep_host_busy(future: Future):
+    """Until `future` is done, run on this thread what the host does while the worker computes (small
+    torch operations, each of which lets the GIL go, between short stretches of Python); its result."""
+    a, b = torch.zeros(HOST_ELEMENTS), torch.ones(HOST_ELEMENTS)
+    while not future.done():
+        for _ in range(HOST_OPERATIONS):
+            a.add_(b)
+        sum(range(HOST_PYTHON))  # Python holding the GIL for a few microseconds
+    return future.result()
 
 
 def costs_path(device: torch.device | str, directory: Path = TUNING_DIR) -> Path:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -75,3 +76,12 @@ def test_gpu_calibration_measures_pcie_and_the_kernel(worker):
     assert costs.pcie_bytes_per_s > 0 and costs.pcie_latency_s >= 0
     assert costs.gpu(1) > 0 and math.isfinite(costs.pcie_s(1))
     assert costs.cpu(1) > 0 and costs.cpu_call_s > 0
+
+
+def test_the_host_stays_busy_until_the_workers_result_and_returns_it(worker):
+    from mira.runtime.calibrate import keep_host_busy
+
+    calls = []
+    future = worker.call(lambda: time.sleep(0.05) or "done")
+    assert keep_host_busy(future) == "done" and future.done()
+    assert keep_host_busy(worker.call(calls.append, 1)) is None and calls == [1]
