@@ -354,3 +354,23 @@ def test_views_are_made_once_per_blob_and_follow_a_new_blob():
     views = ffn.views(first)
     assert ffn.views(first) is views and views["w13"].data_ptr() == first.data_ptr()
     assert ffn.views(second)["w13"].data_ptr() == second.data_ptr()
+
+
+@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+def test_a_one_token_call_sums_what_a_many_token_call_does(scheme, weight_dtype):
+    """Decode calls (one token) take a path of fewer operations; each of its rows is what the
+    general path gives for the same token (summed in fp32 in another order: within fp32 rounding)."""
+    H, I, E, K = 72, 30, 6, 3
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blobs = make_blobs(layout, E, seed=11)
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(1, H, generator=g).bfloat16()
+    top_k_index = torch.randperm(E, generator=g)[:K][None]  # [1, K]
+    top_k_weights = torch.softmax(torch.randn(1, K, generator=g), dim=-1)
+    experts = [0, 1, 2, 3, 4]  # the routed ones among them, and some routed to no token
+    ffn = CpuExpertFFN(layout, F.silu)
+    one = ffn(hidden, top_k_index, top_k_weights, blobs, experts, out=torch.empty(1, H))
+    two = ffn(hidden.repeat(2, 1), top_k_index.repeat(2, 1), top_k_weights.repeat(2, 1), blobs, experts,
+              out=torch.empty(2, H))
+    assert one.abs().sum() > 0
+    torch.testing.assert_close(one, two[:1], rtol=1e-6, atol=1e-6)
