@@ -81,8 +81,7 @@ class HybridTelemetry:
     cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
     the measured ones (hand-off to the worker through with its partial sum: the CPU's side; the
     device's kernel is not waited for), and the worker's own part of that (rows ready to partial
-    sum written). A CPU-served expert is also
-    a miss in `Telemetry`: the policy saw it miss."""
+    sum written). A CPU-served expert is also a miss in `Telemetry`: the policy saw it miss."""
 
     def __init__(self, num_layers: int):
         self.calls = [0] * num_layers

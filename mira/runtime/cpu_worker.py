@@ -3,9 +3,10 @@
 The GPU side copies a layer's hidden rows and routing into pinned host buffers (`HostRows.stage`,
 non-blocking, with an event), hands the worker a `CpuJob` naming the experts the CPU computes,
 launches its own kernel for the rest, and adds the worker's partial sum back on the device
-(`HostRows.add_into`): after the job's future is done, or, on CUDA, enqueued behind a hold that
-the job's `done` releases (mira.runtime.host_signal), so the host need not wait. On a CPU-only run the same executor
-(`mira.kernels.cpu_experts.CpuExpertFFN`) is simply called in place.
+(`HostRows.add_into`): on CUDA enqueued behind a hold that the job's `done` releases
+(mira.runtime.host_signal), so the host need not wait; on the CPU after the job's future is done.
+On a CPU-only run the same executor (`mira.kernels.cpu_experts.CpuExpertFFN`) is simply called in
+place.
 
 Threads. torch computes on the CPU through OpenMP (`torch.__config__.parallel_info()`: "ATen
 parallel backend: OpenMP" in the Linux wheels), whose thread count is a setting of each calling
@@ -202,7 +203,8 @@ class HostRows:
         return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], staged, done)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
-        """out [T, H] += the worker's partial sum `job_out` (call once its future is done)."""
+        """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the
+        job's future is done; on CUDA behind a hold that the job's `done` releases."""
         T = out.shape[0]
         if self._device_out is None:
             return out.add_(job_out)
