@@ -24,8 +24,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1,
            first_k_dense_replace=1, n_shared_experts=1, moe_intermediate_size=48, n_routed_experts=8)
 
+MIXTRAL_EXPERTS = 8
 CONFIGS = {
-    "mixtral": lambda: MixtralConfig(num_local_experts=8, **COMMON),
+    "mixtral": lambda: MixtralConfig(num_local_experts=MIXTRAL_EXPERTS, **COMMON),
     "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=64,
                                         **COMMON),
     "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=8, moe_intermediate_size=48, head_dim=16, **COMMON),
@@ -66,3 +67,22 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     write_tokenizer(directory)
     return directory
+
+
+def mixtral_layer_call(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random inputs of one tiny-Mixtral MoE layer call: hidden [T, H], distinct top-k expert ids
+    per token [T, K] and routing weights [T, K]."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, COMMON["hidden_size"], generator=generator)
+    top_k = COMMON["num_experts_per_tok"]
+    index = torch.stack([torch.randperm(MIXTRAL_EXPERTS, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    return hidden, index, weights
+
+
+def mixtral_layer_reference(store, layer: int, hidden, index, weights) -> torch.Tensor:
+    """That call's output in float64 from the store's blobs of `layer` (mira.kernels.reference)."""
+    from mira.kernels.reference import moe_ffn_reference
+
+    blobs = [store.blob(layer, e) for e in range(MIXTRAL_EXPERTS)]
+    return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, store.layout, torch.nn.functional.silu)

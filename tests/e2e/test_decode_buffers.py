@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mira
 from allocations import NewTensors
 from host_reads import host_reads
 from mira.kernels import DECODE_TOKENS
 from mira.kernels import make_moe_ffn
-from mira.kernels.reference import moe_ffn_reference
 from mira.predict.baselines import GateSpeculation
 from mira.runtime.experts import model_routers
 from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
+from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64, 3 MoE layers
 
@@ -29,43 +28,32 @@ def mixtral(checkpoints):
     return mira.load(checkpoints["mixtral"], device="cpu", progress=False)  # int8-shared, experts read in place
 
 
-def _call(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, H, generator=generator)
-    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])  # [T, K]
-    weights = torch.rand(tokens, K, generator=generator)
-    return hidden, index, weights
-
-
-def _reference(model, layer: int, hidden, index, weights) -> torch.Tensor:
-    blobs = [model.store.blob(layer, e) for e in range(E)]
-    return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, model.store.layout, F.silu)
-
-
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_layer_outputs_are_right_and_never_overwritten_by_another_layer(mixtral, backend):
     ffn = make_moe_ffn("cpu", mixtral.store.layout, "silu", backend=backend, num_experts=E)
     layers = [MiraExperts(p, mixtral.cache, ffn, torch.device("cpu")) for p in range(2)]
-    first = [_call(seed, tokens=2) for seed in (0, 1)]
+    first = [mixtral_layer_call(seed, tokens=2) for seed in (0, 1)]
     outputs = [layer(*args) for layer, args in zip(layers, first)]
     kept = [out.clone() for out in outputs]
-    second = _call(2, tokens=3)
+    second = mixtral_layer_call(2, tokens=3)
     again = layers[0](*second)  # layer 0's next call reuses its buffer...
     assert again.data_ptr() == outputs[0].data_ptr()
     assert torch.equal(outputs[1], kept[1])  # ...and leaves layer 1's output alone
     for layer, args, out in [(0, first[0], kept[0]), (1, first[1], kept[1]), (0, second, again)]:
-        torch.testing.assert_close(out.double(), _reference(mixtral, layer, *args), rtol=1e-5, atol=1e-5)
-    prefill = _call(3, tokens=DECODE_TOKENS + 1)
+        expected = mixtral_layer_reference(mixtral.store, layer, *args)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    prefill = mixtral_layer_call(3, tokens=DECODE_TOKENS + 1)
     big = layers[1](*prefill)  # larger than a decode step: a tensor of its own
     assert big.data_ptr() != outputs[1].data_ptr() and torch.equal(outputs[1], kept[1])
-    torch.testing.assert_close(big.double(), _reference(mixtral, 1, *prefill), rtol=1e-5, atol=1e-5)
+    expected = mixtral_layer_reference(mixtral.store, 1, *prefill)
+    torch.testing.assert_close(big.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_gate_speculation_and_trained_heads_allocate_nothing_in_decode(mixtral):
     speculation = GateSpeculation(model_routers(mixtral.hf_model), mixtral.store.num_experts)
     heads = PredictorHeads(HeadConfig(num_layers=3, num_experts=E, top_k=K, hidden_size=H, history_window=2)).eval()
     trained = TrainedPredictor(heads, speculation, "cpu")
-    hidden, index, _ = _call(0, tokens=4)
+    hidden, index, _ = mixtral_layer_call(0, tokens=4)
     logits = torch.randn(4, E)
     trained.observe(2, index)
     with NewTensors() as new:
@@ -134,7 +122,7 @@ def test_a_layer_with_every_expert_resident_reads_nothing_back_and_is_counted_on
     model = mira.load(store, device="cpu", vram_budget=budget, prefetch="off", residency="inline", progress=False)
     monkeypatch.undo()
     layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
-    calls = [_call(seed, tokens=1) for seed in range(3)]
+    calls = [mixtral_layer_call(seed, tokens=1) for seed in range(3)]
     outputs, per_step = [], []
     for args in calls:  # one decode step: every layer once, then the settle after the step
         reads = host_reads(monkeypatch)
@@ -145,7 +133,8 @@ def test_a_layer_with_every_expert_resident_reads_nothing_back_and_is_counted_on
     assert per_step == ([0] * 3 if resident else [len(layers)] * 3), per_step  # inline: one read-back per call
     for args, per_layer in zip(calls, outputs):
         for position, got in enumerate(per_layer):
-            torch.testing.assert_close(got.double(), _reference(model, position, *args), rtol=1e-5, atol=1e-5)
+            expected = mixtral_layer_reference(model.store, position, *args)
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     stats = model.stats()["cache"]
     routed = 3 * len(layers) * K  # 3 steps of one token, K distinct experts per layer
     assert stats["tokens_routed"] == routed

@@ -15,13 +15,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mira
 from mira.cache.costmodel import HybridCosts, LinearCost
-from mira.kernels.reference import moe_ffn_reference
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import HybridExperts
+from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64
 PROMPT = "Write a short poem about the sea."  # bf16 products for the CPU's share change this reply's tokens
@@ -51,19 +50,6 @@ class _Spy:
         return self.ffn(hidden, top_k_index, top_k_weights, blobs, out=out)
 
 
-def _call(seed: int, tokens: int):
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, H, generator=generator)
-    index = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(tokens)])  # [T, K]
-    weights = torch.rand(tokens, K, generator=generator)
-    return hidden, index, weights
-
-
-def _reference(store, layer: int, hidden, index, weights) -> torch.Tensor:
-    blobs = [store.blob(layer, e) for e in range(E)]
-    return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, store.layout, F.silu)
-
-
 @pytest.mark.parametrize("tokens", [1, 3, 20])  # decode calls, and a prefill call beyond the decode buffers
 def test_with_all_the_worker_computes_every_miss_and_the_kernel_sees_them_absent(mixtral_store, tokens):
     model = _on_demand(mixtral_store, "all")
@@ -74,11 +60,11 @@ def test_with_all_the_worker_computes_every_miss_and_the_kernel_sees_them_absent
     entries = model.cache.tables.tables.clone()
     for layer in _layers(model):
         layer.ffn = spy = _Spy(layer.ffn)
-        args = _call(layer.layer_position + 10 * tokens, tokens)
+        args = mixtral_layer_call(layer.layer_position + 10 * tokens, tokens)
         routed = sorted(args[1].unique().tolist())
         got = layer(*args)
-        torch.testing.assert_close(got.double(), _reference(model.store, layer.layer_position, *args), rtol=1e-5,
-                                   atol=1e-5)
+        expected = mixtral_layer_reference(model.store, layer.layer_position, *args)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
         assert jobs[-1] == routed and spy.absent == [set(routed)]  # every miss on the CPU, none in the kernel
         assert all(blob is not None for blob in model.cache.tables.rows[layer.layer_position])  # restored
     assert torch.equal(model.cache.tables.tables, entries)
@@ -103,12 +89,13 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     hybrid.worker.submit = lambda job: jobs.append(list(job.experts)) or submit(job)
     predicted = []  # ms per call: (the later side, the CPU's side)
     for seed, tokens in ((1, 1), (2, 2), (3, 3)):
-        args = _call(seed, tokens)
+        args = mixtral_layer_call(seed, tokens)
         routed = sorted(args[1].unique().tolist())
         cpu = routed[: len(routed) // 2]
         predicted.append((len(routed) - len(cpu), len(cpu)))
         got = layer(*args)
-        torch.testing.assert_close(got.double(), _reference(model.store, 1, *args), rtol=1e-5, atol=1e-5)
+        expected = mixtral_layer_reference(model.store, 1, *args)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
         assert jobs[-1] == cpu and layer.ffn.absent[-1] == set(cpu)
     layer_times = hybrid.summary()["layers"]
     assert [row["layer"] for row in layer_times] == [1] and layer_times[0]["calls"] == 3
@@ -131,7 +118,7 @@ def test_the_cpu_side_follows_the_measured_compute_time(mixtral_store):
     ratios = []  # per job: measured compute seconds over the calibrated ones (1 s per expert)
     for seed in range(4):
         computed, experts = hybrid.telemetry.compute_s[0], hybrid.telemetry.experts[0]
-        layer(*_call(seed, 1))
+        layer(*mixtral_layer_call(seed, 1))
         hybrid.collect()
         ratios.append((hybrid.telemetry.compute_s[0] - computed) / (hybrid.telemetry.experts[0] - experts))
     expected = math.exp(sum(0.5 ** (len(ratios) - i) * math.log(r) for i, r in enumerate(ratios)))
