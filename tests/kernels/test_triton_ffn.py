@@ -46,7 +46,7 @@ from mira.kernels.tuning import (  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 SCHEMES = ("int8-shared", "int8-row")
 H, I, E, K = 96, 40, 8, 2  # odd on purpose: no block size divides I, and 64 does not divide H
 
@@ -103,18 +103,6 @@ def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> 
                 fan_in = I if name == "scale2" else H
                 view.copy_((torch.rand(view.shape, generator=gen, device=device) + 0.5) / (73 * fan_in**0.5))
     return list(slots)
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int, device: str = DEVICE):
-    """Random top-k routing: distinct experts per token, repeated across tokens; softmax weights."""
-    gen = torch.Generator().manual_seed(seed)
-    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K]
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)  # [T, K]
-    return index.to(device), weights.to(device)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonMoEFFN:

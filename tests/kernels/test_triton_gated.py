@@ -36,7 +36,7 @@ from mira.models.spec import GluForm, anatomy  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 H, I, E, K = 96, 40, 6, 2
 HIDDEN_GAIN = 8.0  # hidden states this large put gate and up outputs beyond gpt-oss's limit of 7
 FP32_TOL = 1e-5
@@ -75,17 +75,6 @@ def biased_blobs(layout: ExpertLayout, experts: int, seed: int, device: str = DE
         layout.pack(quantize_expert(w13, w2, layout, b13, b2), blob)
         blobs.append(blob)
     return blobs
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K]
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)  # [T, K]
-    return index.to(DEVICE), weights.to(DEVICE)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig, save_confi
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 H, I, E, K = 96, 40, 6, 2
 FP32_TOL = 1e-5
 BF16_TOL = 1e-2 if DEVICE == "cuda" else 2.5e-2
@@ -84,18 +84,6 @@ def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> 
             scale = (torch.rand(view.shape, generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
             view.copy_(-7.5 * scale if name.startswith("offset") else scale)  # offsets centre the codes
     return list(slots)
-
-
-def routing(tokens: int, experts: int, top_k: int, seed: int, device: str = DEVICE):
-    """Random top-k routing: distinct experts per token, repeated across tokens; softmax weights."""
-    gen = torch.Generator().manual_seed(seed)
-    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K]
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)  # [T, K]
-    return index.to(device), weights.to(device)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonInt4MoEFFN:
