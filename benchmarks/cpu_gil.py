@@ -11,10 +11,11 @@ its own thread, in three settings of the host (this) thread:
 
 and in three forms of the job:
 
-  python      the executor's per-expert path (mira.kernels.cpu_experts), about 20 operations,
-              each of which gives the GIL up and must take it back
-  scripted    the same operations as one TorchScript function, which holds no GIL while it runs
-  python+switch  the per-expert path with the interpreter's switch interval at --switch-s
+  python      one int8-shared expert computed operation by operation as the executor does
+              (mira.kernels.cpu_experts; its operations written out here, in one function that
+              TorchScript can also compile), each operation giving the GIL up and taking it back
+  scripted    that function as TorchScript, which holds no GIL while it runs
+  python+switch  the python form with the interpreter's switch interval at --switch-s
 
 Each figure: median and range over --repeats passes of --calls jobs over distinct blobs (a pass
 through --spread-gb of experts, so that no CPU cache holds a blob from the call before).
