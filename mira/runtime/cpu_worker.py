@@ -184,23 +184,22 @@ class HostRows:
         self.out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, pin_memory=cuda)  # [T, H] partial sums
         self._device_out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, device=self.device) if cuda \
             else None
+        self._staged = torch.cuda.Event() if cuda else None
 
     def stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
               done: Callable[[], None] | None = None) -> CpuJob:
-        """A job for `experts` on this call's rows, copied here without a host sync. Each job gets
-        an event of its own: the worker may reach a job only after the next one was staged."""
+        """A job for `experts` on this call's rows, copied here without a host sync (the previous
+        job must be done: its event is recorded again)."""
         T = hidden.shape[0]
         if T > self.hidden.shape[0]:
             raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
         rows = (self.hidden[:T], self.top_k_index[:T], self.top_k_weights[:T])
         for dst, src in zip(rows, (hidden, top_k_index, top_k_weights)):
             dst.copy_(src, non_blocking=True)
-        staged = None
-        if self._device_out is not None:
-            staged = torch.cuda.Event()
-            staged.record()
-        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], staged, done)
+        if self._staged is not None:
+            self._staged.record()
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged, done)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the

@@ -165,7 +165,7 @@ class HybridExperts:
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> CpuShare | None:
         """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
         from the table. None when the CPU gets none."""
-        self.collect()
+        self.collect()  # before staging: one job per set of host rows (their event is recorded again)
         if not from_host:
             return None
         plan = self.choose(on_device, from_host)
