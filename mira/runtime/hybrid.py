@@ -12,24 +12,18 @@ the add. The host goes on enqueueing the next layer's attention while the CPU co
 waits only at that layer's own routing read-back. The next `start` collects the finished job
 (its telemetry, or the worker's error). On a CPU-only run the "device side" is the reference FFN
 on the CPU, and `finish` waits for the worker.
-
-The cost model starts from the calibration and follows what the worker measures: each finished
-decode job moves a running ratio of its compute time over the calibrated one (`cpu_scale`), which scales
-the CPU's side of every later split and prediction. Decoding beside a busy host thread, with
-PCIe traffic, runs the CPU slower than a calibration can.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mira.cache.costmodel import HybridCosts, LinearCost, Split, split
+from mira.cache.costmodel import HybridCosts, Split, split
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
@@ -86,10 +80,6 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int) -> bool:
     return bool(split([(expert, 1) for expert in range(top_k)], blob_bytes, costs).cpu)
 
 
-ADAPT = 0.05  # weight of each finished decode job in the running ratio of measured over calibrated CPU
-# time: a mean over about the last 20 jobs, under one decode step of most models
-
-
 @dataclass
 class CpuShare:
     """The CPU's part of one layer call, in flight between `start` and `finish`."""
@@ -101,7 +91,6 @@ class CpuShare:
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
-    calibrated_s: float  # the calibrated compute time of the CPU's experts (0.0 without costs)
 
 
 class HybridExperts:
@@ -114,25 +103,17 @@ class HybridExperts:
         costs: the calibrated costs (None: no predictions, which `split_misses` needs).
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
-        adapt: the weight of each finished job in `cpu_scale` (0: the calibration as it is).
 
     Attributes:
         telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
-        cpu_scale: the running ratio (geometric) of the worker's measured compute time over the
-            calibrated one, which scales the CPU's side of splits and predictions.
     """
 
     def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
-                 split_misses: bool, device: torch.device, adapt: float = ADAPT):
+                 split_misses: bool, device: torch.device):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
-        if not 0 <= adapt <= 1:
-            raise ValueError(f"adapt is a weight in [0, 1], not {adapt}")
         self.worker = worker
         self.costs = costs
-        self.cpu_scale = 1.0
-        self._adapt = adapt
-        self._scaled = costs  # the costs with the CPU's side scaled by cpu_scale
         self.split_misses = split_misses
         self.telemetry = HybridTelemetry(store.num_layers)
         self._tables = tables
@@ -151,7 +132,7 @@ class HybridExperts:
     def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> Split | None:
         """The layer's misses divided: the cost model's split, or every miss to the CPU; None
         without costs for the latter (no prediction)."""
-        costs = self._scaled
+        costs = self.costs
         if self.split_misses:
             busy = sum(costs.gpu(tokens) for _, tokens in on_device)
             return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy)
@@ -178,11 +159,10 @@ class HybridExperts:
         job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position], done)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
-        picked = set(experts)
-        chosen = [(e, t) for e, t in from_host if e in picked]
-        calibrated = sum(self.costs.cpu_s(t, self._blob_bytes) for _, t in chosen) if self.costs is not None else 0.0
-        return CpuShare(layer_position, experts, sum(t for _, t in chosen), job, future, begin,
-                        (plan.predicted_s, plan.cpu_s) if plan is not None else None, calibrated)
+        chosen = set(experts)
+        tokens = sum(t for e, t in from_host if e in chosen)
+        return CpuShare(layer_position, experts, tokens, job, future, begin,
+                        (plan.predicted_s, plan.cpu_s) if plan is not None else None)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
@@ -207,20 +187,11 @@ class HybridExperts:
 
     def summary(self) -> dict:
         self.collect()
-        return {"mode": self.mode, "threads": self.worker.threads, "cpu_scale": round(self.cpu_scale, 4),
-                **self.telemetry.summary()}
+        return {"mode": self.mode, "threads": self.worker.threads, **self.telemetry.summary()}
 
     def _record(self, share: CpuShare) -> None:
-        job = share.job
-        self.telemetry.record(share.layer_position, len(share.experts), share.tokens, job.finished - share.begin,
-                              job.compute_s, share.predicted)
-        decode = job.hidden.shape[0] <= DECODE_TOKENS  # prefill's many tokens extrapolate the calibrated line
-        if self._adapt and decode and share.calibrated_s > 0 and job.compute_s > 0:
-            log_scale = math.log(self.cpu_scale)
-            self.cpu_scale = math.exp(log_scale + self._adapt * (math.log(job.compute_s / share.calibrated_s) - log_scale))
-            cpu = self.costs.cpu
-            self._scaled = replace(self.costs, cpu=LinearCost(cpu.fixed_s * self.cpu_scale,
-                                                               cpu.per_token_s * self.cpu_scale))
+        self.telemetry.record(share.layer_position, len(share.experts), share.tokens, share.job.finished - share.begin,
+                              share.job.compute_s, share.predicted)
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows

@@ -50,7 +50,7 @@ def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
         blob = model.store.blob_bytes
         costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
         layer.hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True,
-                                     torch.device("cuda"), adapt=0.0)  # the hand-made costs as they are
+                                     torch.device("cuda"))
     generator = torch.Generator().manual_seed(7)
     hybrid = layer.hybrid
     host_addresses = model.cache.tables.blob_addresses[:E].cuda()  # every expert read from its host blob

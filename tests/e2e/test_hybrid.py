@@ -9,7 +9,6 @@ output with the CPU's share switched off.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -80,8 +79,7 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     # one miss costs 1 ms on either side, nothing per call: of n misses the CPU takes floor(n / 2)
     # (a tie goes to the fewer CPU experts), the lowest ids (the split lists experts ascending)
     costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
-    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
-                           adapt=0.0)  # the hand-worked costs as they are
+    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"))
     layer = _layers(model)[1]
     layer.hybrid, layer.ffn = hybrid, _Spy(layer.ffn)
     jobs = []
@@ -102,29 +100,6 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     assert layer_times[0]["predicted_ms"] == pytest.approx(sum(p for p, _ in predicted) / 3, abs=1e-3)
     assert layer_times[0]["predicted_cpu_ms"] == pytest.approx(sum(c for _, c in predicted) / 3, abs=1e-3)
     assert layer_times[0]["measured_ms"] > 0
-
-
-def test_the_cpu_side_follows_the_measured_compute_time(mixtral_store):
-    """Costs that put one expert at a full second on the CPU: each finished job pulls the scale of
-    the CPU's side towards measured over calibrated, and later predictions with it."""
-    model = _on_demand(mixtral_store, "all")
-    costs = HybridCosts(blob_bytes=model.store.blob_bytes, cpu=LinearCost(1.0, 0.0), cpu_call_s=0.0,
-                        pcie_bytes_per_s=None)
-    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, False, torch.device("cpu"),
-                           adapt=0.5)
-    layer = _layers(model)[0]
-    layer.hybrid = hybrid
-    assert hybrid.choose([], [(0, 1)]).cpu_s == pytest.approx(1.0)
-    ratios = []  # per job: measured compute seconds over the calibrated ones (1 s per expert)
-    for seed in range(4):
-        computed, experts = hybrid.telemetry.compute_s[0], hybrid.telemetry.experts[0]
-        layer(*mixtral_layer_call(seed, 1))
-        hybrid.collect()
-        ratios.append((hybrid.telemetry.compute_s[0] - computed) / (hybrid.telemetry.experts[0] - experts))
-    expected = math.exp(sum(0.5 ** (len(ratios) - i) * math.log(r) for i, r in enumerate(ratios)))
-    assert hybrid.cpu_scale == pytest.approx(expected, rel=1e-9) and hybrid.cpu_scale < 0.1
-    assert hybrid.choose([], [(0, 1)]).cpu_s == pytest.approx(hybrid.cpu_scale)
-    assert hybrid.summary()["cpu_scale"] == round(hybrid.cpu_scale, 4)
 
 
 def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
