@@ -109,16 +109,25 @@ class MiraExperts(nn.Module):
             settled = self.cache.settle_layer(self.layer_position)
             if self.hybrid is not None:
                 share = self.hybrid.start(self.layer_position, hidden_states, top_k_index, top_k_weights, *settled)
-        out = self._output(hidden_states)
-        if self._fused:
-            out = self.ffn.forward_bases(hidden_states, top_k_index, top_k_weights, self._bases, out=out)
+        if share is None:
+            out = self._kernel(hidden_states, top_k_index, top_k_weights)
         else:
-            out = self.ffn(hidden_states, top_k_index, top_k_weights, self._rows, out=out)
-        if share is not None:
+            try:
+                out = self._kernel(hidden_states, top_k_index, top_k_weights)
+            except BaseException:
+                self.hybrid.abandon(share)  # the table whole again, the worker's job accounted for
+                raise
             out = self.hybrid.finish(share, out)
         if self._staging is not None:
             self._staging.after_layer(self.layer_position)
         return out
+
+    def _kernel(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The layer's routed experts from the address table (hidden experts add zero)."""
+        out = self._output(hidden)
+        if self._fused:
+            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=out)
+        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=out)
 
     def _stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         """Before this layer's kernel: the predictor's best expert of layer_position + 2 (a device

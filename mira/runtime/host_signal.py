@@ -5,13 +5,14 @@
 stream's later work starts only once some thread has called `post()` as many times as holds
 were enqueued so far. The callback is C, not Python: it needs no GIL and waits on no thread that
 might hold it. The caller goes on enqueueing work meanwhile. Each hold must be matched by exactly
-one post, or the stream stalls for good.
+one post, or the stream stalls for good; a post that no hold will match is taken back with `take`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 
 import torch
 
@@ -23,6 +24,7 @@ def _libc() -> ctypes.PyDLL:
     libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
     libc.sem_post.argtypes = [ctypes.c_void_p]
+    libc.sem_trywait.argtypes = [ctypes.c_void_p]
     return libc
 
 
@@ -39,7 +41,7 @@ class HostSignal:
 
     def __init__(self) -> None:
         self._libc = _libc()
-        self._launch = _launch_host_func()
+        self._launch = None  # cuLaunchHostFunc, loaded by the first hold (the semaphore alone needs no GPU)
         self._sem = ctypes.create_string_buffer(SEM_T_BYTES)
         if self._libc.sem_init(self._sem, 0, 0):
             raise OSError(ctypes.get_errno(), "sem_init failed")
@@ -48,6 +50,8 @@ class HostSignal:
     def hold(self, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on `stream` (default: the current one) a wait for the next unmatched `post`."""
         stream = stream or torch.cuda.current_stream()
+        if self._launch is None:
+            self._launch = _launch_host_func()
         status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._wait, ctypes.cast(self._sem, ctypes.c_void_p))
         if status:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
@@ -56,3 +60,16 @@ class HostSignal:
         """Release one hold (from any thread)."""
         if self._libc.sem_post(self._sem):
             raise OSError(ctypes.get_errno(), "sem_post failed")
+
+    def take(self) -> None:
+        """Take back one post that has been made and that no hold was enqueued for (without waiting:
+        this thread holds the GIL, which the posting thread may need).
+
+        Raises:
+            RuntimeError: no post is left to take (every one is matched by a hold).
+        """
+        if self._libc.sem_trywait(self._sem):
+            error = ctypes.get_errno()
+            if error == errno.EAGAIN:
+                raise RuntimeError("no post is left to take back: every post has its hold")
+            raise OSError(error, "sem_trywait failed")

@@ -11,7 +11,8 @@ On CUDA the host does not wait for the CPU's share: `finish` enqueues a hold on 
 the add. The host goes on enqueueing the next layer's attention while the CPU computes, and
 waits only at that layer's own routing read-back. The next `start` collects the finished job
 (its telemetry, or the worker's error). On a CPU-only run the "device side" is the reference FFN
-on the CPU, and `finish` waits for the worker.
+on the CPU, and `finish` waits for the worker. A layer whose kernel fails between the two calls
+`abandon` instead: the table whole again, and no post left over to let a later hold through early.
 """
 
 from __future__ import annotations
@@ -176,6 +177,15 @@ class HybridExperts:
         self._signal.hold()
         self._pending = share
         return self._rows.add_into(out, share.job.out)
+
+    def abandon(self, share: CpuShare) -> None:
+        """The layer failed between `start` and `finish`: restore its table, wait until the worker is
+        through with the job (its host rows are then free) and, on CUDA, take back the post that no
+        hold will match. The worker's own error, if any, gives way to the layer's."""
+        self._tables.restore(share.layer_position, share.experts)
+        share.future.exception()  # waits, raising nothing
+        if self._signal is not None:
+            self._signal.take()
 
     def collect(self) -> None:
         """Wait for the job `finish` left to the stream, if any (by the next layer's read-back it is

@@ -102,6 +102,32 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     assert layer_times[0]["measured_ms"] > 0
 
 
+def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(mixtral_store):
+    """The error reaches the caller; the experts hidden for the CPU are back in the table, the
+    worker's job is over, and the layer's next call is right and is the only one recorded."""
+    model = _on_demand(mixtral_store, "all")
+    layer = _layers(model)[0]
+    entries = model.cache.tables.tables.clone()
+    kernel, jobs = layer.ffn, []
+    submit = model.hybrid.worker.submit
+    model.hybrid.worker.submit = lambda job: jobs.append(submit(job)) or jobs[-1]
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("the kernel's workspace")
+
+    layer.ffn = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        layer(*mixtral_layer_call(0, 3))
+    assert len(jobs) == 1 and jobs[0].done()
+    assert torch.equal(model.cache.tables.tables, entries)
+    assert all(blob is not None for blob in model.cache.tables.rows[0])
+    layer.ffn = kernel
+    args = mixtral_layer_call(1, 3)
+    torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(model.store, 0, *args),
+                               rtol=1e-5, atol=1e-5)
+    assert model.stats()["cpu_experts"]["calls"] == 1
+
+
 def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
     """The bundled model under a budget that makes misses happen; auto on the CPU stays off."""
     replies, stats = {}, {}
