@@ -7,8 +7,11 @@ what the host thread does beside the worker in decoding: small torch operations 
 of Python. The two share the GIL, and the worker takes it back after each operation
 (benchmarks/cpu_gil.py measures what that costs). With a GPU, copies run over
 PCIe meanwhile, as they do when both sides serve misses: host memory bandwidth is shared, and
-the CPU computes more slowly then. Results are kept per machine beside the kernel tuning
-(`mira.kernels.tuning`): `<device>-hybrid.json`, one entry per CPU, thread count, shape and scheme.
+the CPU computes more slowly then. Every CPU figure is a mean, not a median: the cost model adds
+times up, and the rare slow call (one of the worker's threads preempted holds up its whole
+parallel region) costs decoding as much as it costs the mean. Results are kept per machine beside
+the kernel tuning (`mira.kernels.tuning`): `<device>-hybrid.json`, one entry per CPU, thread count,
+shape and scheme; an entry of an older FORMAT is measured again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ ROUND_TRIPS = 30  # of an empty job, for the per-call cost
 KERNEL_CALLS = 20  # launches timed together per GPU figure
 PCIE_BYTES_PER_S_GUESS = 50e9  # sizes the copy load before the bandwidth is measured
 HOST_OPERATIONS, HOST_ELEMENTS, HOST_PYTHON = 6, 8, 200  # the host's loop beside the timed CPU (keep_host_busy)
+FORMAT = 2  # of a stored entry: 2 has mean CPU figures (1, unmarked, had medians)
 
 
 def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device | str, *,
@@ -109,12 +113,12 @@ def save_costs(path: Path, key: str, costs: HybridCosts, written_by: str) -> Non
     """Merge one entry into the calibration file (atomically: readers see the old file or the new)."""
     data = _read(path) if path.exists() else {"entries": {}}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    data["entries"][key] = {"costs": costs.to_json(), "date": date, "written_by": written_by}
+    data["entries"][key] = {"costs": costs.to_json(), "format": FORMAT, "date": date, "written_by": written_by}
     write_json_atomic(path, data)
 
 
 def load_costs(path: Path, key: str) -> HybridCosts | None:
-    """The stored entry, or None when there is none.
+    """The stored entry, or None when there is none or it is of an older FORMAT (to be measured again).
 
     Raises:
         MiraError: the file is not calibration data.
@@ -122,7 +126,7 @@ def load_costs(path: Path, key: str) -> HybridCosts | None:
     if not path.exists():
         return None
     entry = _read(path)["entries"].get(key)
-    if entry is None:
+    if entry is None or entry.get("format") != FORMAT:
         return None
     try:
         return HybridCosts.from_json(entry["costs"])
@@ -152,7 +156,7 @@ def _read(path: Path) -> dict:
 
 
 def _time_cpu(ffn, blobs: Sequence[torch.Tensor], tokens: int, budget_s: float) -> float:
-    """Median seconds of one expert at `tokens` tokens, cycling through `blobs` (runs on the worker)."""
+    """Mean seconds of one expert at `tokens` tokens, cycling through `blobs` (runs on the worker)."""
     layout = ffn.layout
     x = torch.randn(tokens, layout.hidden).to(torch.bfloat16)
     views = [layout.views(blob) for blob in blobs]
@@ -164,11 +168,11 @@ def _time_cpu(ffn, blobs: Sequence[torch.Tensor], tokens: int, budget_s: float) 
         begin = time.perf_counter()
         ffn.expert(x, view)
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _round_trip(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device) -> float:
-    """Median seconds of a job with no experts: rows to the host, the worker's wake-up, the sum back."""
+    """Mean seconds of a job with no experts: rows to the host, the worker's wake-up, the sum back."""
     layout = worker.ffn.layout
     rows = HostRows(1, layout.hidden, 1, torch.bfloat16, device)
     hidden = torch.randn(1, layout.hidden, device=device).to(torch.bfloat16)
@@ -183,7 +187,7 @@ def _round_trip(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: 
         rows.add_into(out, worker.submit(job).result())
         _sync(device)
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _pcie(blobs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mira.cache.costmodel import HybridCosts, LinearCost, split
 from mira.errors import MiraError
 from mira.kernels.cpu_experts import CpuExpertFFN
-from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
+from mira.runtime.calibrate import FORMAT, calibrate, costs_path, entry_key, load_costs, save_costs
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.store.layout import ExpertLayout
 
@@ -34,6 +34,31 @@ def test_cpu_only_calibration_measures_the_cpu_and_no_pcie(worker):
     assert split([(0, 1), (3, 1)], layout.nbytes, costs).cpu == [0, 3]  # nothing can go over PCIe
 
 
+class _SlowEveryFourth:
+    """An executor whose experts take 1 ms, except every fourth call 9 ms: median 1 ms, mean 3 ms."""
+
+    def __init__(self, layout):
+        self.layout, self.calls = layout, 0
+
+    def expert(self, x, views):
+        time.sleep(9e-3 if self.calls % 4 == 3 else 1e-3)
+        self.calls += 1
+        return x
+
+    def __call__(self, hidden, top_k_index, top_k_weights, blobs, experts, *, out):
+        return out
+
+
+def test_the_cpu_figure_is_the_mean_of_the_calls_not_their_median():
+    """The cost model adds times up: a slow call in four costs decoding what it costs the mean."""
+    layout = ExpertLayout("int8-row", 64, 32)
+    blobs = [torch.zeros(layout.nbytes, dtype=torch.uint8) for _ in range(4)]
+    with CpuExpertWorker(_SlowEveryFourth(layout), threads=1) as slow:
+        costs = calibrate(slow, blobs, "cpu", tokens=(1,), cpu_budget_s=0.25)
+    assert slow.ffn.calls >= 8
+    assert 2.5e-3 < costs.cpu(1) < 4.5e-3  # sleeps overrun: the mean lies above 3 ms, the median near 1 ms
+
+
 def test_calibration_needs_blobs(worker):
     with pytest.raises(MiraError, match="blobs"):
         calibrate(worker, [], "cpu")
@@ -54,12 +79,22 @@ def test_costs_file_keeps_entries_per_key_and_round_trips(tmp_path, worker):
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left nothing behind
 
 
+def test_an_entry_of_an_older_format_is_measured_again(tmp_path, worker):
+    path = costs_path("cpu", tmp_path)
+    key = entry_key(worker)
+    save_costs(path, key, HybridCosts(1000, LinearCost(1e-4, 1e-6), 2e-5, None), "test")
+    data = json.loads(path.read_text())
+    del data["entries"][key]["format"]  # as format 1 wrote it: median CPU figures
+    path.write_text(json.dumps(data))
+    assert load_costs(path, key) is None
+
+
 def test_a_corrupt_costs_file_is_refused_with_the_fix(tmp_path):
     path = tmp_path / "cpu-hybrid.json"
     path.write_text("{not json")
     with pytest.raises(MiraError, match="delete it"):
         load_costs(path, "key")
-    path.write_text(json.dumps({"entries": {"key": {"costs": {"blob_bytes": 1}}}}))
+    path.write_text(json.dumps({"entries": {"key": {"costs": {"blob_bytes": 1}, "format": FORMAT}}}))
     with pytest.raises(MiraError, match="delete the file"):
         load_costs(path, "key")
 
