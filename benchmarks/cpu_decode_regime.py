@@ -13,9 +13,10 @@ time over distinct blobs, and varies what decoding has and calibration does not:
   pcie   (CUDA only) pinned-to-device copies streaming meanwhile, as misses read over PCIe
 
 Figures: the worker's own time per job (`CpuJob.compute_s`: rows ready to partial sum written), in
-us, median and range over --repeats passes of --calls jobs; beside them, per thread count, the
-calibration's way (`expert` back to back on the worker's thread, this thread idle) over the same
-blobs.
+us: the mean of each of --repeats passes of --calls jobs (median and range over the passes, as
+decoding's telemetry reports means), and the median and 90th percentile of all the cell's jobs (a
+long tail shows as a mean above the median); beside them, per thread count, the calibration's way
+(`expert` back to back on the worker's thread, this thread idle; a mean) over the same blobs.
 
     python benchmarks/cpu_decode_regime.py --threads 8,15 [--shape mixtral-8x7b] [--out FILE]
 """
@@ -60,8 +61,8 @@ HOSTS = {"idle": lambda future: None, "launching": keep_host_busy, "cuda-waiting
 
 
 def job_pass(worker: CpuExpertWorker, rows: HostRows, blobs: list[torch.Tensor], calls: int, gap_s: float,
-             host, device: torch.device) -> float:
-    """Median seconds of the worker's own compute over `calls` one-expert jobs, one at a time."""
+             host, device: torch.device) -> list[float]:
+    """Seconds of the worker's own compute of each of `calls` one-expert jobs, one at a time."""
     hidden = torch.randn(1, rows.hidden.shape[1], device=device).to(rows.hidden.dtype)
     index = torch.zeros(1, 1, dtype=torch.int64, device=device)
     weights = torch.ones(1, 1, device=device)
@@ -74,7 +75,7 @@ def job_pass(worker: CpuExpertWorker, rows: HostRows, blobs: list[torch.Tensor],
         times.append(job.compute_s)
         if gap_s:
             time.sleep(gap_s)
-    return statistics.median(times)
+    return times
 
 
 def copy_load(blobs: list[torch.Tensor], copies: int, device: torch.device) -> torch.cuda.Stream:
@@ -118,19 +119,23 @@ def main() -> None:
             print(f"{worker.threads:2d} threads  calibration's way {calibrated['median']:8.1f} us", flush=True)
             job_pass(worker, rows, blobs, 2, 0.0, HOSTS["idle"], device)  # first jobs untimed
             for gap, host, pcie in itertools.product(gaps, hosts, loads):
-                runs = []
+                means, every = [], []
                 for _ in range(args.repeats):
                     load = copy_load(blobs, round(args.calls * COPY_SECONDS_PER_JOB * 55e9 / layout.nbytes),
                                      device) if pcie else None
-                    runs.append(job_pass(worker, rows, blobs, args.calls, gap, HOSTS[host], device) * 1e6)
+                    times = [t * 1e6 for t in job_pass(worker, rows, blobs, args.calls, gap, HOSTS[host], device)]
                     if load is not None:
                         load.synchronize()
-                row = summary(runs)
+                    means.append(statistics.fmean(times))
+                    every += times
+                row = summary(means)
+                p90 = statistics.quantiles(every, n=10)[-1] if len(every) > 1 else every[0]
                 results.append({"threads": worker.threads, "gap_ms": gap * 1e3, "host": host, "pcie": pcie,
-                                "compute_us": row, "over_calibration": row["median"] / calibrated["median"],
-                                "calibration_us": calibrated})
+                                "compute_us": row, "median_us": statistics.median(every), "p90_us": p90,
+                                "over_calibration": row["median"] / calibrated["median"], "calibration_us": calibrated})
                 print(f"{worker.threads:2d} threads  gap {gap * 1e3:3.0f} ms  host {host:12s}  pcie "
-                      f"{'on ' if pcie else 'off'}  {row['median']:8.1f} us ({row['min']:.1f}-{row['max']:.1f})  "
+                      f"{'on ' if pcie else 'off'}  mean {row['median']:8.1f} us ({row['min']:.1f}-{row['max']:.1f})  "
+                      f"median {statistics.median(every):8.1f}  p90 {p90:8.1f}  "
                       f"{row['median'] / calibrated['median']:.2f}x calibration", flush=True)
     report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                            "cuda" if cuda else None)
