@@ -357,10 +357,14 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
     def tps(stem: str, config: str, budget: str) -> str:
         return with_range(run(stem, config, budget), "decode_tokens_per_s")
 
+    def medians(stem: str, config: str, budgets: list[str]) -> str:
+        return " / ".join(fmt(run(stem, config, b)["decode_tokens_per_s"]) for b in budgets)
+
     def link(stem: str) -> str:
         return f"[{stem}]({doc}#{stem})"
 
     mixtral, dsv2, dsv2_budget = "bench-mixtral-8x7b", "bench-deepseek-v2-lite", "bench-deepseek-v2-lite-policies"
+    hybrid, hybrid_budgets = "bench-mixtral-8x7b-hybrid-budgets", ["8GiB", "12GiB", "24GiB"]
     kernel = results["kernels-h200"]["shapes"]["mixtral-8x7b"]
     quality = results["eval-tiny"]["schemes"]["int8-shared"]
     coverage = results["predictor-tiny"]["coverage"]
@@ -375,6 +379,9 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
          f"LFU {tps(dsv2_budget, 'lfu', '25%')}", link(dsv2_budget)],
         ["DeepSeek-V2-Lite shape, 8 GiB budget: decode tokens/s", tps(dsv2, "mira", "8GiB"),
          f"accelerate offload {tps(dsv2, 'hf-offload', '8GiB')}", link(dsv2)],
+        ["Mixtral-8x7B shape replaying real routing, misses shared with the CPU (`--cpu-experts auto`): "
+         "median decode tokens/s at 8 / 12 / 24 GiB", medians(hybrid, "mira-cpu-auto", hybrid_budgets),
+         f"GPU only {medians(hybrid, 'mira', hybrid_budgets)}", link(hybrid)],
         ["one Mixtral-shaped INT8 expert, batch 1",
          fmt(kernel["mira_one_expert_s"], "_s"), f"torch bf16 {fmt(kernel['torch_bf16_one_expert_s'], '_s')}",
          link("kernels-h200")],
