@@ -18,7 +18,8 @@ and in three forms of the job:
   python+switch  the python form with the interpreter's switch interval at --switch-s
 
 Each figure: median and range over --repeats passes of --calls jobs over distinct blobs (a pass
-through --spread-gb of experts, so that no CPU cache holds a blob from the call before).
+through --spread-gb of experts, so that no CPU cache holds a blob from the call before). Every
+cell runs one pass per round, so that a machine drifting over the run shifts all cells alike.
 
     python benchmarks/cpu_gil.py --threads 15 [--shape 4096x14336] [--out FILE]
 """
@@ -80,17 +81,14 @@ def job_pass(job, views: list[dict], x: torch.Tensor, unit: torch.Tensor, calls:
     return (time.perf_counter() - start) / calls
 
 
-def measure(worker: CpuExpertWorker, job, views, x, unit, host: str, args) -> dict:
-    worker.call(job_pass, job, views[:2], x, unit, 4).result()  # first calls (scripting's profiling runs) untimed
-    runs = []
-    for _ in range(args.repeats):
-        future = worker.call(job_pass, job, views, x, unit, args.calls)
-        if host == "launching":
-            keep_host_busy(future)
-        elif host == "spinning":
-            host_spinning(future)
-        runs.append(future.result() * 1e6)
-    return summary(runs)
+def measure_pass(worker: CpuExpertWorker, job, views, x, unit, host: str, calls: int) -> float:
+    """Microseconds per job of one pass with the host (this thread) `host`."""
+    future = worker.call(job_pass, job, views, x, unit, calls)
+    if host == "launching":
+        keep_host_busy(future)
+    elif host == "spinning":
+        host_spinning(future)
+    return future.result() * 1e6
 
 
 def main() -> None:
@@ -114,14 +112,20 @@ def main() -> None:
     jobs = {"python": _one_expert, "scripted": _scripted_jobs(), "python+switch": _one_expert}
     default_switch = sys.getswitchinterval()
     results: dict = {}
+    cells = [(name, host) for name in jobs for host in ("idle", "launching", "spinning")]
+    runs: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
     with CpuExpertWorker(ffn, args.threads) as worker:
-        for name, job in jobs.items():
-            sys.setswitchinterval(args.switch_s if name == "python+switch" else default_switch)
-            for host in ("idle", "launching", "spinning"):
-                row = results.setdefault(name, {})[host] = measure(worker, job, views, x, unit, host, args)
-                print(f"{name:14s} host {host:9s} {row['median']:10.1f} us per expert "
-                      f"({row['min']:.1f}-{row['max']:.1f})", flush=True)
-    sys.setswitchinterval(default_switch)
+        for job in jobs.values():  # first calls (scripting's profiling runs) untimed
+            worker.call(job_pass, job, views[:2], x, unit, 4).result()
+        for _ in range(args.repeats):  # every cell once per round: drift over the run falls on all alike
+            for name, host in cells:
+                sys.setswitchinterval(args.switch_s if name == "python+switch" else default_switch)
+                runs[name, host].append(measure_pass(worker, jobs[name], views, x, unit, host, args.calls))
+        sys.setswitchinterval(default_switch)
+    for name, host in cells:
+        row = results.setdefault(name, {})[host] = summary(runs[name, host])
+        print(f"{name:14s} host {host:9s} {row['median']:10.1f} us per expert "
+              f"({row['min']:.1f}-{row['max']:.1f})", flush=True)
     report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                            "cuda" if cuda else None)
     report |= {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
