@@ -4,7 +4,9 @@ bound of DESIGN.md 4 for the routing the run had.
 
 A configuration runs its whole prompt set once untimed (kernels compile, CUDA graphs are captured,
 the cache fills), then `repeats` times timed: the figures are the repeats' medians with their
-ranges, and the cache figures and bound are the last repeat's (each repeat routes the same)."""
+ranges, and the cache figures and bound are the last repeat's (each repeat routes the same). With
+a CPU share, each repeat also gives the experts the CPU computed in it and its mean time per
+expert, which show whether the CPU's side drifts from one repeat to the next."""
 
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ class Timing:
     decode_tokens: int = 0  # new tokens after the first
     decode_s: float = 0.0
     total_s: float = 0.0
+    of_run: dict = field(default_factory=dict)  # figures of this run alone, kept beside its timings
 
     def add(self, prompt_tokens: int, new_tokens: int, start: float, times: list[float], end: float) -> None:
         self.prompts += 1
@@ -130,16 +133,17 @@ TIMED = ("ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s", "total_s")
 def repeated(run: Callable[[], Timing], repeats: int) -> dict:
     """`run` once untimed, then `repeats` times: the last run's summary with each timed figure
     replaced by the median over the repeats, its range beside it (`<figure>_range`), and every
-    repeat's figures under `repeats`."""
+    repeat's figures (with its `Timing.of_run`) under `repeats`."""
     run()
-    summaries = [run().summary() for _ in range(repeats)]
+    timings = [run() for _ in range(repeats)]
+    summaries = [timing.summary() for timing in timings]
     result = dict(summaries[-1])
     for key in TIMED:
         values = [s[key] for s in summaries if s[key] is not None]
         if values:
             result[key] = round(statistics.median(values), 4)
             result[f"{key}_range"] = [min(values), max(values)]
-    result["repeats"] = [{key: s[key] for key in TIMED} for s in summaries]
+    result["repeats"] = [{key: s[key] for key in TIMED} | timing.of_run for s, timing in zip(summaries, timings)]
     return result
 
 
@@ -154,9 +158,15 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
         before.update(_cache_figures(model))
         if recorder is not None:
             recorder.reset()
-        return time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams,
-                               on_prompt=recorder.next_sequence if recorder is not None else None,
-                               random_continuation=random_continuation and num_beams == 1)
+        cpu_before = _cpu_share(model)
+        timing = time_generation(model.generate, prompts, model.tokenizer, vocab_size, model.device, num_beams,
+                                 on_prompt=recorder.next_sequence if recorder is not None else None,
+                                 random_continuation=random_continuation and num_beams == 1)
+        if cpu_before is not None:
+            experts, compute_s = (after - first for after, first in zip(_cpu_share(model), cpu_before))
+            timing.of_run = {"cpu_experts": experts,
+                             "cpu_compute_ms_per_expert": round(1e3 * compute_s / experts, 4) if experts else None}
+        return timing
 
     if recorder is None:
         timing = repeated(run, repeats)
@@ -176,6 +186,16 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
     if timing.get("decode_tokens_per_s"):
         result["achieved_over_bound"] = round(1 / timing["decode_tokens_per_s"] / bound["bound_s_per_step"], 3)
     return result
+
+
+def _cpu_share(model: MiraModel) -> tuple[int, float] | None:
+    """Experts the CPU worker has computed so far and its seconds on them (None without a CPU share):
+    the figures of one run are the difference, which shows drift over the repeats."""
+    if model.hybrid is None:
+        return None
+    model.hybrid.collect()  # the last layer's job is recorded when the next one starts
+    telemetry = model.hybrid.telemetry
+    return sum(telemetry.experts), sum(telemetry.compute_s)
 
 
 def _difference(after: dict, before: dict) -> dict:

@@ -54,7 +54,8 @@ HYBRID_CONFIGS = ("mira-cpu-auto", "mira-cpu-all")
 
 def cpu_share_lines(result: dict) -> list[str]:
     """Per budget and scheme where a configuration with a CPU share ran beside `mira` (GPU only):
-    its median decode tokens/s over mira's in the same run, and over the caching bound."""
+    its median decode tokens/s over mira's in the same run, and over the caching bound; then each
+    repeat's tokens/s and the CPU's experts in it (a drift over the repeats shows there)."""
     lines = []
     for row in result["runs"]:
         if row.get("config") not in HYBRID_CONFIGS or "decode_tokens_per_s" not in row:
@@ -70,7 +71,19 @@ def cpu_share_lines(result: dict) -> list[str]:
         if bound:
             line += f", {speed / bound:.3f}x the caching bound"
         lines.append(line)
+        lines += [f"  repeat {number}: {_repeat(r)}" for number, r in enumerate(row.get("repeats", []), 1)
+                  if "cpu_experts" in r]
     return ["", "the CPU's share against GPU-only mira in the same run:", *lines] if lines else []
+
+
+def _repeat(figures: dict) -> str:
+    """One repeat's decode tokens/s and the CPU's experts in it, with their mean compute time."""
+    speed = figures.get("decode_tokens_per_s")
+    text = f"{speed:.3g} tokens/s" if speed is not None else "no decode timing"
+    text += f", {figures['cpu_experts']:,} experts on the CPU"
+    if figures.get("cpu_compute_ms_per_expert") is not None:
+        text += f" at {figures['cpu_compute_ms_per_expert']:.3g} ms each"
+    return text
 
 
 def layer_times(result: dict) -> list[str]:

@@ -112,6 +112,10 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     assert hybrid["cpu_experts"]["threads"] == 2 and 0 < hybrid["cpu_lookups"] <= hybrid["lookups"]["miss"]
     assert 0 < hybrid["cpu_tokens"] <= hybrid["tokens_served"]["miss"] and plain["cpu_tokens"] == 0
     assert rows["mira-cpu-all", "all"]["cpu_experts"] == {"mode": "off"}  # every expert resident: no misses
+    # per repeat, the CPU's experts of that run: the last one's are the last repeat's CPU lookups
+    assert hybrid["repeats"][-1]["cpu_experts"] == hybrid["cpu_lookups"]
+    assert all(r["cpu_experts"] > 0 and r["cpu_compute_ms_per_expert"] > 0 for r in hybrid["repeats"])
+    assert "cpu_experts" not in plain["repeats"][0]
     for budget in ("25%", "all"):  # mira against the fastest baseline that ran at the budget
         ran = {c: row["decode_tokens_per_s"] for (c, b), row in rows.items()
                if b == budget and c in ("static", "hf-gpu") and not row.get("skipped")}
