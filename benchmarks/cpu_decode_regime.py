@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -45,9 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_experts import blobs_for, layout_for, shape_config, summary, time_pass  # noqa: E402
+from cpu_experts import blobs_for, layout_for, shape_config, summary, time_pass, write_result  # noqa: E402
 
-from mira.bench.provenance import result_header  # noqa: E402
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
 from mira.runtime.calibrate import keep_host_busy  # noqa: E402
 from mira.runtime.cpu_worker import CpuExpertWorker, HostRows  # noqa: E402
@@ -169,15 +167,10 @@ def main() -> None:
                       f"({row['min']:.1f}-{row['max']:.1f})  median {statistics.median(every):8.1f}  p90 {p90:8.1f}  "
                       f"{row['median'] / calibrated['median']:.2f}x calibration", flush=True)
     sys.setswitchinterval(default_switch)
-    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                           "cuda" if cuda else None)
-    report |= {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
-               "blob_bytes": layout.nbytes, "distinct_blobs": len(blobs), "repeats": args.repeats,
-               "calls": args.calls, "cells": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
+                            "blob_bytes": layout.nbytes, "distinct_blobs": len(blobs), "repeats": args.repeats,
+                            "calls": args.calls, "cells": results}, "cuda" if cuda else None)
     del store
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ median and range over the passes. Writes JSON with provenance (mira.bench.proven
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,11 +35,20 @@ from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.models.registry import adapter_for
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
 from mira.store.layout import ExpertLayout
+from mira.store.files import write_json_atomic
 from mira.store.store import ExpertStore
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("int8-row", "int8-shared", "int4")
 MAX_CALLS = 64  # per pass
+
+
+def write_result(out: Path, figures: dict, device: str | None) -> None:
+    """`figures` under this run's command, commit, machine and date, written atomically to `out`."""
+    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), device) | figures
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, report)
+    print(f"wrote {out}")
 
 
 def summary(values: list[float]) -> dict:
@@ -200,13 +208,8 @@ def main() -> None:
                             f"  together cpu {row['together']['cpu_us']['median']:8.1f} us " \
                             f"copy {row['together']['copy_gb_per_s']['median']:5.1f} GB/s"
                 print(line + f"  [{time.perf_counter() - started:.0f} s]", flush=True)
-    device = "cuda" if cuda else None
-    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), device)
-    report |= {"threads": args.threads, "spread_gb": args.spread_gb, "repeats": args.repeats,
-               "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {"threads": args.threads, "spread_gb": args.spread_gb, "repeats": args.repeats,
+                            "results": results}, "cuda" if cuda else None)
 
 
 if __name__ == "__main__":

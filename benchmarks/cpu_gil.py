@@ -27,8 +27,6 @@ cell runs one pass per round, so that a machine drifting over the run shifts all
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 import warnings
@@ -42,9 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_experts import blobs_for, layout_for, shape_config, summary  # noqa: E402
+from cpu_experts import blobs_for, layout_for, shape_config, summary, write_result  # noqa: E402
 
-from mira.bench.provenance import result_header  # noqa: E402
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
 from mira.runtime.calibrate import keep_host_busy  # noqa: E402
 from mira.runtime.cpu_worker import CpuExpertWorker  # noqa: E402
@@ -126,16 +123,12 @@ def main() -> None:
         row = results.setdefault(name, {})[host] = summary(runs[name, host])
         print(f"{name:14s} host {host:9s} {row['median']:10.1f} us per expert "
               f"({row['min']:.1f}-{row['max']:.1f})", flush=True)
-    report = result_header("python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                           "cuda" if cuda else None)
-    report |= {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
-               "blob_bytes": layout.nbytes, "distinct_blobs": len(blobs), "threads": worker.threads,
-               "switch_s": {"default": default_switch, "python+switch": args.switch_s},
-               "repeats": args.repeats, "calls": args.calls, "us_per_expert": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
+                            "blob_bytes": layout.nbytes, "distinct_blobs": len(blobs), "threads": worker.threads,
+                            "switch_s": {"default": default_switch, "python+switch": args.switch_s},
+                            "repeats": args.repeats, "calls": args.calls, "us_per_expert": results},
+                 "cuda" if cuda else None)
     del store
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
