@@ -166,6 +166,8 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
             experts, compute_s = (after - first for after, first in zip(_cpu_share(model), cpu_before))
             timing.of_run = {"cpu_experts": experts,
                              "cpu_compute_ms_per_expert": round(1e3 * compute_s / experts, 4) if experts else None}
+            if model.hybrid.pace is not None:
+                timing.of_run["cpu_pace"] = round(model.hybrid.pace.scale, 4)  # at the run's end
         return timing
 
     if recorder is None:

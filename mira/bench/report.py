@@ -83,6 +83,8 @@ def _repeat(figures: dict) -> str:
     text += f", {figures['cpu_experts']:,} experts on the CPU"
     if figures.get("cpu_compute_ms_per_expert") is not None:
         text += f" at {figures['cpu_compute_ms_per_expert']:.3g} ms each"
+    if figures.get("cpu_pace") is not None:
+        text += f", the CPU's side priced at {figures['cpu_pace']:.3g}x its calibration"
     return text
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 SWAP_MAX = 16  # misses up to which `split` tries moves and swaps after its prefix (O(n^2) each round)
 
@@ -86,6 +86,47 @@ class HybridCosts:
         return cls(blob_bytes=int(data["blob_bytes"]), cpu=LinearCost(**data["cpu"]),
                    cpu_call_s=float(data["cpu_call_s"]), pcie_bytes_per_s=data["pcie_bytes_per_s"],
                    pcie_latency_s=float(data["pcie_latency_s"]), gpu=LinearCost(**data["gpu"]))
+
+
+class CpuPace:
+    """How much slower (or faster) the CPU's side runs in decoding than calibrated: a running
+    geometric mean of measured over calibrated seconds, which scales the CPU's costs of later splits.
+
+    Beside a busy host thread and PCIe traffic the CPU computes more slowly than any calibration
+    in isolation shows, and by how much depends on the budget and the machine's load. A pace learnt
+    only from the jobs the CPU is given could price it out for good, so each decode layer whose
+    misses the CPU got none of pulls the pace back towards the calibration: it is then tried again.
+
+    Args:
+        learn: the weight of each decode job's ratio (0.05: about the last 20 jobs).
+        forget: the weight with which each such passed-over layer pulls towards 1.
+    """
+
+    def __init__(self, learn: float = 0.05, forget: float = 0.01) -> None:
+        for name, weight in (("learn", learn), ("forget", forget)):
+            if not 0 <= weight <= 1:
+                raise ValueError(f"{name} is a weight in [0, 1], not {weight}")
+        self.learn, self.forget = learn, forget
+        self._log = 0.0
+
+    @property
+    def scale(self) -> float:
+        return math.exp(self._log)
+
+    def observe(self, measured_s: float, calibrated_s: float) -> None:
+        """One decode job: its CPU side took `measured_s` where the calibration said `calibrated_s`."""
+        if measured_s > 0 and calibrated_s > 0:
+            self._log += self.learn * (math.log(measured_s / calibrated_s) - self._log)
+
+    def passed_over(self) -> None:
+        """A decode layer had misses and the CPU got none of them."""
+        self._log -= self.forget * self._log
+
+    def costs(self, calibrated: HybridCosts) -> HybridCosts:
+        """The calibrated costs with the CPU's side (per expert and per call) at this pace."""
+        scale, cpu = self.scale, calibrated.cpu
+        return replace(calibrated, cpu=LinearCost(cpu.fixed_s * scale, cpu.per_token_s * scale),
+                       cpu_call_s=calibrated.cpu_call_s * scale)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import HybridCosts
+from mira.cache.costmodel import CpuPace, HybridCosts
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import CpuExperts, HybridExperts, cpu_pays, machine_costs, worker_threads
@@ -285,7 +285,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     hybrid = None
     if decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
-        hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device)
+        hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
+                               CpuPace() if costs is not None else None)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))

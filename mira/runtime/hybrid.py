@@ -13,6 +13,9 @@ waits only at that layer's own routing read-back. The next `start` collects the 
 (its telemetry, or the worker's error). On a CPU-only run the "device side" is the reference FFN
 on the CPU, and `finish` waits for the worker. A layer whose kernel fails between the two calls
 `abandon` instead: the table whole again, and no post left over to let a later hold through early.
+
+With a `CpuPace`, splits and predictions price the CPU's side at the pace decoding measures
+(mira.cache.costmodel): each decode job's measured CPU side against its calibrated one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mira.cache.costmodel import HybridCosts, Split, split
+from mira.cache.costmodel import CpuPace, HybridCosts, Split, split
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
@@ -92,6 +95,7 @@ class CpuShare:
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
+    calibrated_s: float  # the CPU's side as calibrated, before the pace (0.0 without costs)
 
 
 class HybridExperts:
@@ -104,17 +108,19 @@ class HybridExperts:
         costs: the calibrated costs (None: no predictions, which `split_misses` needs).
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
+        pace: follows the CPU's measured pace in decoding; None: the calibrated costs as they are.
 
     Attributes:
         telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
     """
 
     def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
-                 split_misses: bool, device: torch.device):
+                 split_misses: bool, device: torch.device, pace: CpuPace | None = None):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
         self.worker = worker
         self.costs = costs
+        self.pace = pace
         self.split_misses = split_misses
         self.telemetry = HybridTelemetry(store.num_layers)
         self._tables = tables
@@ -133,7 +139,7 @@ class HybridExperts:
     def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> Split | None:
         """The layer's misses divided: the cost model's split, or every miss to the CPU; None
         without costs for the latter (no prediction)."""
-        costs = self.costs
+        costs = self.pace.costs(self.costs) if self.pace is not None and self.costs is not None else self.costs
         if self.split_misses:
             busy = sum(costs.gpu(tokens) for _, tokens in on_device)
             return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy)
@@ -153,6 +159,8 @@ class HybridExperts:
         plan = self.choose(on_device, from_host)
         experts = plan.cpu if plan is not None else [e for e, _ in from_host]
         if not experts:
+            if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
+                self.pace.passed_over()
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
@@ -160,10 +168,13 @@ class HybridExperts:
         job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position], done)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
-        chosen = set(experts)
-        tokens = sum(t for e, t in from_host if e in chosen)
-        return CpuShare(layer_position, experts, tokens, job, future, begin,
-                        (plan.predicted_s, plan.cpu_s) if plan is not None else None)
+        picked = set(experts)
+        chosen = [(e, t) for e, t in from_host if e in picked]
+        costs = self.costs
+        calibrated = costs.cpu_call_s + sum(costs.cpu_s(t, self._blob_bytes) for _, t in chosen) \
+            if costs is not None else 0.0
+        return CpuShare(layer_position, experts, sum(t for _, t in chosen), job, future, begin,
+                        (plan.predicted_s, plan.cpu_s) if plan is not None else None, calibrated)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
@@ -197,11 +208,16 @@ class HybridExperts:
 
     def summary(self) -> dict:
         self.collect()
-        return {"mode": self.mode, "threads": self.worker.threads, **self.telemetry.summary()}
+        pace = {"cpu_pace": round(self.pace.scale, 4)} if self.pace is not None else {}
+        return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
 
     def _record(self, share: CpuShare) -> None:
-        self.telemetry.record(share.layer_position, len(share.experts), share.tokens, share.job.finished - share.begin,
-                              share.job.compute_s, share.predicted)
+        job = share.job
+        measured = job.finished - share.begin
+        self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
+                              share.predicted)
+        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
+            self.pace.observe(measured, share.calibrated_s)
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows

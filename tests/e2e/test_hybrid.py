@@ -9,6 +9,7 @@ output with the CPU's share switched off.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import mira
-from mira.cache.costmodel import HybridCosts, LinearCost
+from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import HybridExperts
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
@@ -100,6 +101,30 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     assert layer_times[0]["predicted_ms"] == pytest.approx(sum(p for p, _ in predicted) / 3, abs=1e-3)
     assert layer_times[0]["predicted_cpu_ms"] == pytest.approx(sum(c for _, c in predicted) / 3, abs=1e-3)
     assert layer_times[0]["measured_ms"] > 0
+
+
+def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):
+    """Costs that put one expert at a full second on the CPU: each finished decode job pulls the
+    pace towards its measured CPU side over the calibrated one, and later predictions with it."""
+    model = _on_demand(mixtral_store, "all")
+    costs = HybridCosts(blob_bytes=model.store.blob_bytes, cpu=LinearCost(1.0, 0.0), cpu_call_s=0.0,
+                        pcie_bytes_per_s=None)
+    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, False, torch.device("cpu"),
+                           CpuPace(learn=0.5))
+    layer = _layers(model)[0]
+    layer.hybrid = hybrid
+    assert hybrid.choose([], [(0, 1)]).cpu_s == pytest.approx(1.0)
+    ratios = []  # per job: measured seconds of the CPU's side over the calibrated ones (1 s per expert)
+    telemetry = hybrid.telemetry
+    for seed in range(4):
+        measured, experts = telemetry.measured_s[0], telemetry.experts[0]
+        layer(*mixtral_layer_call(seed, 1))
+        hybrid.collect()
+        ratios.append((telemetry.measured_s[0] - measured) / (telemetry.experts[0] - experts))
+    expected = math.exp(sum(0.5 ** (len(ratios) - i) * math.log(r) for i, r in enumerate(ratios)))
+    assert hybrid.pace.scale == pytest.approx(expected, rel=1e-9) and hybrid.pace.scale < 0.1
+    assert hybrid.choose([], [(0, 1)]).cpu_s == pytest.approx(hybrid.pace.scale)
+    assert hybrid.summary()["cpu_pace"] == round(hybrid.pace.scale, 4)
 
 
 def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(mixtral_store):

@@ -12,7 +12,8 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers},
            "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_compute_ms_per_expert": 3.25},
-                       {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None}]}
+                       {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None,
+                        "cpu_pace": 1.4412}]}
     gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"}, "decode_tokens_per_s": 6.0,
            "bound": {"bound_tokens_per_s": 50.0}, "repeats": [{"decode_tokens_per_s": 6.0}]}
     result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row, gpu]}
@@ -26,4 +27,5 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     compared = lines.index("the CPU's share against GPU-only mira in the same run:")
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU at 3.25 ms each"
-    assert lines[compared + 3] == "  repeat 2: 9 tokens/s, 1,200 experts on the CPU"
+    assert lines[compared + 3] == ("  repeat 2: 9 tokens/s, 1,200 experts on the CPU, the CPU's side priced at 1.44x "
+                                   "its calibration")

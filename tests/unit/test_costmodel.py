@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import HybridCosts, LinearCost, split
+from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost, split
 
 MB = 1 << 20
 
@@ -150,3 +150,40 @@ def test_optimal_for_misses_of_equal_tokens(seed):
     result = split(misses, MB, model, busy)
     assert result.predicted_s == pytest.approx(_brute_force(misses, model, busy), rel=1e-12)
     assert sorted(result.cpu + result.pcie) == sorted(e for e, _ in misses)
+
+
+def test_the_pace_is_the_running_geometric_ratio_of_measured_over_calibrated():
+    """Hand-worked: weight 1/2, ratios 4 then 1 -> log pace (ln 4) / 2 then (ln 4) / 4: pace sqrt(2)."""
+    pace = CpuPace(learn=0.5, forget=0.0)
+    pace.observe(4e-3, 1e-3)
+    assert pace.scale == pytest.approx(2.0)
+    pace.observe(1e-3, 1e-3)
+    assert pace.scale == pytest.approx(math.sqrt(2))
+    pace.observe(0.0, 1e-3)  # nothing measured: no evidence
+    assert pace.scale == pytest.approx(math.sqrt(2))
+
+
+def test_a_paced_out_cpu_is_pulled_back_to_the_calibration():
+    """A pace that prices the CPU out of a two-miss decode layer (each side 1 ms as calibrated):
+    each layer it is passed over pulls it towards 1 until the CPU is given a miss again."""
+    base = costs()
+    pace = CpuPace(learn=1.0, forget=0.5)
+    pace.observe(3e-3, 1e-3)  # the CPU at 3 ms: slower than both misses over PCIe (2 ms)
+    misses = [(0, 1), (1, 1)]
+    passed = 0
+    while not split(misses, MB, pace.costs(base)).cpu:
+        pace.passed_over()
+        passed += 1
+    # log pace ln 3 * 0.5^k; the CPU takes one miss once its 1 ms * pace < 2 ms: 3^(0.5^k) < 2 at k = 1
+    assert passed == 1 and pace.scale == pytest.approx(math.sqrt(3))
+    paced = pace.costs(base)
+    assert paced.cpu(1) == pytest.approx(math.sqrt(3) * 1e-3) and paced.pcie_s(1) == pytest.approx(base.pcie_s(1))
+
+
+def test_the_pace_scales_the_per_call_cost_too():
+    pace = CpuPace(learn=1.0)
+    pace.observe(3e-3, 1.5e-3)
+    paced = pace.costs(costs(cpu_per_token=2e-4, call=1e-4))
+    assert (paced.cpu.fixed_s, paced.cpu.per_token_s, paced.cpu_call_s) == pytest.approx((2e-3, 4e-4, 2e-4))
+    with pytest.raises(ValueError, match="learn is a weight"):
+        CpuPace(learn=1.5)
