@@ -9,6 +9,9 @@ of the two sums; `split` chooses the CPU set that makes that smallest.
 Decode, with one token per miss, makes every miss cost the same on each side and the split a
 count. Many tokens per expert (prefill) make the CPU's cost grow with the tokens while the PCIe
 copy does not, so those experts stay on the GPU.
+
+`cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
+layer's misses before its kernel), and `CpuPace` keeps the CPU's costs at the pace decoding measures.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 SWAP_MAX = 16  # misses up to which `split` tries moves and swaps after its prefix (O(n^2) each round)
+INLINE_LAYER_S = 1e-3  # what a CPU share must save per decode layer to pay for running layers inline
+# (a host sync and eager launches per layer, no CUDA graph): on the H200 inline mira decoded the
+# Qwen3-30B-A3B shape at 8.43 tokens/s where lagged mira did 65.8, 2.2 ms more per layer
+# (benchmarks/results/bench-qwen3-30b-a3b-lagged.json); Mixtral-8x7B's 3 ms misses hide most of it
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,16 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         on_cpu, on_pcie, best = _improve(on_cpu, on_pcie, best, costs.cpu_call_s)
     return Split(cpu=sorted(e for e, _, _ in on_cpu), pcie=sorted(e for e, _, _ in on_pcie), cpu_s=best[0],
                  gpu_s=best[1])
+
+
+def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int) -> bool:
+    """Whether a CPU share pays where the misses could otherwise be left to the GPU without a host
+    sync: for a decode layer whose `top_k` experts all miss, the split must finish at least
+    `INLINE_LAYER_S` before PCIe alone would."""
+    misses = [(expert, 1) for expert in range(top_k)]
+    plan = split(misses, blob_bytes, costs)
+    pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
+    return bool(plan.cpu) and pcie_alone - plan.predicted_s >= INLINE_LAYER_S
 
 
 def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: HybridCosts, busy: float) -> Split:

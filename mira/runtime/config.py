@@ -55,8 +55,8 @@ class HybridConfig:
     mode: "off" (the default until the GPU runs show where the CPU's share pays for inline
         residency), "all" (every miss the policy leaves in host memory goes to the CPU), or "auto"
         (on CUDA, the calibrated cost model splits each layer's misses between the CPU and PCIe,
-        and turns itself off where it gives the CPU no share of a decode layer's misses; on the
-        CPU, off: both sides would be the same cores).
+        and turns itself off where that would not pay for running layers inline
+        (mira.cache.costmodel.cpu_pays); on the CPU, off: both sides would be the same cores).
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
     """
 
@@ -198,8 +198,8 @@ class Facts:
     has_heads: trained predictor heads are at hand (beside the store, or given).
     speculates: gate speculation recomputes the model's routers (mira.predict.baselines.speculates);
         both predictors need it.
-    cpu_pays: the calibrated cost model gives the CPU a share of a decode layer's misses (False
-        where nothing was calibrated).
+    cpu_pays: by the calibrated cost model, a CPU share pays for running layers inline
+        (mira.cache.costmodel.cpu_pays; False where nothing was calibrated).
     """
 
     device_type: str

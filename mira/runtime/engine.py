@@ -28,10 +28,10 @@ from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import CpuPace, HybridCosts
+from mira.cache.costmodel import CpuPace, HybridCosts, cpu_pays
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.hybrid import CpuExperts, HybridExperts, cpu_pays, machine_costs, worker_threads
+from mira.runtime.hybrid import CpuExperts, HybridExperts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer

@@ -79,11 +79,6 @@ def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.dev
     return costs
 
 
-def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int) -> bool:
-    """Whether the cost model gives the CPU a share of a decode layer whose `top_k` experts all miss."""
-    return bool(split([(expert, 1) for expert in range(top_k)], blob_bytes, costs).cpu)
-
-
 @dataclass
 class CpuShare:
     """The CPU's part of one layer call, in flight between `start` and `finish`."""

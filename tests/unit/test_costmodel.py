@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost, split
+from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, HybridCosts, LinearCost, cpu_pays, split
 
 MB = 1 << 20
 
@@ -187,3 +187,18 @@ def test_the_pace_scales_the_per_call_cost_too():
     assert (paced.cpu.fixed_s, paced.cpu.per_token_s, paced.cpu_call_s) == pytest.approx((2e-3, 4e-4, 2e-4))
     with pytest.raises(ValueError, match="learn is a weight"):
         CpuPace(learn=1.5)
+
+
+def test_a_cpu_share_pays_only_where_it_saves_more_than_running_inline_costs():
+    """Hand-worked from the H200's calibrations. Mixtral-8x7B (176 MB experts, top-2): the CPU 3.06 ms
+    per expert and 0.2 ms per call, PCIe 3.25 ms: one miss each side ends at 3.26 ms where PCIe
+    alone takes 6.5 ms. Qwen3-30B-A3B (4.7 MB, top-8): 63 us, 0.2 ms, 91 us: the best split (four
+    each side) ends at 0.452 ms where PCIe alone takes 0.728 ms, 0.276 ms sooner, under INLINE_LAYER_S."""
+    mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3, pcie_bytes_per_s=MB / 3.25e-3)
+    assert cpu_pays(mixtral, top_k=2, blob_bytes=MB)
+    qwen = HybridCosts(blob_bytes=MB, cpu=LinearCost(63e-6, 0.0), cpu_call_s=0.2e-3, pcie_bytes_per_s=MB / 91e-6)
+    assert split(decode(range(8)), MB, qwen).predicted_s == pytest.approx(0.2e-3 + 4 * 63e-6)
+    assert 8 * 91e-6 - (0.2e-3 + 4 * 63e-6) < INLINE_LAYER_S
+    assert not cpu_pays(qwen, top_k=8, blob_bytes=MB)
+    # experts of 8x the bytes and time: five on the CPU end at 2.72 ms against 5.82 ms, 3.1 ms sooner
+    assert cpu_pays(qwen, top_k=8, blob_bytes=8 * MB)
