@@ -200,8 +200,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-experts", choices=CPU_EXPERTS,
                         help="compute missed experts on the CPU from host memory while the others cross PCIe: off "
                              "(the default), auto (on CUDA, a cost model calibrated once per machine splits each "
-                             "layer's misses, and stays off where that would save a decode layer less than running layers "
-                             "inline costs; off on the CPU) or all (every miss the policy leaves in host memory). On, MoE layers run inline (--residency)")
+                             "layer's misses, and stays off where that would save a decode layer less than running "
+                             "layers inline costs; off on the CPU) or all (every miss the policy leaves in host "
+                             "memory). On, MoE layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
