@@ -192,14 +192,20 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
                  gpu_s=best[1])
 
 
-def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int) -> bool:
+def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0) -> bool:
     """Whether a CPU share pays where the misses could otherwise be left to the GPU without a host
-    sync: for a decode layer whose `top_k` experts all miss, the split must finish at least
-    `INLINE_LAYER_S` before PCIe alone would."""
-    misses = [(expert, 1) for expert in range(top_k)]
-    plan = split(misses, blob_bytes, costs)
-    pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
-    return bool(plan.cpu) and pcie_alone - plan.predicted_s >= INLINE_LAYER_S
+    sync: in a decode layer whose `top_k` routed experts each miss with probability `miss_rate`
+    (independently; the share of experts without a slot, as under uniform routing), the split must
+    finish at least `INLINE_LAYER_S` before PCIe alone would, in expectation."""
+    if not 0 <= miss_rate <= 1:
+        raise ValueError(f"miss_rate is a probability, not {miss_rate}")
+    saved = 0.0
+    for count in range(1, top_k + 1):
+        misses = [(expert, 1) for expert in range(count)]
+        pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
+        chance = math.comb(top_k, count) * miss_rate ** count * (1 - miss_rate) ** (top_k - count)
+        saved += chance * (pcie_alone - split(misses, blob_bytes, costs).predicted_s)
+    return saved >= INLINE_LAYER_S
 
 
 def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: HybridCosts, busy: float) -> Split:

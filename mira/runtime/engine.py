@@ -263,7 +263,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and cpu_pays(costs, hf_model.config.num_experts_per_tok,
-                                                          store.blob_bytes))
+                                                          store.blob_bytes, 1 - min(1.0, capacity / total_experts)))
     try:
         decided = resolve(config, facts)
     except MiraError:

@@ -202,3 +202,19 @@ def test_a_cpu_share_pays_only_where_it_saves_more_than_running_inline_costs():
     assert not cpu_pays(qwen, top_k=8, blob_bytes=MB)
     # experts of 8x the bytes and time: five on the CPU end at 2.72 ms against 5.82 ms, 3.1 ms sooner
     assert cpu_pays(qwen, top_k=8, blob_bytes=8 * MB)
+
+
+def test_a_cpu_share_pays_by_its_expected_saving_at_the_budgets_miss_rate():
+    """Mixtral-8x7B as above: one miss goes over PCIe (3.25 ms against 3.26 on the CPU), two save
+    6.5 - 3.26 = 3.24 ms. Each routed expert missing with probability p, both miss with p^2: at
+    p = 0.51 (126 of 256 slots, 24 GiB) 0.2601 * 3.24 = 0.84 ms, under INLINE_LAYER_S; at p = 0.79
+    (53 slots, 12 GiB) 0.6241 * 3.24 = 2.02 ms."""
+    mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3,
+                          pcie_bytes_per_s=MB / 3.25e-3)
+    assert not split(decode([0]), MB, mixtral).cpu
+    assert 0.51 ** 2 * 3.24e-3 < INLINE_LAYER_S < 0.79 ** 2 * 3.24e-3
+    assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.51)
+    assert cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.79)
+    assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.0)
+    with pytest.raises(ValueError, match="probability"):
+        cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=1.5)
