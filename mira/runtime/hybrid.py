@@ -90,7 +90,7 @@ class CpuShare:
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
-    calibrated_s: float  # the CPU's side as calibrated, before the pace (0.0 without costs)
+    calibrated_s: float  # the CPU's side as calibrated, before the pace (0.0 without a pace)
 
 
 class HybridExperts:
@@ -163,12 +163,10 @@ class HybridExperts:
         job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position], done)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
-        picked = set(experts)
-        chosen = [(e, t) for e, t in from_host if e in picked]
-        costs = self.costs
-        calibrated = costs.cpu_call_s + sum(costs.cpu_s(t, self._blob_bytes) for _, t in chosen) \
-            if costs is not None else 0.0
-        return CpuShare(layer_position, experts, sum(t for _, t in chosen), job, future, begin,
+        chosen = set(experts)
+        tokens = sum(t for e, t in from_host if e in chosen)
+        calibrated = plan.cpu_s / self.pace.scale if plan is not None and self.pace is not None else 0.0
+        return CpuShare(layer_position, experts, tokens, job, future, begin,
                         (plan.predicted_s, plan.cpu_s) if plan is not None else None, calibrated)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
