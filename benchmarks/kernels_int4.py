@@ -58,18 +58,17 @@ EXPERTS, TOP_K, PREFILL_TOKENS = 8, 2, 512
 GOALS = {"mixtral-8x7b": {"one_expert_s": 30e-6}}  # the goal for one Mixtral-shaped INT4 expert
 ZERO_COPY_GOAL = 0.90  # of the pinned copy's bandwidth
 
-GATE_UP = [  # gate/up decode launch candidates (block_rows gate rows and as many up rows; block_cols counts weights)
-    GemvConfig(8, 512, unroll=1, cvt="prmt"), GemvConfig(8, 1024, unroll=1, cvt="prmt"),
-    GemvConfig(16, 256, unroll=1, cvt="prmt"), GemvConfig(16, 512, unroll=1, cvt="prmt"),
-    GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(16, 512, unroll=1, num_warps=8, cvt="prmt"),
-    GemvConfig(4, 4096, unroll=1, cvt="prmt"), GemvConfig(16, 256, unroll=1, cvt="prmt", programs_per_sm=4),
-    GemvConfig(16, 512, unroll=1, cvt="bits"),
+GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
+    GemvConfig(16, 512, unroll=2, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
+    GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(32, 256, unroll=2, cvt="prmt"),
+    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(16, 512, unroll=2, num_warps=8, cvt="prmt"),
+    GemvConfig(16, 512, unroll=2, cvt="bits"), GemvConfig(8, 512, unroll=2, cvt="prmt", programs_per_sm=4),
 ]
 DOWN = [  # down decode launch candidates
-    GemvConfig(16, 512, unroll=1, cvt="prmt"), GemvConfig(32, 256, unroll=1, cvt="prmt"),
-    GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(8, 1024, unroll=1, cvt="prmt"),
-    GemvConfig(32, 256, unroll=1, cvt="prmt", split=2), GemvConfig(16, 512, unroll=1, cvt="prmt", split=2),
-    GemvConfig(32, 512, unroll=1, num_warps=8, cvt="prmt"), GemvConfig(16, 512, unroll=1, cvt="prmt", split=4),
+    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
+    GemvConfig(4, 1024, unroll=2, cvt="prmt"), GemvConfig(16, 512, unroll=2, cvt="prmt"),
+    GemvConfig(8, 512, unroll=2, cvt="prmt", split=2), GemvConfig(16, 512, unroll=1, cvt="prmt", split=4),
+    GemvConfig(8, 1024, unroll=1, cvt="bits"),
 ]
 
 

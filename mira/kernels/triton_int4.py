@@ -10,12 +10,10 @@ s q + m (the scheme's zero-point form, int4.ZERO_POINTS), so a group's products 
 s sum(q x) + m sum(x): scale and offset are applied once per group, not per weight.
 
 decode: the two GEMV launches on the CUDA cores (gate/up with runs of row blocks, down with an
-    optionally split reduction and a deterministic sum). A tile is [rows, chunks, 16 bytes]: a
-    thread's 16-byte load is a chunk of 32 adjacent weights of one group (groups are whole
-    multiples of 32 weights). Codes become 16 + q in fp32 by integer logic alone; the thread sums
-    a chunk's products as chains of multiply-adds, then scales that partial and takes off the
-    offset's share (16 s - m) times the token's sum over the same 32 columns. Gate/up tiles hold
-    a block of gate rows and their up rows, so both read each step of the token once.
+    optionally split reduction and a deterministic sum). A thread's 16-byte load is 32 adjacent
+    weights of one group (groups are whole multiples of 32 weights): the thread sums their
+    products, then scales that partial and adds the offset times the token's sum over the same
+    32 columns.
 prefill: the two grouped GEMMs; a K step stays inside one group (block_k <= GROUP), so the codes
     go into the tensor-core product as exact small integers, and each step's product is scaled
     per weight row and offset by the tokens' column sums afterwards.
@@ -86,79 +84,24 @@ def _nibbles(w, CVT: tl.constexpr):
         return (b & 15).to(tl.float32), (b >> 4).to(tl.float32)
 
 
-BIAS = 16.0  # _biased_codes' offset: the smallest with 16 + q exact in fp32 for every code
-BIAS_W: tl.constexpr = tl.constexpr(BIAS)
-
-
 @triton.jit
-def _biased_codes(w, CVT: tl.constexpr):
-    """uint8 bytes -> (low codes, high codes) as 16 + q in fp32, exactly: 0x41800000 | q << 19, the
-    code in the top of the mantissa of 16.0. No subtraction follows the integer logic; the sums of
-    products carry 16 sum(x), taken off once per chunk. "prmt": one byte-permute per code (inline
-    PTX: compiled GPUs only); otherwise integer logic."""
-    if CVT == "prmt":
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo4, hi4, mag;
-            mov.b32 mag, 0x4100;  // the exponent byte of 16.0
-            shl.b32 lo4, $8, 3;
-            and.b32 lo4, lo4, 0x78787878;
-            or.b32 lo4, lo4, 0x80808080;
-            shr.b32 hi4, $8, 1;
-            and.b32 hi4, hi4, 0x78787878;
-            or.b32 hi4, hi4, 0x80808080;
-            prmt.b32 $0, lo4, mag, 0x5044;
-            prmt.b32 $1, lo4, mag, 0x5144;
-            prmt.b32 $2, lo4, mag, 0x5244;
-            prmt.b32 $3, lo4, mag, 0x5344;
-            prmt.b32 $4, hi4, mag, 0x5044;
-            prmt.b32 $5, hi4, mag, 0x5144;
-            prmt.b32 $6, hi4, mag, 0x5244;
-            prmt.b32 $7, hi4, mag, 0x5344;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32), is_pure=True,
-            pack=4,
-        )
-    else:
-        b = w.to(tl.uint32)
-        lo = (((b & 15) << 19) | 0x41800000).to(tl.float32, bitcast=True)
-        hi = (((b >> 4) << 19) | 0x41800000).to(tl.float32, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _quarters(t):
-    """[R, C, 16] -> four [R, C, 4]: the elements j with j % 4 == 0, 2, 1, 3 (register renaming only)."""
-    a, b = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 8, 2]))
-    a0, a1 = tl.split(tl.reshape(a, [t.shape[0], t.shape[1], 4, 2]))
-    b0, b1 = tl.split(tl.reshape(b, [t.shape[0], t.shape[1], 4, 2]))
-    return a0, a1, b0, b1
-
-
-@triton.jit
-def _chunk_dots(w, x, s, z, CVT: tl.constexpr):
-    """Bytes w [R, C, 16] (C chunks of 32 weights per row) against the fp32 token's columns x [C, 32]
-    -> [R, C]: per chunk, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
-    (s, z [R, C]: each chunk's group scale and offset). The 32 products are summed as 8 chains of
-    multiply-adds and a sum of 4, not a tree of 32: a multiply-add each."""
-    lo, hi = _biased_codes(w, CVT)  # the even and the odd columns' 128 + q
-    x_even, x_odd = tl.split(tl.reshape(x, [x.shape[0], 16, 2]))
-    l0, l1, l2, l3 = _quarters(lo)
-    h0, h1, h2, h3 = _quarters(hi)
-    e0, e1, e2, e3 = _quarters(x_even[None, :, :])
-    o0, o1, o2, o3 = _quarters(x_odd[None, :, :])
-    chains = l0 * e0 + l1 * e1 + l2 * e2 + l3 * e3 + h0 * o0 + h1 * o1 + h2 * o2 + h3 * o3
-    biased = tl.sum(chains, axis=2)  # sum (128 + q) x
-    return s * biased + (z - BIAS_W * s) * tl.sum(x, axis=1)[None, :]
+def _chunk_dots(w, x_even, x_odd, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr, CVT: tl.constexpr):
+    """Bytes w [ROWS, BYTES] against the fp32 token's even and odd columns [BYTES] -> [ROWS, BYTES / 16]:
+    per chunk of 32 weights, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
+    (s, z [ROWS, BYTES / 16]: each chunk's group scale and offset)."""
+    lo, hi = _nibbles(w, CVT)
+    p = lo * x_even[None, :] + hi * x_odd[None, :]  # [ROWS, BYTES]
+    p = tl.sum(tl.reshape(p, [ROWS, BYTES // 16, 16]), axis=2)  # [ROWS, chunks]
+    sx = tl.sum(tl.reshape(x_even + x_odd, [BYTES // 16, 16]), axis=1)  # the token's sum over each chunk
+    return p * s + z * sx[None, :]
 
 
 @triton.jit
 def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    H, I, K, ROW_BYTES, S_IN_OFF, Z_IN_OFF, B13_OFF, ROWS,  # ROW_BYTES = H / 2: its own argument, so that the JIT
-    # sees it a multiple of 16 where it is (16-byte weight loads)
+    H, I, K, S_IN_OFF, Z_IN_OFF, B13_OFF, ROWS,
     GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    UNROLL: tl.constexpr, EVEN_H: tl.constexpr, ONE_STEP: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UNROLL: tl.constexpr, EVEN_H: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, g) -> act[pair, rows] for the ROWS rows from g * ROWS."""
@@ -172,22 +115,12 @@ def _gate_up_gemv4(
     z_in = tl.multiple_of((base + Z_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
     row_end = tl.minimum(row_start + ROWS, I)
     x_row = hidden_ptr + token * stride_ht
-    pairs = tl.arange(0, 2 * BLOCK_I)  # gate row r // 2, or its up row I + r // 2: one pass over x for both
-    if ONE_STEP:  # one column step covers H: the token's columns are loaded once, for every row block
-        chunk = tl.arange(0, BLOCK_H // 32) * CHUNK_W
-        x = _x_tile(x_row, chunk, H, EVEN_H)
     for i0 in range(row_start, row_end, BLOCK_I):
         offs_i = i0 + tl.arange(0, BLOCK_I)
         in_rows = offs_i < row_end
         row_mask = offs_i < tl.where(present, row_end, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
-        both_mask = (i0 + pairs // 2) < tl.where(present, row_end, 0)
-        rows = i0 + pairs // 2 + (pairs % 2) * I
-        if ONE_STEP:
-            gu = tl.sum(_tile_dots(x, w13, s_in, z_in, rows, both_mask, chunk, H, ROW_BYTES, GROUP, EVEN_H, CVT), axis=1)
-        else:
-            gu = _rows_dot(x_row, w13, s_in, z_in, rows, both_mask, H, ROW_BYTES, GROUP, 2 * BLOCK_I, BLOCK_H, UNROLL,
-                           EVEN_H, CVT)
-        g, u = tl.split(tl.reshape(gu, [BLOCK_I, 2]))
+        g = _rows_dot(x_row, w13, s_in, z_in, offs_i, row_mask, H, GROUP, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
+        u = _rows_dot(x_row, w13, s_in, z_in, offs_i + I, row_mask, H, GROUP, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT)
         g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
         u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
         act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
@@ -195,50 +128,38 @@ def _gate_up_gemv4(
 
 
 @triton.jit
-def _x_tile(x_row, chunk, COLS, EVEN: tl.constexpr):
-    """The fp32 columns [chunks, 32] of x_row from each chunk's first column."""
-    offs = chunk[:, None] + tl.arange(0, 32)[None, :]
-    if EVEN:
-        return tl.load(x_row + offs).to(tl.float32)
-    return tl.load(x_row + offs, mask=offs < COLS, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _tile_dots(x, w_ptr, s_ptr, z_ptr, rows, row_mask, chunk, COLS, ROW_BYTES, GROUP: tl.constexpr,
-               EVEN: tl.constexpr, CVT: tl.constexpr):
-    """Rows [R] of a packed matrix ([R, COLS / 2] bytes, group scales and offsets [R, cdiv(COLS, GROUP)])
-    against x [chunks, 32] at the chunks from columns `chunk` -> [R, chunks] sums of products."""
-    n_groups = (COLS + GROUP - 1) // GROUP
-    offs_b = tl.max_contiguous(tl.multiple_of(chunk[:, None] // 2 + tl.arange(0, 16)[None, :], [16, 16]),
-                               [1, 16])  # [chunks, 16]: a chunk's 16 bytes
-    offs_s = rows[:, None] * n_groups + (chunk // GROUP)[None, :]
-    if EVEN:
-        w_mask = row_mask[:, None, None]
-        s_mask = row_mask[:, None]
-    else:
-        w_mask = row_mask[:, None, None] & (offs_b < ROW_BYTES)[None, :, :]
-        s_mask = row_mask[:, None] & (chunk < COLS)[None, :]
-    w = tl.load(w_ptr + rows[:, None, None] * ROW_BYTES + offs_b[None, :, :], mask=w_mask, other=0,
-                eviction_policy="evict_first")
-    s = tl.load(s_ptr + offs_s, mask=s_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs_s, mask=s_mask, other=0.0).to(tl.float32)
-    return _chunk_dots(w, x, s, z, CVT)
-
-
-@triton.jit
 def _rows_dot(
-    x_row, w_ptr, s_ptr, z_ptr, rows, row_mask, COLS, ROW_BYTES,
+    x_row, w_ptr, s_ptr, z_ptr, rows, row_mask, COLS,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     UNROLL: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
 ):
-    """[BLOCK_R] dot products of the given rows of a packed matrix with the vector x_row [COLS]."""
-    CHUNKS: tl.constexpr = BLOCK_C // 32
-    acc = tl.zeros([BLOCK_R, CHUNKS], dtype=tl.float32)
+    """[BLOCK_R] dot products of the given rows of a packed matrix ([R, COLS / 2] bytes, group
+    scales and offsets [R, cdiv(COLS, GROUP)]) with the fp32-convertible vector x_row [COLS]."""
+    n_groups = (COLS + GROUP - 1) // GROUP
+    w_rows = w_ptr + rows[:, None] * (COLS // 2)  # [BLOCK_R, 1]
+    s_rows = s_ptr + rows[:, None] * n_groups
+    z_rows = z_ptr + rows[:, None] * n_groups
+    acc = tl.zeros([BLOCK_R, BLOCK_C // 32], dtype=tl.float32)
     for c0 in range(0, COLS, BLOCK_C * UNROLL):
         for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
-            chunk = c0 + u * BLOCK_C + tl.arange(0, CHUNKS) * CHUNK_W  # [chunks] first column of each
-            x = _x_tile(x_row, chunk, COLS, EVEN)
-            acc += _tile_dots(x, w_ptr, s_ptr, z_ptr, rows, row_mask, chunk, COLS, ROW_BYTES, GROUP, EVEN, CVT)
+            start = c0 + u * BLOCK_C
+            offs_even = start + 2 * tl.arange(0, BLOCK_C // 2)  # the token's columns meeting the low codes
+            offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BLOCK_C // 2), BLOCK_C // 2), BLOCK_C // 2)
+            chunk_group = (start + tl.arange(0, BLOCK_C // 32) * CHUNK_W) // GROUP  # [chunks]
+            if EVEN:
+                x_even = tl.load(x_row + offs_even).to(tl.float32)
+                x_odd = tl.load(x_row + offs_even + 1).to(tl.float32)
+                w_mask = row_mask[:, None]
+                s_mask = row_mask[:, None]
+            else:
+                x_even = tl.load(x_row + offs_even, mask=offs_even < COLS, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_row + offs_even + 1, mask=offs_even < COLS, other=0.0).to(tl.float32)
+                w_mask = row_mask[:, None] & (offs_b < COLS // 2)[None, :]
+                s_mask = row_mask[:, None] & (start + tl.arange(0, BLOCK_C // 32) * CHUNK_W < COLS)[None, :]
+            w = tl.load(w_rows + offs_b[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_rows + chunk_group[None, :], mask=s_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + chunk_group[None, :], mask=s_mask, other=0.0).to(tl.float32)
+            acc += _chunk_dots(w, x_even, x_odd, s, z, BLOCK_R, BLOCK_C // 2, CVT)
     return tl.sum(acc, axis=1)
 
 
@@ -246,7 +167,7 @@ def _rows_dot(
 def _down_gemv4(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
-    H, I, K, ROW_BYTES, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF, SPAN,  # ROW_BYTES = I / 2
+    H, I, K, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF, SPAN,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
     UNROLL: tl.constexpr, SPLIT: tl.constexpr, EVEN_I: tl.constexpr, CVT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
@@ -262,8 +183,6 @@ def _down_gemv4(
     col_start = split * SPAN
     col_end = tl.minimum(col_start + SPAN, I)
     n_groups = (I + GROUP - 1) // GROUP
-    CHUNKS: tl.constexpr = BLOCK_I // 32
-    in_chunk = tl.arange(0, 32)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
@@ -274,29 +193,31 @@ def _down_gemv4(
         s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
         z_out = tl.multiple_of((base + Z_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
         row_mask = offs_h < tl.where(present, H, 0)
-        w_rows = w2 + offs_h[:, None, None] * ROW_BYTES  # [BLOCK_H, 1, 1]
+        w_rows = w2 + offs_h[:, None] * (I // 2)  # [BLOCK_H, 1]
         s_rows = s_out + offs_h[:, None] * n_groups
         z_rows = z_out + offs_h[:, None] * n_groups
         act_row = act_ptr + pair * I
-        acc = tl.zeros([BLOCK_H, CHUNKS], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_I // 32], dtype=tl.float32)
         for i0 in range(col_start, col_end, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
-                chunk = i0 + u * BLOCK_I + tl.arange(0, CHUNKS) * CHUNK_W  # [chunks]
-                offs_a = chunk[:, None] + in_chunk[None, :]  # [chunks, 32]
-                offs_b = tl.max_contiguous(tl.multiple_of(chunk[:, None] // 2 + tl.arange(0, 16)[None, :], [16, 16]),
-                                           [1, 16])
+                start = i0 + u * BLOCK_I
+                offs_even = start + 2 * tl.arange(0, BLOCK_I // 2)
+                offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, BLOCK_I // 2), BLOCK_I // 2), BLOCK_I // 2)
+                chunk_start = start + tl.arange(0, BLOCK_I // 32) * CHUNK_W  # [chunks]
                 if EVEN_I:
-                    a = tl.load(act_row + offs_a)
-                    w_mask = row_mask[:, None, None]
+                    a_even = tl.load(act_row + offs_even)
+                    a_odd = tl.load(act_row + offs_even + 1)
+                    w_mask = row_mask[:, None]
                     s_mask = row_mask[:, None]
                 else:
-                    a = tl.load(act_row + offs_a, mask=offs_a < col_end, other=0.0)
-                    w_mask = row_mask[:, None, None] & (offs_b < col_end // 2)[None, :, :]
-                    s_mask = row_mask[:, None] & (chunk < col_end)[None, :]
-                w = tl.load(w_rows + offs_b[None, :, :], mask=w_mask, other=0, eviction_policy="evict_first")
-                s = tl.load(s_rows + (chunk // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-                z = tl.load(z_rows + (chunk // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-                acc += _chunk_dots(w, a, s, z, CVT)
+                    a_even = tl.load(act_row + offs_even, mask=offs_even < col_end, other=0.0)
+                    a_odd = tl.load(act_row + offs_even + 1, mask=offs_even < col_end, other=0.0)
+                    w_mask = row_mask[:, None] & (offs_b < col_end // 2)[None, :]
+                    s_mask = row_mask[:, None] & (chunk_start < col_end)[None, :]
+                w = tl.load(w_rows + offs_b[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+                s = tl.load(s_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
+                acc += _chunk_dots(w, a_even, a_odd, s, z, BLOCK_H, BLOCK_I // 2, CVT)
         y = tl.sum(acc, axis=1) + _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
@@ -497,16 +418,16 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         common = dict(GROUP=int4.GROUP)
         rows = self._rows_per_program(T * K, up)
         _gate_up_gemv4[(T * K, triton.cdiv(I, rows))](
-            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, H // 2, self._s_in_off, self._z_in_off,
+            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._z_in_off,
             self._b13_off, rows, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-            EVEN_H=H % (up.block_cols * up.unroll) == 0, ONE_STEP=up.block_cols >= H, CVT=self._cvt(up), **common,
+            EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), **common,
             num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
-            H, I, K, I // 2, self._w2_off, self._s_out_off, self._z_out_off, self._b2_off, span,
+            H, I, K, self._w2_off, self._s_out_off, self._z_out_off, self._b2_off, span,
             BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
             EVEN_I=splits * span == I, CVT=self._cvt(down), **common,
             num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down,

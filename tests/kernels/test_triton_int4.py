@@ -48,9 +48,6 @@ DECODE_CONFIGS = {
                               down_gemv=GemvConfig(16, 64, unroll=1, cvt="bits", num_warps=1)),
     # gate/up: runs of row blocks per program; down: the reduction split in 2 (spans of 32, the
     # second ragged), the last program to arrive adding the partials
-    # gate/up: one column step covers H (the token's columns loaded once per program)
-    "gemv-one-step": KernelConfig(gate_up_gemv=GemvConfig(8, 128, unroll=1, cvt="bits"),
-                                  down_gemv=GemvConfig(8, 64, unroll=1, cvt="bits")),
     "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="bits"),
                                down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="bits")),
 }
