@@ -125,9 +125,12 @@ def check_model_options(args: argparse.Namespace) -> None:
             if value is not None:
                 raise MiraError(f"{flag} {value} has no effect on the CPU without --vram-budget (every expert is read "
                                 f"in place from host memory); pass --vram-budget (e.g. 25%) or leave out {flag}")
-    if args.cpu_experts in (None, "off") and args.cpu_expert_threads is not None:
+    if args.cpu_expert_threads is not None and args.cpu_experts == "off":
         raise MiraError("--cpu-threads sets the threads of the CPU that computes missed experts, which --cpu-experts "
-                        "off (the default) leaves unused; pass --cpu-experts auto or all, or leave out --cpu-threads")
+                        "off leaves unused; pass --cpu-experts auto or all, or leave out --cpu-threads")
+    if args.cpu_expert_threads is not None and device.type == "cpu" and args.cpu_experts in (None, "auto"):
+        raise MiraError("--cpu-threads has no effect on the CPU, where --cpu-experts auto (the default) stays off "
+                        "(both sides would be the same cores); pass --cpu-experts all, or leave out --cpu-threads")
     if args.profile is not None and args.policy != "static":
         raise MiraError("--profile places the static policy's experts; pass --policy static with it, or leave it out")
     if args.policy == "static" and args.profile is None:
@@ -198,11 +201,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "or auto (the default: lagged on CUDA, and for the policies that never admit a miss, "
                              "static and on-demand; inline otherwise)")
     parser.add_argument("--cpu-experts", choices=CPU_EXPERTS,
-                        help="compute missed experts on the CPU from host memory while the others cross PCIe: off "
-                             "(the default), auto (on CUDA, a cost model calibrated once per machine splits each "
-                             "layer's misses, and stays off where that would save a decode layer less than running "
-                             "layers inline costs; off on the CPU) or all (every miss the policy leaves in host "
-                             "memory). On, MoE layers run inline (--residency)")
+                        help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
+                             "(the default: on CUDA under a budget, a cost model calibrated once per machine splits "
+                             "each layer's misses, and stays off where that would save a decode layer less than "
+                             "running layers inline costs; off on the CPU), all (every miss the policy leaves in "
+                             "host memory) or off. On, MoE layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one)")
     parser.add_argument("--no-cuda-graphs", action="store_true",

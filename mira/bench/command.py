@@ -27,11 +27,11 @@ def add_command(subparsers) -> None:
                     "trained heads when given or in the store, else gate speculation; inline, staging through the "
                     "policy's STAGE slots), mira+p-lagged (the same prefetch staged on the device under lagged "
                     "residency: no host sync, steps replayed from CUDA graphs), mira+gate (prefetch by gate "
-                    "speculation, inline), mira (no prefetch, "
-                    "residency auto: lagged on CUDA, no CPU share of the misses), mira-cpu-auto (the same with "
-                    "--cpu-experts auto: the calibrated split, inline where it pays), mira-cpu-all (every miss "
-                    "computed on the CPU, inline), mira-inline (inline: one host sync per MoE layer, each miss "
-                    "copied in once), mira-lagged (always "
+                    "speculation, inline), mira (what `mira generate` does: no prefetch, residency auto, "
+                    "--cpu-experts auto: on CUDA the calibrated split of the misses with the CPU, inline, where "
+                    "it pays, else lagged), mira-gpu (the same with --cpu-experts off: no CPU share), "
+                    "mira-cpu-all (every miss computed on the CPU, inline), mira-inline (inline: one host sync "
+                    "per MoE layer, each miss copied in once), mira-lagged (always "
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "
                     "twice), mira-eager (no CUDA graphs, also "
                     "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
@@ -93,7 +93,7 @@ def add_command(subparsers) -> None:
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
     bench.add_argument("--cpu-threads", type=positive_int, metavar="N", dest="cpu_expert_threads",
                        help="compute threads of the CPU that computes missed experts, in the configurations where "
-                            "it does (mira-cpu-auto where the calibration has it pay, mira-cpu-all); default: the torch "
+                            "it does (mira where the calibration has it pay, mira-cpu-all); default: the torch "
                             "threads less one")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=output_file,

@@ -49,25 +49,35 @@ def format_table(result: dict) -> str:
     return "\n".join([*lines, *layer_times(result)])
 
 
-HYBRID_CONFIGS = ("mira-cpu-auto", "mira-cpu-all")
+GPU_ONLY = "mira-gpu"  # mira with --cpu-experts off
+
+
+def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
+    """A result's GPU-only mira configuration and those that may give the CPU a share of the
+    misses. In results from before `--cpu-experts auto` was generate's default, `mira` had no CPU
+    share and `mira-cpu-auto` had the calibrated one."""
+    if any(row.get("config") == GPU_ONLY for row in result["runs"]):
+        return GPU_ONLY, ("mira", "mira-cpu-all")
+    return "mira", ("mira-cpu-auto", "mira-cpu-all")
 
 
 def cpu_share_lines(result: dict) -> list[str]:
-    """Per budget and scheme where a configuration with a CPU share ran beside `mira` (GPU only):
-    its median decode tokens/s over mira's in the same run, and over the caching bound; then each
-    repeat's tokens/s and the CPU's experts in it (a drift over the repeats shows there)."""
+    """Per budget and scheme where a configuration with a CPU share ran beside GPU-only mira: its
+    median decode tokens/s over GPU-only mira's in the same run, and over the caching bound; then
+    each repeat's tokens/s and the CPU's experts in it (a drift over the repeats shows there)."""
+    gpu_name, shared = cpu_share_configs(result)
     lines = []
     for row in result["runs"]:
-        if row.get("config") not in HYBRID_CONFIGS or "decode_tokens_per_s" not in row:
+        if row.get("config") not in shared or "decode_tokens_per_s" not in row:
             continue
-        gpu_only = [r for r in result["runs"] if r.get("config") == "mira" and r["budget"] == row["budget"]
+        gpu_only = [r for r in result["runs"] if r.get("config") == gpu_name and r["budget"] == row["budget"]
                     and r.get("quant") == row.get("quant") and r.get("num_beams", 1) == row.get("num_beams", 1)
                     and "decode_tokens_per_s" in r]
         if not gpu_only:
             continue
         speed, bound = row["decode_tokens_per_s"], row.get("bound", {}).get("bound_tokens_per_s")
         line = (f"{row['budget']}: {row['config']} {speed:.3g} tokens/s, "
-                f"{speed / gpu_only[0]['decode_tokens_per_s']:.3f}x mira (GPU only)")
+                f"{speed / gpu_only[0]['decode_tokens_per_s']:.3f}x {gpu_name} (GPU only)")
         if bound:
             line += f", {speed / bound:.3f}x the caching bound"
         lines.append(line)
@@ -108,7 +118,8 @@ def layer_times(result: dict) -> list[str]:
 
 
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
-                "mira-lagged", "mira-eager", "lru", "lru-lagged", "static", "hf-gpu", "hf-offload")  # one colour each, the same in every chart
+                "mira-lagged", "mira-eager", "lru", "lru-lagged", "static", "hf-gpu", "hf-offload",
+                "mira-gpu")  # one colour each, the same in every chart (mira-cpu-auto: older results)
 
 
 def plot(result: dict, path: str) -> None:

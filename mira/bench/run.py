@@ -51,7 +51,7 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira+p-lagged": dict(policy="mira", prefetch="auto", residency="lagged"),  # staging on the device
     "mira+gate": dict(policy="mira", prefetch="gate", residency="inline"),
     "mira": dict(policy="mira", prefetch="off", residency="auto"),  # what `mira generate` does
-    "mira-cpu-auto": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="auto"),  # the calibrated split
+    "mira-gpu": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="off"),  # no CPU share
     "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
     "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
     "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),

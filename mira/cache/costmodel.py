@@ -25,6 +25,7 @@ INLINE_LAYER_S = 1e-3  # what a CPU share must save per decode layer to pay for 
 # (a host sync and eager launches per layer, no CUDA graph): on the H200 inline mira decoded the
 # Qwen3-30B-A3B shape at 8.43 tokens/s where lagged mira did 65.8, 2.2 ms more per layer
 # (benchmarks/results/bench-qwen3-30b-a3b-lagged.json); Mixtral-8x7B's 3 ms misses hide most of it
+SLOWEST_PCIE_BYTES_PER_S = 1e9  # below any GPU link in use (PCIe 3.0 x4 carries about 3.9 GB/s)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,13 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
         chance = math.comb(top_k, count) * miss_rate ** count * (1 - miss_rate) ** (top_k - count)
         saved += chance * (pcie_alone - split(misses, blob_bytes, costs).predicted_s)
     return saved >= INLINE_LAYER_S
+
+
+def cpu_may_pay(top_k: int, blob_bytes: int) -> bool:
+    """Whether `cpu_pays` could hold on any machine, before calibrating this one: a split saves at
+    most PCIe alone's time for a layer's `top_k` misses, which even at SLOWEST_PCIE_BYTES_PER_S must
+    reach INLINE_LAYER_S (small experts are then never worth the calibration's seconds)."""
+    return top_k * blob_bytes / SLOWEST_PCIE_BYTES_PER_S >= INLINE_LAYER_S
 
 
 def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: HybridCosts, busy: float) -> Split:

@@ -52,15 +52,15 @@ class ResidencyConfig:
 class HybridConfig:
     """Missed experts computed on the CPU, from the host store, while the others cross PCIe.
 
-    mode: "off" (the default until the GPU runs show where the CPU's share pays for inline
-        residency), "all" (every miss the policy leaves in host memory goes to the CPU), or "auto"
-        (on CUDA, the calibrated cost model splits each layer's misses between the CPU and PCIe,
-        and turns itself off where that would not pay for running layers inline
-        (mira.cache.costmodel.cpu_pays); on the CPU, off: both sides would be the same cores).
+    mode: "auto" (the default: on CUDA under a budget, the calibrated cost model splits each
+        layer's misses between the CPU and PCIe, and turns itself off where that would not pay for
+        running layers inline (mira.cache.costmodel.cpu_pays); on the CPU, off: both sides would be
+        the same cores), "all" (every miss the policy leaves in host memory goes to the CPU) or
+        "off".
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
     """
 
-    mode: str = "off"
+    mode: str = "auto"
     threads: int | None = None
 
 
@@ -242,7 +242,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
 
     Missed experts go to the CPU with cpu_experts "all", and with "auto" on CUDA where the
     calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know its
-    misses before its kernel, so residency is inline (the CPU's share outweighs the host sync).
+    misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
+    "auto" prefetching does not stage beside auto's CPU share (inline staging measured no gain).
 
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
@@ -256,7 +257,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     lagged = possible and mode != "inline" and cpu_experts is None and (
         mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda")
     prefetch = config.prefetch.mode
-    stages = facts.stage_slots > 0 and prefetch != "off" and (not lagged or prefetch != "auto" or mode == "lagged")
+    stages = facts.stage_slots > 0 and prefetch != "off" and (
+        prefetch != "auto" or mode == "lagged" or (not lagged and cpu_experts != "split"))
     if stages and not facts.speculates:
         if prefetch != "auto":
             raise MiraError(f"--prefetch {prefetch} needs gate speculation, which does not recompute this model's "

@@ -28,7 +28,7 @@ from mira.models.loader import MoESite, build_model, read_config
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import CpuPace, HybridCosts, cpu_pays
+from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import CpuExperts, HybridExperts, machine_costs, worker_threads
@@ -255,15 +255,16 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
     ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
     heads = config.prefetch.heads
-    worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts)
+    top_k = hf_model.config.num_experts_per_tok
+    worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts, top_k)
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
                   admits_misses=_policy_class(config.cache.policy).admits_misses,
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
-                  cpu_pays=costs is not None and cpu_pays(costs, hf_model.config.num_experts_per_tok,
-                                                          store.blob_bytes, 1 - min(1.0, capacity / total_experts)))
+                  cpu_pays=costs is not None and cpu_pays(costs, top_k, store.blob_bytes,
+                                                          1 - min(1.0, capacity / total_experts)))
     try:
         decided = resolve(config, facts)
     except MiraError:
@@ -297,13 +298,13 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
 
 
 def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,
-                       misses: bool) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
+                       misses: bool, top_k: int) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
     """On CUDA, where the CPU may take misses, its worker and this machine's calibrated costs
-    (mira.runtime.hybrid.machine_costs); else (None, None): on the CPU, "auto" stays off and "all"
-    needs no costs."""
+    (mira.runtime.hybrid.machine_costs); else (None, None): on the CPU, "auto" stays off, as it does
+    for experts too small to pay on any machine (`cpu_may_pay`), and "all" needs no costs."""
     mode = config.hybrid.mode
-    if device.type != "cuda" or mode == "off" or not misses or (
-            mode == "auto" and config.residency.mode == "lagged"):
+    if device.type != "cuda" or mode == "off" or not misses or (mode == "auto" and (
+            config.residency.mode == "lagged" or not cpu_may_pay(top_k, store.blob_bytes))):
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
     return worker, machine_costs(worker, store, device)

@@ -1,6 +1,6 @@
 """The bench table's columns and sections for the CPU's share of the misses, from hand-made rows."""
 
-from mira.bench.report import format_table
+from mira.bench.report import cpu_share_configs, cpu_share_lines, format_table
 
 
 def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_and_measured_times():
@@ -29,3 +29,23 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU at 3.25 ms each"
     assert lines[compared + 3] == ("  repeat 2: 9 tokens/s, 1,200 experts on the CPU, the CPU's side priced at 1.44x "
                                    "its calibration")
+
+
+def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_their_names():
+    def row(config, speed):
+        return {"config": config, "budget": "12GiB", "num_beams": 1, "decode_tokens_per_s": speed, "runs": 1,
+                "bound": {"bound_tokens_per_s": 10.0}}
+
+    def compared(*rows):
+        lines = cpu_share_lines({"runs": list(rows)})
+        assert lines[:2] == ["", "the CPU's share against GPU-only mira in the same run:"]
+        return lines[2:]
+
+    # since --cpu-experts auto is generate's default, `mira` may share its misses and mira-gpu never does
+    assert compared(row("mira", 7.5), row("mira-gpu", 5.0), row("static", 4.0)) == [
+        "12GiB: mira 7.5 tokens/s, 1.500x mira-gpu (GPU only), 0.750x the caching bound"]
+    both = {"runs": [row("mira", 7.5), row("mira-gpu", 5.0)]}
+    assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-all"))
+    # before, `mira` was GPU-only and mira-cpu-auto had the calibrated split
+    assert compared(row("mira-cpu-auto", 6.0), row("mira", 5.0)) == [
+        "12GiB: mira-cpu-auto 6 tokens/s, 1.200x mira (GPU only), 0.600x the caching bound"]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, HybridCosts, LinearCost, cpu_pays, split
+from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
 
 MB = 1 << 20
 
@@ -218,3 +218,15 @@ def test_a_cpu_share_pays_by_its_expected_saving_at_the_budgets_miss_rate():
     assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.0)
     with pytest.raises(ValueError, match="probability"):
         cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=1.5)
+
+
+def test_experts_too_small_to_pay_on_any_link_skip_the_calibration():
+    """A split saves at most PCIe alone's time. At 1 GB/s (slower than any GPU link) a layer's misses
+    (int8-shared blobs) take: the bundled model's 2 x 0.197 MB, 0.39 ms, under INLINE_LAYER_S;
+    Qwen3-30B-A3B's 8 x 4.72 MB, 37.8 ms; Mixtral-8x7B's 2 x 176 MB, 352 ms. So only the first is
+    decided without calibrating; and no calibration could have the CPU pay where this says no."""
+    assert not cpu_may_pay(top_k=2, blob_bytes=197_120)
+    assert cpu_may_pay(top_k=8, blob_bytes=4_722_688) and cpu_may_pay(top_k=2, blob_bytes=176_168_960)
+    fastest_cpu = HybridCosts(blob_bytes=MB, cpu=LinearCost(0.0, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=1e9)
+    for top_k, blob in ((2, 197_120), (2, 600_000), (4, 240_000)):  # every miss free on the CPU, PCIe at 1 GB/s
+        assert cpu_pays(fastest_cpu, top_k, blob) == cpu_may_pay(top_k, blob)

@@ -114,3 +114,15 @@ def test_the_cpu_takes_misses_with_all_and_where_the_calibration_says_it_pays_an
     assert _decide(cpu_pays=True, cpu_experts="off") == Decisions("mira", True, None, 40, None)
     assert _decide(cpu_experts="all", capacity=96).cpu_experts is None  # all resident: no misses
     assert _decide(cpu_experts="all", prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "all")
+
+
+def test_generates_defaults_take_the_cpu_where_it_pays_and_then_stage_nothing():
+    default = RuntimeConfig()  # what `mira generate` runs with no flags
+    assert (default.hybrid.mode, default.prefetch.mode, default.residency.mode) == ("auto", "auto", "auto")
+    assert resolve(default, _facts(cpu_pays=True)) == Decisions("mira", False, None, 40, "split")
+    assert resolve(default, _facts(cpu_pays=False)) == Decisions("mira", True, None, 40, None)
+    # staging named, or inline by name without a CPU share, as before
+    assert _decide(cpu_pays=True, prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "split")
+    assert _decide(residency="inline", prefetch="auto", cpu_experts="off") == Decisions(
+        "mira", False, "gate", 40 - STAGING_ROWS, None)
+    assert _decide(residency="inline", prefetch="auto", cpu_pays=True).predictor is None
