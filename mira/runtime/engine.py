@@ -307,7 +307,7 @@ def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, dev
             config.residency.mode == "lagged" or not cpu_may_pay(top_k, store.blob_bytes))):
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
-    return worker, machine_costs(worker, store, device)
+    return worker, machine_costs(worker, store, device, config.progress)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

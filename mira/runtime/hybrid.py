@@ -20,6 +20,7 @@ With a `CpuPace`, splits and predictions price the CPU's side at the pace decodi
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -63,14 +64,19 @@ def calibration_dir() -> Path:
     return cache_dir().parent / "calibration"
 
 
-def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.device) -> HybridCosts:
+def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.device,
+                  progress: bool = False) -> HybridCosts:
     """This machine's calibrated costs for the store's experts: shipped beside the kernel tuning,
-    else saved by an earlier load, else measured now (a few seconds, on one layer's blobs) and saved."""
+    else saved by an earlier load, else measured now (a few seconds, on one layer's blobs; said on
+    stderr with `progress`) and saved."""
     key = entry_key(worker)
     for directory in (TUNING_DIR, calibration_dir()):
         costs = load_costs(costs_path(device, directory), key)
         if costs is not None:
             return costs
+    if progress:
+        print("mira: timing this machine's CPU and PCIe for the experts it may compute on the CPU (once per "
+              "machine and expert shape; --cpu-experts off skips it)", file=sys.stderr, flush=True)
     blobs = [store.blob(0, expert) for expert in range(store.num_experts)]
     costs = calibrate(worker, blobs, device)
     path = costs_path(device, calibration_dir())
