@@ -255,7 +255,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
     ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
     heads = config.prefetch.heads
-    top_k = hf_model.config.num_experts_per_tok
+    top_k = routed_per_token(hf_model.config)
     worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts, top_k)
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
@@ -263,8 +263,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
-                  cpu_pays=costs is not None and cpu_pays(costs, top_k, store.blob_bytes,
-                                                          1 - min(1.0, capacity / total_experts)))
+                  cpu_pays=costs is not None and top_k is not None and cpu_pays(
+                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts)))
     try:
         decided = resolve(config, facts)
     except MiraError:
@@ -297,14 +297,26 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     return model
 
 
+def routed_per_token(config) -> int | None:
+    """Experts each token is routed to, by the names the families' configs give it (Aria's
+    moe_topk, DBRX's ffn_config.moe_top_k); None where the config sets none."""
+    for holder in (config, getattr(config, "ffn_config", None)):
+        for name in ("num_experts_per_tok", "moe_topk", "moe_top_k"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
 def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,
-                       misses: bool, top_k: int) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
+                       misses: bool, top_k: int | None) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
     """On CUDA, where the CPU may take misses, its worker and this machine's calibrated costs
     (mira.runtime.hybrid.machine_costs); else (None, None): on the CPU, "auto" stays off, as it does
-    for experts too small to pay on any machine (`cpu_may_pay`), and "all" needs no costs."""
+    for experts too small to pay on any machine (`cpu_may_pay`) and where the routed experts per
+    token are unknown, and "all" needs no costs."""
     mode = config.hybrid.mode
     if device.type != "cuda" or mode == "off" or not misses or (mode == "auto" and (
-            config.residency.mode == "lagged" or not cpu_may_pay(top_k, store.blob_bytes))):
+            config.residency.mode == "lagged" or top_k is None or not cpu_may_pay(top_k, store.blob_bytes))):
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
     return worker, machine_costs(worker, store, device, config.progress)
