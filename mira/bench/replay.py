@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from mira.errors import MiraError
+from mira.models.loader import routed_per_token
 from mira.store.trace import RoutingTrace
 from mira.runtime.engine import MiraModel, step_inputs
 from mira.runtime.experts import MiraExperts
@@ -80,7 +81,7 @@ class RoutingReplay:
 
 
 def _top_k(config) -> int:
-    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = routed_per_token(config)
     if top_k is None:
         raise MiraError(f"cannot tell how many experts a token routes to in a {config.model_type} model")
-    return int(top_k)
+    return top_k

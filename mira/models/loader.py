@@ -33,6 +33,17 @@ INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_interme
                   "decoder_sparse_step")
 
 
+def routed_per_token(config) -> int | None:
+    """Experts each token is routed to, by the names the families' configs give it (Aria's
+    moe_topk, DBRX's ffn_config.moe_top_k); None where the config sets none."""
+    for holder in (config, getattr(config, "ffn_config", None)):
+        for name in ("num_experts_per_tok", "moe_topk", "moe_top_k"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
 class ExpertsPlaceholder(nn.Module):
     """Stands where the Experts module was while the model is built; replaced before first use."""
 

@@ -24,7 +24,7 @@ from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.models.hub import locate
-from mira.models.loader import MoESite, build_model, read_config
+from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
@@ -295,17 +295,6 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
-
-
-def routed_per_token(config) -> int | None:
-    """Experts each token is routed to, by the names the families' configs give it (Aria's
-    moe_topk, DBRX's ffn_config.moe_top_k); None where the config sets none."""
-    for holder in (config, getattr(config, "ffn_config", None)):
-        for name in ("num_experts_per_tok", "moe_topk", "moe_top_k"):
-            value = getattr(holder, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from mira.errors import MiraError
 from mira.models.base import Adapter
 from mira.models.expert_keys import FP8_SCALE_SUFFIX
-from mira.models.loader import read_config, skeleton
+from mira.models.loader import read_config, routed_per_token, skeleton
 from mira.models.registry import adapter_for
 from mira.store.dequant import checkpoint_quant_method, dequantize_fp8
 from mira.store.expert_reader import ExpertReader
@@ -142,7 +142,7 @@ def check_source(model_dir: Path, scheme: str) -> Source:
     ckpt = _Checkpoint(model_dir)
     experts = ExpertReader(ckpt, adapter, config, model_dir)
     layers, num_experts = experts.layers, spec.num_experts
-    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    top_k = routed_per_token(config) or 1
     if not layers or top_k > num_experts:
         raise MiraError(f"{model_dir / 'config.json'} routes each token to {top_k} of {num_experts} experts in "
                         f"{len(layers)} MoE layers; fix num_experts_per_tok or the expert count in config.json")

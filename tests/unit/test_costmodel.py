@@ -230,14 +230,3 @@ def test_experts_too_small_to_pay_on_any_link_skip_the_calibration():
     fastest_cpu = HybridCosts(blob_bytes=MB, cpu=LinearCost(0.0, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=1e9)
     for top_k, blob in ((2, 197_120), (2, 600_000), (4, 240_000)):  # every miss free on the CPU, PCIe at 1 GB/s
         assert cpu_pays(fastest_cpu, top_k, blob) == cpu_may_pay(top_k, blob)
-
-
-def test_the_routed_experts_per_token_are_read_by_each_familys_name_for_them():
-    from transformers import AriaTextConfig, DbrxConfig, DeepseekV2Config, MixtralConfig
-
-    from mira.runtime.engine import routed_per_token
-
-    assert routed_per_token(MixtralConfig(num_experts_per_tok=2)) == 2
-    assert routed_per_token(AriaTextConfig(moe_topk=3)) == 3  # no num_experts_per_tok: reading it raises
-    assert routed_per_token(DbrxConfig(ffn_config={"moe_top_k": 4})) == 4
-    assert routed_per_token(DeepseekV2Config()) is None  # set by checkpoints, not by the class: auto stays off
