@@ -138,13 +138,32 @@ class CpuPace:
 
 
 @dataclass(frozen=True)
+class Cuts:
+    """How one missed expert may be cut between the two sides: into `parts` equal shares of its
+    intermediate units, the GPU computing the first ones and the CPU the rest. The GPU reads its
+    shares' bytes; the CPU reads `cpu_whole` of the blob whatever its share (the down matrix, whose
+    columns it cannot take apart) and its shares of the rest."""
+
+    parts: int
+    cpu_whole: float
+
+    def __post_init__(self) -> None:
+        if self.parts < 2 or not 0 <= self.cpu_whole < 1:
+            raise ValueError(f"a cut needs at least 2 parts and a whole-read share in [0, 1), not {self.parts} "
+                             f"and {self.cpu_whole}")
+
+
+@dataclass(frozen=True)
 class Split:
-    """A layer's misses divided: expert ids for each side (ascending) and each side's predicted seconds."""
+    """A layer's misses divided: expert ids for each side (ascending) and each side's predicted
+    seconds; `cut` (expert, parts): that expert is cut, the CPU computing its last `parts` shares of
+    `Cuts.parts` and the GPU the others (it is in neither list)."""
 
     cpu: list[int]
     pcie: list[int]
     cpu_s: float
     gpu_s: float
+    cut: tuple[int, int] | None = None
 
     @property
     def predicted_s(self) -> float:
@@ -152,7 +171,8 @@ class Split:
         return max(self.cpu_s, self.gpu_s)
 
 
-def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts, gpu_busy_s: float = 0.0) -> Split:
+def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts, gpu_busy_s: float = 0.0,
+          cuts: Cuts | None = None) -> Split:
     """Divide a layer's missed experts between the CPU and PCIe so that both finish together.
 
     Misses go to the CPU in order of their CPU cost over their PCIe cost, cheapest first; of the
@@ -168,12 +188,15 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         blob_bytes: bytes of one expert blob.
         costs: the calibrated costs.
         gpu_busy_s: time the GPU side spends anyway (the hits' kernels), before the misses' share.
+        cuts: how a miss may be cut between the sides (None: never); tried when every miss has the
+            same tokens (decode), where a whole split can leave one side idle for most of a miss.
 
     Returns:
         The split, with both sides' predicted times.
     """
     if len({tokens for _, tokens in misses}) == 1:
-        return _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
+        alike = _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
+        return alike if cuts is None else _cut_one(alike, misses[0][1], blob_bytes, costs, gpu_busy_s, cuts)
     priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]
     priced.sort(key=lambda item: _ratio(item[1], item[2]))
     suffix = [0.0] * (len(priced) + 1)  # suffix[k]: PCIe seconds of the misses from position k on
@@ -193,7 +216,7 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
                  gpu_s=best[1])
 
 
-def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0) -> bool:
+def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0, cuts: Cuts | None = None) -> bool:
     """Whether a CPU share pays where the misses could otherwise be left to the GPU without a host
     sync: in a decode layer whose `top_k` routed experts each miss with probability `miss_rate`
     (independently; the share of experts without a slot, as under uniform routing), the split must
@@ -205,7 +228,7 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
         misses = [(expert, 1) for expert in range(count)]
         pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
         chance = math.comb(top_k, count) * miss_rate ** count * (1 - miss_rate) ** (top_k - count)
-        saved += chance * (pcie_alone - split(misses, blob_bytes, costs).predicted_s)
+        saved += chance * (pcie_alone - split(misses, blob_bytes, costs, cuts=cuts).predicted_s)
     return saved >= INLINE_LAYER_S
 
 
@@ -234,6 +257,39 @@ def _split_alike(experts: list[int], tokens: int, blob_bytes: int, costs: Hybrid
         k = min(sorted(candidates), key=lambda k: max(sides(k)))  # the fewer CPU experts on a tie
     cpu_s, gpu_s = sides(k)
     return Split(cpu=experts[:k], pcie=experts[k:], cpu_s=cpu_s, gpu_s=gpu_s)
+
+
+def _cut_one(whole: Split, tokens: int, blob_bytes: int, costs: HybridCosts, busy: float, cuts: Cuts) -> Split:
+    """`whole` (a split of n alike misses) or, where it finishes earlier, k whole misses on the CPU,
+    one cut and the other n - k - 1 on PCIe. For each k the CPU's side grows and the GPU's does not
+    as the CPU's share of the cut grows, so the best share is a whole part next to where they cross
+    (found by bisection)."""
+    experts = whole.cpu + whole.pcie
+    n, c, p, call = len(experts), costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes), costs.cpu_call_s
+    if not n or math.isinf(c) or math.isinf(p):
+        return whole
+
+    def sides(k: int, j: int) -> tuple[float, float]:
+        share = j / cuts.parts  # of the cut's units, on the CPU
+        cpu = call + k * c + costs.cpu_s(tokens, round(blob_bytes * (cuts.cpu_whole + (1 - cuts.cpu_whole) * share)))
+        return cpu, busy + (n - k - 1) * p + costs.pcie_s(tokens, round(blob_bytes * (1 - share)))
+
+    best, best_sides = None, (whole.cpu_s, whole.gpu_s)
+    for k in range(n):
+        low, high = 1, cuts.parts - 1  # the first share whose CPU side is not the earlier one, or high
+        while low < high:
+            middle = (low + high) // 2
+            cpu, gpu = sides(k, middle)
+            low, high = (low, middle) if cpu >= gpu else (middle + 1, high)
+        for j in (low - 1, low) if low > 1 else (low,):
+            candidate = sides(k, j)
+            if max(candidate) < max(best_sides) * (1 - 1e-9):
+                best, best_sides = (k, j), candidate
+    if best is None:
+        return whole
+    k, j = best
+    return Split(cpu=sorted(experts[:k]), pcie=sorted(experts[k + 1:]), cpu_s=best_sides[0], gpu_s=best_sides[1],
+                 cut=(experts[k], j))
 
 
 def _improve(on_cpu: list, on_pcie: list, sides: tuple[float, float], call_s: float) -> tuple[list, list, tuple]:

@@ -44,6 +44,8 @@ class ExpertTables:
         staging: int64 [L, 4] on the device: per target layer, staging's state since the last
             `drain` (mira.kernels.staging: uid, placed row address, issued, used); zeros without
             staging.
+        limits: int32 [L, E] on the device: the intermediate units [0, limit) each expert's kernel
+            computes, I but for an expert cut between the device and the CPU (`cut`).
 
     Args:
         store: the expert store (host blobs, pinned on CUDA).
@@ -69,6 +71,8 @@ class ExpertTables:
         self._read_back = torch.empty_like(self._counters, device="cpu")  # where `drain` reads them, made once
         self.pending = self._counters[:, :E]  # [L, E]
         self.staging = self._counters[:, E:]  # [L, 4]
+        self._intermediate = store.layout.intermediate
+        self.limits = torch.full((L, E), self._intermediate, dtype=torch.int32, device=device)
 
     def to_slot(self, uid: int, slot: int) -> None:
         """Expert `uid`'s entry becomes slot `slot`'s row, on the current stream.
@@ -104,6 +108,14 @@ class ExpertTables:
         """Undo `hide`: the entries go back to the host blobs, on the current stream (after the kernel)."""
         for expert in experts:
             self.to_host(layer * self._experts + expert)
+
+    def cut(self, layer: int, expert: int, units: int) -> None:
+        """Layer `layer`'s kernel computes only the first `units` intermediate units of `expert`, on
+        the current stream (the CPU computes the rest); `uncut` undoes it after the kernel."""
+        self.limits[layer, expert].fill_(units)
+
+    def uncut(self, layer: int, expert: int) -> None:
+        self.limits[layer, expert].fill_(self._intermediate)
 
     def drain_layer(self, layer: int) -> tuple[list[int], list[int]]:
         """Layer `layer`'s tokens routed per expert since it was last drained, [E], and its staging

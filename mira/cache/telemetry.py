@@ -77,7 +77,8 @@ class Telemetry:
 
 
 class HybridTelemetry:
-    """Per MoE layer, the calls whose misses the CPU shared: experts and tokens it computed, and the
+    """Per MoE layer, the calls whose misses the CPU shared: experts it computed whole, experts cut
+    between it and the device (`cuts`), tokens it computed, and the
     cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
     the measured ones (hand-off to the worker through with its partial sum: the CPU's side; the
     device's kernel is not waited for), and the worker's own part of that (rows ready to partial
@@ -86,6 +87,7 @@ class HybridTelemetry:
     def __init__(self, num_layers: int):
         self.calls = [0] * num_layers
         self.experts = [0] * num_layers
+        self.cuts = [0] * num_layers
         self.tokens = [0] * num_layers
         self.measured_s = [0.0] * num_layers
         self.compute_s = [0.0] * num_layers  # the worker's own time, rows ready to partial sum written
@@ -95,11 +97,12 @@ class HybridTelemetry:
         self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
-               predicted: tuple[float, float] | None) -> None:
+               predicted: tuple[float, float] | None, cut: bool = False) -> None:
         """One call; `compute_s`: the worker's part of `measured_s`; `predicted`: (the layer's misses
-        served, the CPU's side) in seconds, or None."""
+        served, the CPU's side) in seconds, or None; `cut`: one more expert computed in part."""
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
+        self.cuts[layer_position] += cut
         self.tokens[layer_position] += tokens
         self.measured_s[layer_position] += measured_s
         self.compute_s[layer_position] += compute_s
@@ -116,7 +119,8 @@ class HybridTelemetry:
             if not calls:
                 continue
             predicted = self.predicted_calls[layer]
-            row = {"layer": layer, "calls": calls, "experts": self.experts[layer], "tokens": self.tokens[layer],
+            row = {"layer": layer, "calls": calls, "experts": self.experts[layer], "cuts": self.cuts[layer],
+                   "tokens": self.tokens[layer],
                    "measured_ms": round(1e3 * self.measured_s[layer] / calls, 4),
                    "cpu_compute_ms": round(1e3 * self.compute_s[layer] / calls, 4)}
             if predicted:
@@ -125,4 +129,5 @@ class HybridTelemetry:
                 measured = self.measured_with_prediction_s[layer]
                 row["predicted_over_measured"] = round(self.predicted_s[layer] / measured, 4) if measured else None
             layers.append(row)
-        return {"calls": sum(self.calls), "experts": sum(self.experts), "tokens": sum(self.tokens), "layers": layers}
+        return {"calls": sum(self.calls), "experts": sum(self.experts), "cuts": sum(self.cuts),
+                "tokens": sum(self.tokens), "layers": layers}

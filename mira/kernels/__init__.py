@@ -9,10 +9,12 @@
 - otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path and
   the ground truth the kernels are tested against.
 
-Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], blobs, out=None)`:
-`blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the device slot
-buffer, or its blob in the pinned host store, which the Triton kernels read directly over PCIe) or
-None when it is not routed. The result is [T, H] in hidden's dtype, written into `out` when given.
+Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], blobs, out=None,
+limits=None)`: `blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the
+device slot buffer, or its blob in the pinned host store, which the Triton kernels read directly
+over PCIe) or None when it is not routed. The result is [T, H] in hidden's dtype, written into `out`
+when given. `limits` [E] cuts experts: each computes only its intermediate units below its limit
+(the CPU computes the rest; `cut_granule` says which limits an implementation takes).
 The fused kernels also take the blobs' addresses as a device table (`TritonMoEFFN.forward_bases`),
 which the runtime keeps per layer (mira.cache.tables) instead of passing the list.
 """
@@ -40,6 +42,8 @@ DECODE_TOKENS = 16
 class ReferenceMoEFFN:
     """`moe_ffn_reference` with the layout and activation bound, and an optional `out`."""
 
+    cut_granule = 1  # any cut point (`limits`)
+
     def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None,
                  absent_zero: bool = False) -> None:
         self.layout = layout
@@ -55,14 +59,16 @@ class ReferenceMoEFFN:
         blobs: Sequence[torch.Tensor | None],
         *,
         out: torch.Tensor | None = None,
+        limits: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`limits` [E]: expert e computes only its intermediate units [0, limits[e]) (a cut expert)."""
         if hidden.device.type != "cpu":  # a routed expert without a slot is read from the host store: copy it over
             blobs = list(blobs)
             for expert in top_k_index.unique().tolist():
                 if blobs[expert] is not None:
                     blobs[expert] = blobs[expert].to(hidden.device, non_blocking=True)
         result = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, self.layout, self.act, self.gate,
-                                   self.absent)
+                                   self.absent, None if limits is None else limits.tolist())
         if out is None:
             return result
         out.copy_(result)

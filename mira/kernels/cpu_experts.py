@@ -29,7 +29,8 @@ Every layout the experts interface declares is served, as mira.kernels.reference
 computes it: biases (float32 sections, added in float32 after each product), ungated experts
 (act(up)) and a family's own gating (`gate`, applied to the gate-and-up output [T, 2I]).
 
-T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate.
+T tokens, E experts in the layer, K routed per token, H hidden, I expert intermediate, I' the
+intermediate units a cut expert's part computes.
 """
 
 from __future__ import annotations
@@ -68,25 +69,37 @@ class CpuExpertFFN:
         self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
         self._views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # id(blob) -> (blob, its views)
 
-    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One expert's FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob."""
+    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
+        """One expert's FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob.
+
+        From `first` > 0 on, only the intermediate units [first, I): the CPU's part of an expert cut
+        between it and the device, which computes the units below `first` and adds the down bias.
+        Gate and up take their rows of the cut; down reads its whole matrix against a hidden state
+        that is zero below `first` (the matmul wants contiguous rows, and a column slice is not).
+        """
         scheme = self.layout.scheme
+        ranges = self._w13_ranges(first)  # the rows of w13 the cut computes
         if scheme == "none":
             dtype = views["w13"].dtype
-            gate_up = F.linear(x.to(dtype), views["w13"])  # [T, 2I]
-            y = F.linear(self._hidden(gate_up, views).to(dtype), views["w2"])  # [T, H]
+            gate_up = _joined([F.linear(x.to(dtype), views["w13"][a:b]) for a, b in ranges])  # [T, 2I']
+            y = F.linear(self._hidden(gate_up, views, ranges, first).to(dtype), views["w2"])  # [T, H]
         elif scheme == "int4":
-            w13 = (views["w13"], views["scale13"], views["offset13"])
-            gate_up = self._int4_mm(x.float(), *w13)  # [T, 2I] float32
-            y = self._int4_mm(self._hidden(gate_up, views), views["w2"], views["scale2"], views["offset2"])  # [T, H]
+            xf = x.float()
+            gate_up = _joined([self._int4_mm(xf, views["w13"][a:b], views["scale13"][a:b], views["offset13"][a:b])
+                                 for a, b in ranges])  # [T, 2I'] float32
+            y = self._int4_mm(self._hidden(gate_up, views, ranges, first), views["w2"], views["scale2"],
+                              views["offset2"])  # [T, H]
         elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
-            gate_up = self._gate_up_mm(_as(x, COMPUTE_DTYPE) * scale, views["w13"], self._unit)  # [T, 2I]
-            y = self._down_mm(self._hidden(gate_up, views).to(COMPUTE_DTYPE), views["w2"], scale)  # [T, H]
+            xs = _as(x, COMPUTE_DTYPE) * scale
+            gate_up = _joined([self._gate_up_mm(xs, views["w13"][a:b], self._unit[a:b]) for a, b in ranges])
+            y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"], scale)
         else:
-            gate_up = self._gate_up_mm(_as(x, COMPUTE_DTYPE), views["w13"], views["scale13"])  # [T, 2I]
-            y = self._down_mm(self._hidden(gate_up, views).to(COMPUTE_DTYPE), views["w2"], views["scale2"])
-        if self.layout.bias:
+            xb = _as(x, COMPUTE_DTYPE)
+            gate_up = _joined([self._gate_up_mm(xb, views["w13"][a:b], views["scale13"][a:b]) for a, b in ranges])
+            y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"],
+                              views["scale2"])
+        if self.layout.bias and first == 0:
             y = y.float() + views["b2"]
         return _as(y, x.dtype)
 
@@ -99,6 +112,7 @@ class CpuExpertFFN:
         experts: Sequence[int],
         *,
         out: torch.Tensor | None = None,
+        cut: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """The weighted sum of the outputs of `experts` only (a subset of the routed ones; the GPU
         computes the rest and the two partial sums add up to the layer's output).
@@ -110,6 +124,8 @@ class CpuExpertFFN:
             blobs: length E; the host blob of every expert in `experts` (others may be None).
             experts: the experts to compute here; one routed to no token contributes nothing.
             out: [T, H] written in full (rows no expert here serves get zeros); allocated when None.
+            cut: (expert, first): that expert of `experts` contributes only its intermediate units
+                from `first` on (`expert`); None: every expert whole.
 
         Returns:
             [T, H] in out's dtype (hidden's when out is None), summed in fp32.
@@ -120,29 +136,30 @@ class CpuExpertFFN:
         for expert in experts:
             if blobs[expert] is None:
                 raise ValueError(f"expert {expert} is to be computed on the CPU but no blob was given for it")
+        firsts = dict([cut]) if cut is not None else {}
         if hidden.shape[0] == 1:
-            total = self._one_token(hidden, top_k_index, top_k_weights, blobs, experts)
+            total = self._one_token(hidden, top_k_index, top_k_weights, blobs, experts, firsts)
         else:
             total = torch.zeros(hidden.shape, dtype=torch.float32)  # [T, H]
             for expert in experts:
                 token_idx, k_pos = torch.where(top_k_index == expert)  # [T_e] each
                 if token_idx.numel() == 0:
                     continue
-                y = self.expert(hidden[token_idx], self.views(blobs[expert]))  # [T_e, H]
+                y = self.expert(hidden[token_idx], self.views(blobs[expert]), firsts.get(expert, 0))  # [T_e, H]
                 total.index_add_(0, token_idx, y.float() * top_k_weights[token_idx, k_pos, None].float())
         if out is None:
             return total.to(hidden.dtype)
         return out.copy_(total)
 
     def _one_token(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   blobs: Sequence[torch.Tensor | None], experts: Sequence[int]) -> torch.Tensor:
+                   blobs: Sequence[torch.Tensor | None], experts: Sequence[int], firsts: dict[int, int]) -> torch.Tensor:
         """A decode call's sum [1, H] in float32 with half the torch operations: the routing read once,
         no gathers, one accumulation per expert (a worker thread gives the GIL up at each operation)."""
         route, weights = top_k_index.tolist()[0], top_k_weights.tolist()[0]  # [K] each
         total = torch.zeros(hidden.shape, dtype=torch.float32)  # [1, H]
         for expert in experts:
             if expert in route:
-                y = self.expert(hidden, self.views(blobs[expert]))  # [1, H]
+                y = self.expert(hidden, self.views(blobs[expert]), firsts.get(expert, 0))  # [1, H]
                 total.add_(y, alpha=weights[route.index(expert)])
         return total
 
@@ -154,18 +171,38 @@ class CpuExpertFFN:
             held = self._views[id(blob)] = (blob, self.layout.views(blob))
         return held[1]
 
-    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I] (gate columns first;
-        up columns only when ungated): its bias added, then the family's gate, act(gate) * up, or act(up)."""
+    def _w13_ranges(self, first: int) -> list[tuple[int, int]]:
+        """The rows of w13 that intermediate units [first, I) read: all of them in one range when
+        `first` is 0, else the cut's gate rows and its up rows."""
+        I = self.layout.intermediate
+        if not 0 <= first < I:
+            raise ValueError(f"a cut expert's CPU part starts at an intermediate unit in [0, {I}), not {first}")
+        if first == 0:
+            return [(0, 2 * I if self.layout.gated else I)]
+        return [(first, I), (I + first, 2 * I)] if self.layout.gated else [(first, I)]
+
+    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor], ranges: list[tuple[int, int]],
+                first: int) -> torch.Tensor:
+        """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I'] of the w13 rows in
+        `ranges` (gate columns first; up columns only when ungated): its bias added, then the family's
+        gate, act(gate) * up, or act(up); zero for the units below `first`."""
         gate_up = gate_up.float()
         if self.layout.bias:
-            gate_up = gate_up + views["b13"]
+            bias = views["b13"]
+            gate_up = gate_up + (bias if first == 0 else torch.cat([bias[a:b] for a, b in ranges]))
         if self.gate is not None:
-            return self.gate(gate_up)
-        if self.layout.gated:
-            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-            return self.act(gate) * up
-        return self.act(gate_up)
+            h = self.gate(gate_up)
+        elif self.layout.gated:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I'] each
+            h = self.act(gate) * up
+        else:
+            h = self.act(gate_up)
+        return F.pad(h, (first, 0)) if first else h
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Products of w13's row ranges side by side [T, 2I']; a single one as it is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,12 +21,16 @@ from mira.store.layout import ExpertLayout
 
 
 def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLayout, act: Callable | None,
-               gate: Callable | None = None) -> torch.Tensor:
+               gate: Callable | None = None, units: tuple[int, int] | None = None) -> torch.Tensor:
     """One expert's FFN on x [T, H] -> [T, H], dequantization folded into the activations.
 
     The hidden state is act(gate rows) * up rows (SwiGLU with SiLU), or `gate` applied to the
     gate-and-up output [T, 2I] when the family has its own gating, or act(up) for ungated
     experts; biases, when the layout has them, follow each projection.
+
+    `units` (start, stop) keeps only those intermediate units of the hidden state: the part of the
+    output one executor computes when an expert is cut between two (the part from unit 0 adds
+    the down bias). The parts of a cut add up to the whole expert.
     """
     dtype = x.dtype
     if layout.scheme == "int4":  # dequantized group by group (mira.store.int4)
@@ -49,12 +53,17 @@ def expert_ffn(x: torch.Tensor, views: dict[str, torch.Tensor], layout: ExpertLa
         h = act(g) * up
     else:
         h = act(gate_up)  # [T, I]: up rows only
+    if units is not None:
+        start, stop = units
+        kept = torch.zeros(layout.intermediate, dtype=torch.bool, device=h.device)
+        kept[start:stop] = True
+        h = h * kept
     y = h @ w2.T  # [T, H]
     if layout.scheme == "int8-shared":
         y = y * scale
     elif layout.scheme == "int8-row":
         y = y * views["scale2"].to(dtype)
-    if layout.bias:
+    if layout.bias and (units is None or units[0] == 0):
         y = y + views["b2"].to(dtype)
     return y
 
@@ -68,6 +77,7 @@ def moe_ffn_reference(
     act: Callable | None,
     gate: Callable | None = None,
     absent: str = "raise",
+    limits: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed experts' outputs, like transformers' Experts.forward.
 
@@ -80,6 +90,8 @@ def moe_ffn_reference(
         act: the activation applied to the gate projection (to the up projection when ungated).
         gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
         absent: a routed expert without a blob "raise"s, or adds "zero" (another executor computes it).
+        limits: length E; expert e computes only its intermediate units [0, limits[e]) (the rest of a
+            cut expert is computed elsewhere); None: every unit.
 
     Returns:
         [T, H] in hidden's dtype.
@@ -92,7 +104,8 @@ def moe_ffn_reference(
         if blob is None:
             raise ValueError(f"expert {expert} is routed but no blob was given for it")
         token_idx, k_pos = torch.where(top_k_index == expert)
-        y = expert_ffn(hidden[token_idx], layout.views(blob), layout, act, gate)  # [T_e, H]
+        units = None if limits is None or limits[expert] >= layout.intermediate else (0, limits[expert])
+        y = expert_ffn(hidden[token_idx], layout.views(blob), layout, act, gate, units)  # [T_e, H]
         y = y * top_k_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out

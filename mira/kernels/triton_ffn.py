@@ -76,6 +76,7 @@ _SHARED, _ROW = 0, 1
 # Against whole-tile accumulators they need far fewer registers (tools/kernel_sass.py shows how
 # many), so more programs fit per SM (benchmarks/kernels.py times both).
 PARTIAL_SUM = 16
+CUT_PARTS = 32  # shares of an expert's units a cut may fall between where the down loads are masked
 _SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -145,21 +146,26 @@ def _bias(base, OFFSET, rows, mask, HAS_BIAS: tl.constexpr):
 @triton.jit
 def _gate_up_gemv(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    H, I, K, S_IN_OFF, B13_OFF, ROWS,
+    H, I, K, S_IN_OFF, B13_OFF, ROWS, limits_ptr,  # limits_ptr: [E] int32, read with CUT
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    CUT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
-    from g * ROWS (whole blocks of BLOCK_I, one after another)."""
+    from g * ROWS (whole blocks of BLOCK_I, one after another); with CUT, only the rows below the
+    expert's limit."""
     pair = tl.program_id(0)
     row_start = tl.program_id(1) * ROWS
     token = pair // K
-    base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+    expert = tl.load(index_ptr + pair)
+    base = tl.load(bases_ptr + expert)
     present = base != 0  # an expert routed without a blob yields NaN (or zero), not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.int8)), 16)
     s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
     row_end = tl.minimum(row_start + ROWS, I)
+    if CUT:
+        row_end = tl.minimum(row_end, tl.load(limits_ptr + expert))
     h_limit = tl.where(present, H, 0)
     x_row = hidden_ptr + token * stride_ht
     for i0 in range(row_start, row_end, BLOCK_I):
@@ -235,10 +241,10 @@ def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block,
 def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
-    H, I, K, W2_OFF, S_OUT_OFF, B2_OFF, SPAN,
+    H, I, K, W2_OFF, S_OUT_OFF, B2_OFF, SPAN, limits_ptr,  # limits_ptr: [E] int32, read with CUT
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    NAN_ABSENT: tl.constexpr, CUT: tl.constexpr,
 ):
     """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
     experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
@@ -257,22 +263,26 @@ def _down_gemv(
     for k in range(0, K):
         pair = token * K + k
         weight = tl.load(weights_ptr + pair).to(tl.float32)
-        base = tl.load(bases_ptr + tl.load(index_ptr + pair))
+        expert = tl.load(index_ptr + pair)
+        base = tl.load(bases_ptr + expert)
         present = base != 0
         w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.int8)), 16)
         s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
         row_mask = offs_h < tl.where(present, H, 0)
         rows = w2 + offs_h[:, None] * I  # [BLOCK_H, 1]
         act_row = act_ptr + pair * I
+        cols_end = col_end
+        if CUT:
+            cols_end = tl.minimum(col_end, tl.load(limits_ptr + expert))
         acc = tl.zeros([BLOCK_H, BLOCK_I // VEC], dtype=tl.float32)
-        for i0 in range(col_start, col_end, BLOCK_I * UNROLL):
+        for i0 in range(col_start, cols_end, BLOCK_I * UNROLL):
             for u in tl.static_range(UNROLL):
                 offs_i = tl.max_contiguous(tl.multiple_of(i0 + u * BLOCK_I + tl.arange(0, BLOCK_I), BLOCK_I), BLOCK_I)
                 if EVEN_I:
                     a = tl.load(act_row + offs_i)
                     w_mask = row_mask[:, None]
                 else:
-                    in_i = offs_i < col_end
+                    in_i = offs_i < cols_end
                     a = tl.load(act_row + offs_i, mask=in_i, other=0.0)
                     w_mask = row_mask[:, None] & in_i[None, :]
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
@@ -647,10 +657,16 @@ class TritonMoEFFN:
         bases: torch.Tensor,
         *,
         out: torch.Tensor | None = None,
+        limits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The same with an address table the caller keeps on the device: bases [E] int64, the
         blob address of every expert of the layer (0 for none). Enqueues kernels only: no host
-        sync, and in decode no allocation when `out` is given."""
+        sync, and in decode no allocation when `out` is given.
+
+        `limits` [E] int32 on the device cuts experts: expert e computes only its intermediate units
+        [0, limits[e]), each limit I or a multiple of `cut_granule` (the CPU computes the rest of a
+        cut expert). Decode calls only.
+        """
         T, H = hidden.shape
         K = top_k_index.shape[1]
         if H != self.layout.hidden or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
@@ -668,11 +684,27 @@ class TritonMoEFFN:
             hidden = hidden.contiguous()
         index = top_k_index.reshape(-1)
         weights = top_k_weights.reshape(-1)
-        if T * K <= self.config.decode_max_pairs:
-            self._decode(hidden, index, weights, bases, out, K)
+        decode = T * K <= self.config.decode_max_pairs
+        if limits is not None and (not decode or self.cut_granule is None):
+            raise ValueError("only the CUDA-core decode GEMVs cut experts (see cut_granule): pass limits=None")
+        if decode:
+            self._decode(hidden, index, weights, bases, out, K, limits)
         else:
             self._prefill_gemm(hidden, index, weights, bases, out, K)
         return out
+
+    @property
+    def cut_granule(self) -> int | None:
+        """The unit count an expert's cut point must be a multiple of (`forward_bases(limits=...)`):
+        a whole loop step of a down GEMV whose loads are unmasked, else I / CUT_PARTS (masked loads
+        stop anywhere); None where this configuration cannot cut (tensor-core decode products)."""
+        up, down = self.config.gate_up_gemv, self.config.down_gemv
+        if up.mma or down.mma:
+            return None
+        I = self.layout.intermediate
+        if triton.cdiv(I, self._down_span) * self._down_span == I:  # _decode's EVEN_I
+            return down.block_cols * down.unroll
+        return triton.cdiv(I, CUT_PARTS)
 
     def _address_table(self, blobs: Sequence[torch.Tensor | None]) -> torch.Tensor:
         nbytes, on_cuda = self.layout.nbytes, self.device.type == "cuda"
@@ -703,7 +735,7 @@ class TritonMoEFFN:
             self._bases.copy_(staging, non_blocking=True)
         return self._bases
 
-    def _decode(self, hidden, index, weights, bases, out, K) -> None:
+    def _decode(self, hidden, index, weights, bases, out, K, limits=None) -> None:
         T, H = hidden.shape
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
@@ -720,8 +752,9 @@ class TritonMoEFFN:
         else:
             rows = self._rows_per_program(T * K, up)
             _gate_up_gemv[(T * K, triton.cdiv(I, rows))](
-                *args, rows, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-                EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=self._cvt(up), VEC=partial_sum(up), **launch,
+                *args, rows, bases if limits is None else limits, SCHEME=self._scheme, BLOCK_I=up.block_rows,
+                BLOCK_H=up.block_cols, UNROLL=up.unroll, EVEN_H=H % (up.block_cols * up.unroll) == 0,
+                CVT=self._cvt(up), VEC=partial_sum(up), CUT=limits is not None, **launch,
             )
         grid = (T, triton.cdiv(H, down.block_rows))
         args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off, self._b2_off)
@@ -736,8 +769,9 @@ class TritonMoEFFN:
             splits = triton.cdiv(I, span)
             _down_gemv[(*grid, splits)](
                 *args[:6], self._split_partials, self._split_counts, *args[6:], span,
-                BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
-                EVEN_I=splits * span == I, CVT=self._cvt(down), VEC=partial_sum(down), **launch,
+                bases if limits is None else limits, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols,
+                UNROLL=down.unroll, SPLIT=splits, EVEN_I=splits * span == I, CVT=self._cvt(down),
+                VEC=partial_sum(down), CUT=limits is not None, **launch,
             )
 
     def _rows_per_program(self, pairs: int, gemv: GemvConfig) -> int:

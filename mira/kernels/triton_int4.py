@@ -411,7 +411,12 @@ class TritonInt4MoEFFN(TritonMoEFFN):
             return "bits"
         return gemv.cvt
 
-    def _decode(self, hidden, index, weights, bases, out, K) -> None:
+    @property
+    def cut_granule(self) -> None:
+        """The INT4 GEMVs do not cut experts."""
+        return None
+
+    def _decode(self, hidden, index, weights, bases, out, K, limits=None) -> None:  # limits: None (no cuts)
         T, H = hidden.shape
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv

@@ -49,6 +49,8 @@ class CpuJob:
         out: [T, H] host tensor the partial sum is written into (every row).
         ready: a CUDA event recorded after the copies that fill the host tensors (None on the CPU).
         done: called by the worker once it is through with the job, whether it failed or not.
+        cut: (expert, first): that expert of `experts` from intermediate unit `first` on only (the
+            device computes the units below); None: every expert whole.
         compute_s: set by the worker: seconds from the rows being ready to the partial sum written.
         finished: set by the worker: `time.perf_counter()` when it was through.
     """
@@ -62,6 +64,7 @@ class CpuJob:
     out: torch.Tensor
     ready: torch.cuda.Event | None = None
     done: Callable[[], None] | None = None
+    cut: tuple[int, int] | None = None
     compute_s: float = 0.0
     finished: float = 0.0
 
@@ -122,7 +125,8 @@ class CpuExpertWorker:
             if job.ready is not None:
                 job.ready.synchronize()  # blocks this thread only, with the GIL released
             begin = time.perf_counter()
-            out = self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out)
+            out = self.ffn(job.hidden, job.top_k_index, job.top_k_weights, job.blobs, job.experts, out=job.out,
+                           cut=job.cut)
             job.compute_s = time.perf_counter() - begin
             return out
         finally:
@@ -188,9 +192,9 @@ class HostRows:
 
     def stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
-              done: Callable[[], None] | None = None) -> CpuJob:
-        """A job for `experts` on this call's rows, copied here without a host sync (the previous
-        job must be done: its event is recorded again)."""
+              done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
+        """A job for `experts` (one of them `cut`, see CpuJob) on this call's rows, copied here
+        without a host sync (the previous job must be done: its event is recorded again)."""
         T = hidden.shape[0]
         if T > self.hidden.shape[0]:
             raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
@@ -199,7 +203,7 @@ class HostRows:
             dst.copy_(src, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged, done)
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged, done, cut)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the

@@ -31,7 +31,7 @@ from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, pre
 from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.hybrid import CpuExperts, HybridExperts, machine_costs, worker_threads
+from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
@@ -264,7 +264,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and top_k is not None and cpu_pays(
-                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts)))
+                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts),
+                      expert_cuts(store.layout, _cut_granule(ffn, torch_device))))
     try:
         decided = resolve(config, facts)
     except MiraError:
@@ -287,7 +288,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
-                               CpuPace() if costs is not None else None)
+                               CpuPace() if costs is not None else None, _cut_granule(ffn, torch_device))
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))
@@ -295,6 +296,11 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
+
+
+def _cut_granule(ffn, device: torch.device) -> int | None:
+    """The device kernel's cut granule: on CUDA, where a miss crosses PCIe; None elsewhere."""
+    return getattr(ffn, "cut_granule", None) if device.type == "cuda" else None
 
 
 def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,

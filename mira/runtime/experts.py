@@ -80,6 +80,7 @@ class MiraExperts(nn.Module):
         self._pending = cache.tables.pending[layer_position]  # [E], a view of the cache's counters
         self._bases = cache.tables.tables[layer_position]  # [E] addresses, for the fused kernels
         self._rows = cache.tables.rows[layer_position]  # E blobs, for the reference FFN
+        self._limits = cache.tables.limits[layer_position]  # [E] units each expert's kernel computes (cuts)
         self._fused = hasattr(ffn, "forward_bases")
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self._best = torch.zeros(1, dtype=torch.int64, device=device)  # the expert staged for layer_position + 2
@@ -123,11 +124,14 @@ class MiraExperts(nn.Module):
         return out
 
     def _kernel(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The layer's routed experts from the address table (hidden experts add zero)."""
+        """The layer's routed experts from the address table (hidden experts add zero, a cut one
+        its units below its limit)."""
         out = self._output(hidden)
+        cuts = self.hybrid is not None and self.hybrid.cuts is not None and hidden.shape[0] == 1  # (HybridExperts)
+        limits = self._limits if cuts else None
         if self._fused:
-            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=out)
-        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=out)
+            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=out, limits=limits)
+        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=out, limits=limits)
 
     def _stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         """Before this layer's kernel: the predictor's best expert of layer_position + 2 (a device

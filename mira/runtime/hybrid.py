@@ -6,6 +6,11 @@ rows to the host, hands the worker the job and hides those experts from the laye
 (address 0: the kernel adds zero for them, its weights unread). The layer's kernel then computes
 the rest; `finish` restores the table and adds the CPU's partial sum into the layer's output.
 
+A one-token call may also cut one miss between the two sides (`Split.cut`): the kernel computes
+its first intermediate units, read over PCIe, while the CPU computes the rest (the table's limit
+for that expert says where the kernel stops), so a layer with a single miss need not leave one
+side idle.
+
 On CUDA the host does not wait for the CPU's share: `finish` enqueues a hold on the stream
 (mira.runtime.host_signal) that the worker releases when its sum is written, then the copy and
 the add. The host goes on enqueueing the next layer's attention while the CPU computes, and
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mira.cache.costmodel import CpuPace, HybridCosts, Split, split
+from mira.cache.costmodel import CpuPace, Cuts, HybridCosts, Split, split
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
@@ -39,6 +44,7 @@ from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs,
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob, HostRows
 from mira.runtime.host_signal import HostSignal
 from mira.store.cache import cache_dir
+from mira.store.layout import ExpertLayout
 from mira.store.store import ExpertStore
 
 
@@ -48,15 +54,25 @@ class CpuExperts(CpuExpertFFN):
     layer, so greedy output does not depend on which side computed an expert; others go through the
     executor's bf16 INT8 products."""
 
-    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return expert_ffn(x, views, self.layout, self.act, self.gate)
-        return super().expert(x, views)
+            units = (first, self.layout.intermediate) if first else None
+            return expert_ffn(x, views, self.layout, self.act, self.gate, units)
+        return super().expert(x, views, first)
 
 
 def worker_threads(requested: int | None) -> int:
     """The CPU worker's threads: `requested`, else the caller's torch threads less one (at least 1)."""
     return requested if requested is not None else max(1, torch.get_num_threads() - 1)
+
+
+def expert_cuts(layout: ExpertLayout, granule: int | None) -> Cuts | None:
+    """How a miss of this layout may be cut, given the device kernel's cut granule (None: it cannot
+    cut): whole granules of intermediate units, the CPU reading the down matrix whatever its share
+    (mira.kernels.cpu_experts)."""
+    if granule is None or layout.intermediate // granule < 2:
+        return None
+    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes)
 
 
 def calibration_dir() -> Path:
@@ -90,7 +106,8 @@ class CpuShare:
     """The CPU's part of one layer call, in flight between `start` and `finish`."""
 
     layer_position: int
-    experts: list[int]
+    experts: list[int]  # computed whole, hidden from the kernel
+    cut: tuple[int, int] | None  # (expert, first unit the CPU computes), the kernel's limit for it
     tokens: int
     job: CpuJob
     future: object  # concurrent.futures.Future of the partial sum [T, H]
@@ -110,15 +127,20 @@ class HybridExperts:
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
         pace: follows the CPU's measured pace in decoding; None: the calibrated costs as they are.
+        cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it, splits
+            of one-token calls may cut a miss between the sides; None: never.
 
     Attributes:
         telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
     """
 
     def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
-                 split_misses: bool, device: torch.device, pace: CpuPace | None = None):
+                 split_misses: bool, device: torch.device, pace: CpuPace | None = None,
+                 cut_granule: int | None = None):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
+        self.cuts = expert_cuts(store.layout, cut_granule) if split_misses and costs.pcie_bytes_per_s else None
+        self._granule = cut_granule
         self.worker = worker
         self.costs = costs
         self.pace = pace
@@ -137,13 +159,14 @@ class HybridExperts:
     def mode(self) -> str:
         return "split" if self.split_misses else "all"
 
-    def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> Split | None:
-        """The layer's misses divided: the cost model's split, or every miss to the CPU; None
-        without costs for the latter (no prediction)."""
+    def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
+               may_cut: bool = False) -> Split | None:
+        """The layer's misses divided: the cost model's split (a miss cut too, where `may_cut` and
+        the kernel can), or every miss to the CPU; None without costs for the latter (no prediction)."""
         costs = self.pace.costs(self.costs) if self.pace is not None and self.costs is not None else self.costs
         if self.split_misses:
             busy = sum(costs.gpu(tokens) for _, tokens in on_device)
-            return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy)
+            return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy, cuts=self.cuts if may_cut else None)
         if costs is None:
             return None
         cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
@@ -157,29 +180,37 @@ class HybridExperts:
         self.collect()  # before staging: one job per set of host rows (their event is recorded again)
         if not from_host:
             return None
-        plan = self.choose(on_device, from_host)
+        plan = self.choose(on_device, from_host, may_cut=hidden.shape[0] == 1)
         experts = plan.cpu if plan is not None else [e for e, _ in from_host]
-        if not experts:
+        cut = None
+        if plan is not None and plan.cut is not None:
+            expert, parts = plan.cut
+            cut = (expert, (self.cuts.parts - parts) * self._granule)
+        if not experts and cut is None:
             if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
                 self.pace.passed_over()
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
         done = self._signal.post if self._signal is not None else None
-        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, experts, self._blobs[layer_position], done)
+        computed = sorted(experts + [cut[0]]) if cut is not None else experts
+        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, computed, self._blobs[layer_position],
+                         done, cut)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
-        chosen = set(experts)
+        if cut is not None:
+            self._tables.cut(layer_position, *cut)
+        chosen = set(computed)
         tokens = sum(t for e, t in from_host if e in chosen)
         calibrated = plan.cpu_s / self.pace.scale if plan is not None and self.pace is not None else 0.0
-        return CpuShare(layer_position, experts, tokens, job, future, begin,
+        return CpuShare(layer_position, experts, cut, tokens, job, future, begin,
                         (plan.predicted_s, plan.cpu_s) if plan is not None else None, calibrated)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
         CPU's partial sum into `out` on the device's current stream; on CUDA without waiting for it
         (the stream holds until the worker is through), on the CPU after it."""
-        self._tables.restore(share.layer_position, share.experts)
+        self._restore(share)
         if self._signal is None:
             out = self._rows.add_into(out, share.future.result())
             self._record(share)
@@ -192,7 +223,7 @@ class HybridExperts:
         """The layer failed between `start` and `finish`: restore its table, wait until the worker is
         through with the job (its host rows are then free) and, on CUDA, take back the post that no
         hold will match. The worker's own error, if any, gives way to the layer's."""
-        self._tables.restore(share.layer_position, share.experts)
+        self._restore(share)
         share.future.exception()  # waits, raising nothing
         if self._signal is not None:
             self._signal.take()
@@ -210,11 +241,17 @@ class HybridExperts:
         pace = {"cpu_pace": round(self.pace.scale, 4)} if self.pace is not None else {}
         return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
 
+    def _restore(self, share: CpuShare) -> None:
+        """The layer's table whole again: hidden experts back to their blobs, a cut expert uncut."""
+        self._tables.restore(share.layer_position, share.experts)
+        if share.cut is not None:
+            self._tables.uncut(share.layer_position, share.cut[0])
+
     def _record(self, share: CpuShare) -> None:
         job = share.job
         measured = job.finished - share.begin
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
-                              share.predicted)
+                              share.predicted, cut=share.cut is not None)
         if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
             self.pace.observe(measured, share.calibrated_s)
 

@@ -41,16 +41,37 @@ def test_every_miss_on_the_cpu_generates_the_cpu_paths_float32_text(mixtral_stor
     assert all("predicted_ms" in layer for layer in cpu["layers"])
 
 
-@pytest.mark.parametrize("split", [False, True])
+def test_misses_cut_between_the_cpu_and_the_kernel_generate_the_cpu_paths_float32_text(mixtral_store):
+    """Costs under which every one-token layer call cuts a miss (tests/e2e/test_hybrid.py works one
+    out), on every layer: the greedy text of the CPU path, in float32."""
+    expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **GREEDY)
+    model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10, "float32"),
+                      cpu_experts="all", progress=False)
+    blob = model.store.blob_bytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(2e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
+    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cuda"),
+                           cut_granule=layers[0].ffn.cut_granule)
+    for layer in layers:
+        layer.hybrid = hybrid
+    got = model.generate(_prompt(), **GREEDY).cpu()
+    summary = hybrid.summary()
+    print(f"\n{summary['cuts']} cuts, {summary['experts']} whole experts on the CPU")
+    assert torch.equal(got, expected) and summary["cuts"] > 0
+
+
+@pytest.mark.parametrize("split", ["all", "split", "cut"])
 def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
     model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=_budget(mixtral_store, 8, "bfloat16"),
                       policy="on-demand", prefetch="off", cpu_experts="all", progress=False)
     layer = min((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)), key=lambda m: m.layer_position)
-    if split:  # one miss costs 1 ms on either side: the CPU takes floor(n / 2) of n misses
+    if split != "all":  # one miss costs 1 ms on either side: the CPU takes floor(n / 2) of n misses; or a
+        # CPU at 2 ms per miss, which takes none whole but part of one in a one-token call (tests/e2e/test_hybrid.py)
         blob = model.store.blob_bytes
-        costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+        cpu_s, granule = (1e-3, None) if split == "split" else (2e-3, layer.ffn.cut_granule)
+        costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(cpu_s, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
         layer.hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True,
-                                     torch.device("cuda"))
+                                     torch.device("cuda"), cut_granule=granule)
     generator = torch.Generator().manual_seed(7)
     hybrid = layer.hybrid
     host_addresses = model.cache.tables.blob_addresses[:E].cuda()  # every expert read from its host blob
@@ -71,4 +92,6 @@ def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
         assert error <= 3 * kernel_error + 1e-3
     hybrid.collect()
     assert hybrid.telemetry.calls[0] == 3
+    assert sum(hybrid.telemetry.cuts) == (split == "cut")  # the one-token call's
     assert torch.equal(model.cache.tables.tables[0].cpu(), model.cache.tables.blob_addresses[:E].cpu())  # restored
+    assert model.cache.tables.limits.eq(model.store.layout.intermediate).all().item()

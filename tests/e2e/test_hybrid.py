@@ -39,15 +39,18 @@ def _on_demand(store, cpu_experts: str):
 
 
 class _Spy:
-    """Wraps a layer's FFN: records, per call, which routed experts it found without a blob."""
+    """Wraps a layer's FFN: records, per call, which routed experts it found without a blob, and the
+    units each expert was limited to (None: no limits passed)."""
 
     def __init__(self, ffn):
-        self.ffn, self.absent = ffn, []
+        self.ffn, self.absent, self.limits = ffn, [], []
 
-    def __call__(self, hidden, top_k_index, top_k_weights, blobs, out=None):
+    def __call__(self, hidden, top_k_index, top_k_weights, blobs, **options):
         routed = top_k_index.unique().tolist()
         self.absent.append({e for e in routed if blobs[e] is None})
-        return self.ffn(hidden, top_k_index, top_k_weights, blobs, out=out)
+        limits = options.get("limits")
+        self.limits.append(None if limits is None else limits.tolist())
+        return self.ffn(hidden, top_k_index, top_k_weights, blobs, **options)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 20])  # decode calls, and a prefill call beyond the decode buffers
@@ -101,6 +104,41 @@ def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_k
     assert layer_times[0]["predicted_ms"] == pytest.approx(sum(p for p, _ in predicted) / 3, abs=1e-3)
     assert layer_times[0]["predicted_cpu_ms"] == pytest.approx(sum(c for _, c in predicted) / 3, abs=1e-3)
     assert layer_times[0]["measured_ms"] > 0
+
+
+def test_a_one_token_call_cuts_a_miss_between_the_worker_and_the_kernel(mixtral_store):
+    """Hand-worked: a CPU at 2 ms per expert, PCIe at 1 ms, 6 parts of 16 units (I = 96), the CPU
+    reading w2's share c2 of the blob whatever its part. Whole, both misses go over PCIe: 2 ms. Cut
+    at j of 6 parts on the CPU, the other miss whole on PCIe: 2 (c2 + (1 - c2) j / 6) on the CPU
+    against 1 + (1 - j / 6); at j = 3, 1.33 against 1.5 ms (j = 4: 1.55 against 1.33). So the lower
+    expert's units from 48 on go to the worker, the kernel computes it below 48, and the other
+    whole; after the call its limit is whole again. Calls of more tokens never cut."""
+    model = _on_demand(mixtral_store, "all")
+    store = model.store
+    blob = store.blob_bytes
+    c2 = store.layout.sections["w2"].nbytes / store.layout.nbytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(2e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    hybrid = HybridExperts(model.hybrid.worker, store, model.cache.tables, costs, True, torch.device("cpu"),
+                           cut_granule=16)
+    assert hybrid.cuts.parts == 6 and 2 * (c2 + (1 - c2) / 2) < 1.5 < 2 * (c2 + (1 - c2) * 4 / 6)
+    layer = _layers(model)[1]
+    layer.hybrid, layer.ffn = hybrid, _Spy(layer.ffn)
+    jobs = []
+    submit = hybrid.worker.submit
+    hybrid.worker.submit = lambda job: jobs.append((list(job.experts), job.cut)) or submit(job)
+    args = mixtral_layer_call(5, 1)
+    low, high = sorted(args[1].unique().tolist())
+    got = layer(*args)
+    torch.testing.assert_close(got.double(), mixtral_layer_reference(store, 1, *args), rtol=1e-5, atol=1e-5)
+    assert jobs == [([low], (low, 48))] and layer.ffn.absent == [set()]
+    assert layer.ffn.limits == [[48 if e == low else 96 for e in range(E)]]
+    assert model.cache.tables.limits.eq(96).all()
+    summary = hybrid.summary()
+    assert summary["cuts"] == 1 and summary["experts"] == 0
+    assert summary["layers"][0]["predicted_ms"] == pytest.approx(1.5, abs=1e-3)
+    args = mixtral_layer_call(6, 3)
+    torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(store, 1, *args), rtol=1e-5, atol=1e-5)
+    assert jobs[-1][1] is None and layer.ffn.limits[-1] is None
 
 
 def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):

@@ -124,16 +124,18 @@ def test_expert_matches_float64_reference(scheme, weight_dtype, shape, tokens, x
     assert_matches_reference(y, x, views, layout)
 
 
-def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) -> None:
-    """y is the expert's output on x within the derived bound of the float64 reference, and no less
-    accurate than the reference itself run in the executor's compute dtype (a tighter, statistical
-    check: the bound is a worst case that real roundings stay far inside)."""
-    exact = expert_ffn(x.double(), views, layout, F.silu, gate)  # the reference in float64
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None,
+                             units=None) -> None:
+    """y is the expert's output on x (its `units` only, when given) within the derived bound of the
+    float64 reference, and no less accurate than the reference itself run in the executor's compute
+    dtype (a tighter, statistical check: the bound is a worst case that real roundings stay far
+    inside). The whole expert's bound also bounds a part: it sums the magnitudes of more terms."""
+    exact = expert_ffn(x.double(), views, layout, F.silu, gate, units)  # the reference in float64
     error = (y.double() - exact).abs()
     bound = expert_bound(x, views, layout, gate)
     assert (error <= bound).all(), f"worst error / bound {(error / bound).max():.2f}"
     compute = compute_dtype(layout, views)
-    in_dtype = expert_ffn(x.to(compute), views, layout, F.silu, gate).to(x.dtype).double()
+    in_dtype = expert_ffn(x.to(compute), views, layout, F.silu, gate, units).to(x.dtype).double()
     assert error.max() <= 3 * (in_dtype - exact).abs().max()
 
 
@@ -155,6 +157,35 @@ def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, w
     y = CpuExpertFFN(layout, F.silu, gate=gate).expert(x, views)
     assert y.dtype == x_dtype and y.shape == (5, H)
     assert_matches_reference(y, x, views, layout, gate)
+
+
+@pytest.mark.parametrize("scheme,weight_dtype,variant", [
+    (*s, v) for s in SCHEMES for v in ("plain", *VARIANTS) if not (s[0] == "int4" and v.startswith("ungated"))])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype, variant, tokens):
+    """From a cut point on, the executor computes those intermediate units only (the down bias is
+    the other part's): against the float64 reference of the same units, whose two parts add up to
+    the whole expert."""
+    gated, bias, gate = VARIANTS.get(variant, (True, False, None))
+    H, I, first = 64, 48, 16
+    layout = ExpertLayout(scheme, H, I, weight_dtype, gated=gated, bias=bias)
+    views = layout.views(make_blobs(layout, 1, seed=first + I)[0])
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    y = CpuExpertFFN(layout, F.silu, gate=gate).expert(x, views, first)
+    assert_matches_reference(y, x, views, layout, gate, units=(first, I))
+    xd = x.double()
+    parts = [expert_ffn(xd, views, layout, F.silu, gate, units) for units in ((0, first), (first, I))]
+    torch.testing.assert_close(parts[0] + parts[1], expert_ffn(xd, views, layout, F.silu, gate), rtol=1e-12,
+                               atol=1e-12)
+    whole = expert_ffn(xd, views, layout, F.silu, gate)
+    assert (parts[1] - whole).abs().max() > 1e-3 * whole.abs().max()  # a part is not the whole
+
+
+def test_a_cut_point_outside_the_intermediate_units_is_refused():
+    layout = ExpertLayout("int8-shared", 64, 32)
+    views = layout.views(make_blobs(layout, 1, seed=3)[0])
+    with pytest.raises(ValueError, match=r"\[0, 32\)"):
+        CpuExpertFFN(layout, F.silu).expert(torch.randn(1, 64), views, 32)
 
 
 def test_the_checks_catch_a_gate_or_a_bias_left_out():
@@ -197,8 +228,11 @@ def test_the_checks_catch_a_scale_on_the_wrong_side():
 
 @pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
 @pytest.mark.parametrize("tokens", [1, 5, 33])
-def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens):
-    """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer."""
+@pytest.mark.parametrize("cut", [False, True])
+def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens, cut):
+    """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer;
+    with a cut, the CPU's first expert from unit 10 on only, and the reference's layer call with that
+    expert's limit at 10 computes the rest of it."""
     H, I, E, K = 72, 30 if scheme == "int4" else 29, 6, 2
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=tokens)
@@ -210,10 +244,18 @@ def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, token
     routed = top_k_index.unique().tolist()
     first, second = routed[::2], routed[1::2]
     out = torch.full((tokens, H), float("nan"), dtype=torch.float32)  # a sentinel: every row must be written
-    part = ffn(hidden, top_k_index, top_k_weights, blobs, first, out=out)
+    part = ffn(hidden, top_k_index, top_k_weights, blobs, first, out=out, cut=(first[0], 10) if cut else None)
     assert part is out and not out.isnan().any()
     total = out.double() + ffn(hidden, top_k_index, top_k_weights, blobs, second).double()
     exact = moe_ffn_reference(hidden.double(), top_k_index, top_k_weights.double(), blobs, layout, F.silu)
+    if cut:
+        limits = [I] * E
+        limits[first[0]] = 10
+        only = [blob if expert == first[0] else None for expert, blob in enumerate(blobs)]
+        rest = moe_ffn_reference(hidden.double(), top_k_index, top_k_weights.double(), only, layout, F.silu, None,
+                                 "zero", limits)
+        total += rest
+        assert (rest.abs().sum(dim=-1) > 0).any() and not torch.allclose(total - rest, exact)
     bound = torch.zeros(tokens, H, dtype=torch.float64)
     for expert in routed:
         token_idx, k_pos = torch.where(top_k_index == expert)

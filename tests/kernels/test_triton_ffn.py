@@ -156,6 +156,53 @@ def test_split_down_resets_its_counts(small):
     assert torch.equal(again, fresh)
 
 
+CUT_CONFIGS = {
+    "gemv-masked": DECODE_CONFIGS["gemv-masked"],
+    "gemv-split": DECODE_CONFIGS["gemv-split"],
+    # down split in 5 spans of 8 that divide I exactly (unmasked loads; the tuned Mixtral form)
+    "gemv-even-split": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="prmt", num_warps=1),
+                                    down_gemv=GemvConfig(16, 8, unroll=1, split=5, cvt="bits", num_warps=1)),
+}
+
+
+@pytest.mark.parametrize("config", CUT_CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_cut_experts_compute_their_units_below_the_limit(small, tokens, config):
+    """Decode with two routed experts cut (units [0, limit) only, the CPU computing the rest) equals
+    the reference's layer with the same limits, and differs from the whole layer."""
+    layout, blobs = small
+    ffn = poisoned_ffn(layout, CUT_CONFIGS[config], tokens, torch.float32)
+    granule = ffn.cut_granule
+    assert granule < I
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens)
+    limits = [I] * E
+    for expert, cut in zip(index[0].tolist(), (granule, I - I % granule if I % granule else I - granule)):
+        limits[expert] = cut
+    out = torch.full_like(hidden, float("nan"))
+    bases = ffn._address_table(blobs)
+    ffn.forward_bases(hidden, index, weights, bases, out=out,
+                      limits=torch.tensor(limits, dtype=torch.int32, device=DEVICE))
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu, limits=limits)
+    assert relative_error(out, ref) < FP32_TOL
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) > 1e-2
+
+
+def test_configurations_that_cannot_cut_refuse_limits(small):
+    """Tensor-core decode products have no cut granule, and prefill never cuts: both refuse limits."""
+    layout, blobs = small
+    hidden = torch.randn(37, H).to(DEVICE)
+    index, weights = routing(37, E, K, seed=1)
+    limits = torch.full((E,), I, dtype=torch.int32, device=DEVICE)
+    mma = TritonMoEFFN(layout, DEVICE, config=DECODE_CONFIGS["mma"], num_experts=E)
+    assert mma.cut_granule is None
+    with pytest.raises(ValueError, match="cut"):
+        mma.forward_bases(hidden[:1], index[:1], weights[:1], mma._address_table(blobs), limits=limits)
+    gemv = TritonMoEFFN(layout, DEVICE, config=DECODE_CONFIGS["gemv-masked"], num_experts=E)
+    with pytest.raises(ValueError, match="cut"):
+        gemv.forward_bases(hidden, index, weights, gemv._address_table(blobs), limits=limits)
+
+
 @pytest.mark.parametrize("config", PREFILL_CONFIGS)
 @pytest.mark.parametrize("tokens", [1, 3, 37])
 def test_prefill_matches_reference_fp32(small, tokens, config):
@@ -363,6 +410,29 @@ def test_zero_copy_pinned_blob_gives_the_slot_result(real_blobs, shape, tokens):
     index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
     weights = weights.bfloat16()
     assert torch.equal(ffn(hidden, index, weights, pinned), ffn(hidden, index, weights, blobs))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_a_cut_pinned_expert_gives_its_units_below_the_limit(real_blobs, shape):
+    """The tuned decode GEMVs cut a missed expert read over PCIe: its units below the limit, as the
+    reference computes them."""
+    layout, blobs = real_blobs("int8-shared", shape)
+    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=E)
+    granule = ffn.cut_granule
+    pinned = list(blobs)
+    pinned[3] = blobs[3].cpu().pin_memory()
+    hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index, weights = routing(1, E, K, seed=2, device="cuda")
+    index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
+    weights = weights.bfloat16()
+    limits = [layout.intermediate] * E
+    limits[3] = (layout.intermediate // granule // 2) * granule
+    out = ffn.forward_bases(hidden, index, weights, ffn._address_table(pinned),
+                            limits=torch.tensor(limits, dtype=torch.int32, device="cuda"))
+    truth = moe_ffn_reference(hidden.float(), index, weights.float(), blobs, layout, F.silu, limits=limits)
+    assert relative_error(out, truth) < 1e-2
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
+from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, Cuts, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
 
 MB = 1 << 20
 
@@ -150,6 +150,59 @@ def test_optimal_for_misses_of_equal_tokens(seed):
     result = split(misses, MB, model, busy)
     assert result.predicted_s == pytest.approx(_brute_force(misses, model, busy), rel=1e-12)
     assert sorted(result.cpu + result.pcie) == sorted(e for e, _ in misses)
+
+
+def test_one_miss_is_cut_where_both_sides_end_together():
+    """1 ms each side for a whole expert, 10 parts. Read by share alone, half and half ends at 0.5 ms.
+    With the CPU reading a third of the blob whatever its share: 1/3 + 2/3 * j/10 = 1 - j/10 at j = 4,
+    0.6 ms. Both are far from the 1 ms of either side alone."""
+    ideal = split(decode([7]), MB, costs(), cuts=Cuts(10, 0.0))
+    assert (ideal.cpu, ideal.pcie, ideal.cut) == ([], [], (7, 5))
+    assert ideal.cpu_s == pytest.approx(0.5e-3) and ideal.gpu_s == pytest.approx(0.5e-3)
+    third = split(decode([7]), MB, costs(), cuts=Cuts(10, 1 / 3))
+    assert third.cut == (7, 4) and third.predicted_s == pytest.approx(0.6e-3)
+    assert split(decode([7]), MB, costs()).predicted_s == pytest.approx(1e-3)  # uncut
+
+
+def test_a_cut_is_taken_only_where_it_ends_sooner():
+    """Two 1 ms misses end together whole, one on each side: no cut can do better. A CPU at 2 ms per
+    expert leaves both on PCIe whole (2 ms); cutting one, 0.2 j on the CPU against 1 + (1 - j/10) on
+    PCIe, ends at 1.4 ms at j = 6 or 7 (the fewer on the CPU taken), against the 4/3 ms of a split at
+    any share."""
+    whole = split(decode([1, 2]), MB, costs(), cuts=Cuts(10, 0.0))
+    assert whole.cut is None and whole.predicted_s == pytest.approx(1e-3)
+    slow = split(decode([1, 2]), MB, costs(cpu_fixed=2e-3), cuts=Cuts(10, 0.0))
+    assert (slow.cpu, slow.pcie, slow.cut) == ([], [2], (1, 6))
+    assert slow.cpu_s == pytest.approx(1.2e-3) and slow.gpu_s == pytest.approx(1.4e-3)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_cut_is_the_best_of_every_whole_split_and_every_cut(seed):
+    """Alike misses: against every k whole on the CPU with or without one cut at every share."""
+    rng = random.Random(3000 + seed)
+    model = _random_model(rng, copy_bound=seed % 2 == 0)
+    tokens = rng.choice([1, 1, 3])
+    misses = [(e, tokens) for e in rng.sample(range(64), rng.randint(1, 6))]
+    busy = rng.uniform(0, 3e-3)
+    cuts = Cuts(rng.choice([2, 7, 28]), rng.choice([0.0, 1 / 3, 0.5]))
+    n, c, p = len(misses), model.cpu_s(tokens, MB), model.pcie_s(tokens, MB)
+    best = _brute_force(misses, model, busy)
+    for k in range(n):
+        for j in range(1, cuts.parts):
+            share = j / cuts.parts
+            cpu = model.cpu_call_s + k * c + model.cpu_s(tokens, round(MB * (cuts.cpu_whole + (1 - cuts.cpu_whole) * share)))
+            gpu = busy + (n - k - 1) * p + model.pcie_s(tokens, round(MB * (1 - share)))
+            best = min(best, max(cpu, gpu))
+    result = split(misses, MB, model, busy, cuts)
+    assert result.predicted_s == pytest.approx(best, rel=1e-9)
+    cut = [result.cut[0]] if result.cut else []
+    assert sorted(result.cpu + result.pcie + cut) == sorted(e for e, _ in misses)
+
+
+def test_a_cut_needs_two_parts_and_a_share_below_one():
+    for parts, whole in ((1, 0.0), (4, 1.0), (4, -0.1)):
+        with pytest.raises(ValueError, match="parts"):
+            Cuts(parts, whole)
 
 
 def test_the_pace_is_the_running_geometric_ratio_of_measured_over_calibrated():
