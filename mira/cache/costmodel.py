@@ -189,14 +189,17 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         costs: the calibrated costs.
         gpu_busy_s: time the GPU side spends anyway (the hits' kernels), before the misses' share.
         cuts: how a miss may be cut between the sides (None: never); tried when every miss has the
-            same tokens (decode), where a whole split can leave one side idle for most of a miss.
+            same tokens (decode) and the best whole split leaves one side idle (a layer's single
+            miss, or a CPU too slow for a whole one), where a cut gains most.
 
     Returns:
         The split, with both sides' predicted times.
     """
     if len({tokens for _, tokens in misses}) == 1:
         alike = _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
-        return alike if cuts is None else _cut_one(alike, misses[0][1], blob_bytes, costs, gpu_busy_s, cuts)
+        if cuts is None or (alike.cpu and alike.pcie):
+            return alike
+        return _cut_one(alike, misses[0][1], blob_bytes, costs, gpu_busy_s, cuts)
     priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]
     priced.sort(key=lambda item: _ratio(item[1], item[2]))
     suffix = [0.0] * (len(priced) + 1)  # suffix[k]: PCIe seconds of the misses from position k on

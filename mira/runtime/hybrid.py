@@ -252,7 +252,9 @@ class HybridExperts:
         measured = job.finished - share.begin
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
                               share.predicted, cut=share.cut is not None)
-        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
+        # prefill extrapolates the line; a cut's part carries the job's fixed costs on fewer bytes, and
+        # learning from it would raise the pace, shrink later parts and raise it again
+        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS and share.cut is None:
             self.pace.observe(measured, share.calibrated_s)
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
