@@ -78,25 +78,26 @@ class CpuExpertFFN:
         that is zero below `first` (the matmul wants contiguous rows, and a column slice is not).
         """
         scheme = self.layout.scheme
-        ranges = self._w13_ranges(first)  # the rows of w13 the cut computes
+        ranges = self._w13_ranges(first)  # the rows of w13 the cut computes (None: all)
+        w13 = _rows(views["w13"], ranges)
         if scheme == "none":
             dtype = views["w13"].dtype
-            gate_up = _joined([F.linear(x.to(dtype), views["w13"][a:b]) for a, b in ranges])  # [T, 2I']
+            gate_up = _joined([F.linear(x.to(dtype), w) for w in w13])  # [T, 2I']
             y = F.linear(self._hidden(gate_up, views, ranges, first).to(dtype), views["w2"])  # [T, H]
         elif scheme == "int4":
             xf = x.float()
-            gate_up = _joined([self._int4_mm(xf, views["w13"][a:b], views["scale13"][a:b], views["offset13"][a:b])
-                                 for a, b in ranges])  # [T, 2I'] float32
+            parts = zip(w13, _rows(views["scale13"], ranges), _rows(views["offset13"], ranges))
+            gate_up = _joined([self._int4_mm(xf, *part) for part in parts])  # [T, 2I'] float32
             y = self._int4_mm(self._hidden(gate_up, views, ranges, first), views["w2"], views["scale2"],
                               views["offset2"])  # [T, H]
         elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
             xs = _as(x, COMPUTE_DTYPE) * scale
-            gate_up = _joined([self._gate_up_mm(xs, views["w13"][a:b], self._unit[a:b]) for a, b in ranges])
+            gate_up = _joined([self._gate_up_mm(xs, w, unit) for w, unit in zip(w13, _rows(self._unit, ranges))])
             y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"], scale)
         else:
             xb = _as(x, COMPUTE_DTYPE)
-            gate_up = _joined([self._gate_up_mm(xb, views["w13"][a:b], views["scale13"][a:b]) for a, b in ranges])
+            gate_up = _joined([self._gate_up_mm(xb, w, s) for w, s in zip(w13, _rows(views["scale13"], ranges))])
             y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"],
                               views["scale2"])
         if self.layout.bias and first == 0:
@@ -171,17 +172,17 @@ class CpuExpertFFN:
             held = self._views[id(blob)] = (blob, self.layout.views(blob))
         return held[1]
 
-    def _w13_ranges(self, first: int) -> list[tuple[int, int]]:
-        """The rows of w13 that intermediate units [first, I) read: all of them in one range when
+    def _w13_ranges(self, first: int) -> list[tuple[int, int]] | None:
+        """The rows of w13 that intermediate units [first, I) read: None (all of them, unsliced) when
         `first` is 0, else the cut's gate rows and its up rows."""
         I = self.layout.intermediate
         if not 0 <= first < I:
             raise ValueError(f"a cut expert's CPU part starts at an intermediate unit in [0, {I}), not {first}")
         if first == 0:
-            return [(0, 2 * I if self.layout.gated else I)]
+            return None
         return [(first, I), (I + first, 2 * I)] if self.layout.gated else [(first, I)]
 
-    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor], ranges: list[tuple[int, int]],
+    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor], ranges: list[tuple[int, int]] | None,
                 first: int) -> torch.Tensor:
         """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I'] of the w13 rows in
         `ranges` (gate columns first; up columns only when ungated): its bias added, then the family's
@@ -189,7 +190,7 @@ class CpuExpertFFN:
         gate_up = gate_up.float()
         if self.layout.bias:
             bias = views["b13"]
-            gate_up = gate_up + (bias if first == 0 else torch.cat([bias[a:b] for a, b in ranges]))
+            gate_up = gate_up + _joined(_rows(bias, ranges))
         if self.gate is not None:
             h = self.gate(gate_up)
         elif self.layout.gated:
@@ -198,6 +199,12 @@ class CpuExpertFFN:
         else:
             h = self.act(gate_up)
         return F.pad(h, (first, 0)) if first else h
+
+
+def _rows(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None) -> list[torch.Tensor]:
+    """A w13-shaped tensor's rows in `ranges`, as they come when None (no slicing: each torch call
+    lets a worker's GIL go)."""
+    return [tensor] if ranges is None else [tensor[a:b] for a, b in ranges]
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
