@@ -288,7 +288,7 @@ def _down_gemv(
                 w = tl.load(rows + offs_i[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
                 acc += tl.sum(tl.reshape(_int8_to_f32(w, CVT) * a[None, :], [BLOCK_H, BLOCK_I // VEC, VEC]), axis=2)
         y = tl.sum(acc, axis=1) * tl.load(s_out + offs_h, mask=row_mask, other=0.0).to(tl.float32)
-        y += _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
+        y += _bias(base, B2_OFF, offs_h, offs_h < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
                      token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)

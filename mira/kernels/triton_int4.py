@@ -218,7 +218,8 @@ def _down_gemv4(
                 s = tl.load(s_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
                 acc += _chunk_dots(w, a_even, a_odd, s, z, BLOCK_H, BLOCK_I // 2, CVT)
-        y = tl.sum(acc, axis=1) + _bias(base, B2_OFF, offs_h, row_mask, HAS_BIAS)
+        y = tl.sum(acc, axis=1) + _bias(base, B2_OFF, offs_h, offs_h < tl.where(present & (split == 0), H, 0),
+                                        HAS_BIAS)  # the bias once per row: in split 0's sum
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
                      token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)

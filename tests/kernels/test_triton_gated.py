@@ -46,6 +46,10 @@ KERNELS = {"int8-shared": TritonMoEFFN, "int8-row": TritonMoEFFN, "int4": Triton
 CONFIGS = {
     "gemv": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits"),
                          down_gemv=GemvConfig(16, 64, unroll=1, split=2, cvt="bits")),
+    # the down reduction split in 2 spans, of 32 and 8 (the bias must be added once per row, not per span;
+    # "gemv" above asks for 2 but its block of 64 covers I = 40 in one)
+    "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits"),
+                               down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="bits")),
     "mma": KernelConfig(gate_up_gemv=GemvConfig(16, 32, mma=True, num_stages=2),
                         down_gemv=GemvConfig(16, 16, mma=True, num_stages=2)),
     "gemm": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
