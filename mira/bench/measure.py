@@ -163,9 +163,10 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
                                  on_prompt=recorder.next_sequence if recorder is not None else None,
                                  random_continuation=random_continuation and num_beams == 1)
         if cpu_before is not None:
-            experts, compute_s = (after - first for after, first in zip(_cpu_share(model), cpu_before))
-            timing.of_run = {"cpu_experts": experts,
-                             "cpu_compute_ms_per_expert": round(1e3 * compute_s / experts, 4) if experts else None}
+            experts, cuts, compute_s = (after - first for after, first in zip(_cpu_share(model), cpu_before))
+            touched = experts + cuts  # whole or in part
+            timing.of_run = {"cpu_experts": experts, "cpu_cuts": cuts,
+                             "cpu_compute_ms_per_expert": round(1e3 * compute_s / touched, 4) if touched else None}
             if model.hybrid.pace is not None:
                 timing.of_run["cpu_pace"] = round(model.hybrid.pace.scale, 4)  # at the run's end
         return timing
@@ -190,14 +191,15 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
     return result
 
 
-def _cpu_share(model: MiraModel) -> tuple[int, float] | None:
-    """Experts the CPU worker has computed so far and its seconds on them (None without a CPU share):
-    the figures of one run are the difference, which shows drift over the repeats."""
+def _cpu_share(model: MiraModel) -> tuple[int, int, float] | None:
+    """Experts the CPU worker has computed so far, whole and in part (cut), and its seconds on them
+    (None without a CPU share): the figures of one run are the difference, which shows drift over
+    the repeats."""
     if model.hybrid is None:
         return None
     model.hybrid.collect()  # the last layer's job is recorded when the next one starts
     telemetry = model.hybrid.telemetry
-    return sum(telemetry.experts), sum(telemetry.compute_s)
+    return sum(telemetry.experts), sum(telemetry.cuts), sum(telemetry.compute_s)
 
 
 def _difference(after: dict, before: dict) -> dict:
@@ -227,11 +229,12 @@ def _cache_figures(model: MiraModel) -> dict:
     # inline, each miss is one copy into a slot or one read of the pinned blob by the kernel; lagged,
     # always that read, and an admission after it one more copy; a staged expert, once admitted, too
     misses = cache["lookups"]["miss"]
-    cpu = stats["cpu_experts"]  # misses computed on the CPU: they cross no PCIe
+    cpu = stats["cpu_experts"]  # misses computed on the CPU cross no PCIe, nor do the CPU's parts of cut ones
+    on_cpu = cpu.get("experts", 0) + cpu.get("cut_share", 0.0)
     lagged = stats["residency"] == "lagged"
     admitted_again = cache["bytes_to_device"] if lagged else prefetch["admitted"] * model.store.blob_bytes
     on_gpu = model.device.type == "cuda"  # on the CPU, slots are RAM and nothing crosses PCIe
-    pcie = (misses - cpu.get("experts", 0)) * model.store.blob_bytes + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
+    pcie = round((misses - on_cpu) * model.store.blob_bytes) + admitted_again + cache["prefetch_bytes"] if on_gpu else 0
     issued = prefetch["issued"]
     return {
         "slots": stats["slots"],

@@ -87,10 +87,13 @@ def cpu_share_lines(result: dict) -> list[str]:
 
 
 def _repeat(figures: dict) -> str:
-    """One repeat's decode tokens/s and the CPU's experts in it, with their mean compute time."""
+    """One repeat's decode tokens/s and the CPU's experts in it (whole, and cut with the device),
+    with their mean compute time."""
     speed = figures.get("decode_tokens_per_s")
     text = f"{speed:.3g} tokens/s" if speed is not None else "no decode timing"
     text += f", {figures['cpu_experts']:,} experts on the CPU"
+    if figures.get("cpu_cuts"):
+        text += f" and {figures['cpu_cuts']:,} in part"
     if figures.get("cpu_compute_ms_per_expert") is not None:
         text += f" at {figures['cpu_compute_ms_per_expert']:.3g} ms each"
     if figures.get("cpu_pace") is not None:

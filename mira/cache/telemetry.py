@@ -78,7 +78,8 @@ class Telemetry:
 
 class HybridTelemetry:
     """Per MoE layer, the calls whose misses the CPU shared: experts it computed whole, experts cut
-    between it and the device (`cuts`), tokens it computed, and the
+    between it and the device (`cuts`, and `cut_shares`: the CPU's share of their units), tokens it
+    computed, and the
     cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
     the measured ones (hand-off to the worker through with its partial sum: the CPU's side; the
     device's kernel is not waited for), and the worker's own part of that (rows ready to partial
@@ -88,6 +89,7 @@ class HybridTelemetry:
         self.calls = [0] * num_layers
         self.experts = [0] * num_layers
         self.cuts = [0] * num_layers
+        self.cut_shares = [0.0] * num_layers
         self.tokens = [0] * num_layers
         self.measured_s = [0.0] * num_layers
         self.compute_s = [0.0] * num_layers  # the worker's own time, rows ready to partial sum written
@@ -97,12 +99,14 @@ class HybridTelemetry:
         self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
-               predicted: tuple[float, float] | None, cut: bool = False) -> None:
+               predicted: tuple[float, float] | None, cut_share: float = 0.0) -> None:
         """One call; `compute_s`: the worker's part of `measured_s`; `predicted`: (the layer's misses
-        served, the CPU's side) in seconds, or None; `cut`: one more expert computed in part."""
+        served, the CPU's side) in seconds, or None; `cut_share`: the CPU's share of the units of one
+        more expert it computed in part (0: none)."""
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
-        self.cuts[layer_position] += cut
+        self.cuts[layer_position] += cut_share > 0
+        self.cut_shares[layer_position] += cut_share
         self.tokens[layer_position] += tokens
         self.measured_s[layer_position] += measured_s
         self.compute_s[layer_position] += compute_s
@@ -130,4 +134,4 @@ class HybridTelemetry:
                 row["predicted_over_measured"] = round(self.predicted_s[layer] / measured, 4) if measured else None
             layers.append(row)
         return {"calls": sum(self.calls), "experts": sum(self.experts), "cuts": sum(self.cuts),
-                "tokens": sum(self.tokens), "layers": layers}
+                "cut_share": round(sum(self.cut_shares), 4), "tokens": sum(self.tokens), "layers": layers}

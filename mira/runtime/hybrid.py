@@ -141,6 +141,7 @@ class HybridExperts:
             raise ValueError("splitting misses needs calibrated costs")
         self.cuts = expert_cuts(store.layout, cut_granule) if split_misses and costs.pcie_bytes_per_s else None
         self._granule = cut_granule
+        self._intermediate = store.layout.intermediate
         self.worker = worker
         self.costs = costs
         self.pace = pace
@@ -250,8 +251,9 @@ class HybridExperts:
     def _record(self, share: CpuShare) -> None:
         job = share.job
         measured = job.finished - share.begin
+        cut_share = 1 - share.cut[1] / self._intermediate if share.cut is not None else 0.0
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
-                              share.predicted, cut=share.cut is not None)
+                              share.predicted, cut_share)
         # prefill extrapolates the line; a cut's part carries the job's fixed costs on fewer bytes, and
         # learning from it would raise the pace, shrink later parts and raise it again
         if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS and share.cut is None:

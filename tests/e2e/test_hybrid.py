@@ -135,7 +135,7 @@ def test_a_one_token_call_cuts_a_miss_between_the_worker_and_the_kernel(mixtral_
     assert layer.ffn.limits == [[48 if e == low else 96 for e in range(E)]]
     assert model.cache.tables.limits.eq(96).all()
     summary = hybrid.summary()
-    assert summary["cuts"] == 1 and summary["experts"] == 0
+    assert summary["cuts"] == 1 and summary["cut_share"] == 0.5 and summary["experts"] == 0  # units 48-95 of 96
     assert summary["layers"][0]["predicted_ms"] == pytest.approx(1.5, abs=1e-3) and hybrid.pace.scale == 1.0
     args = mixtral_layer_call(6, 3)
     torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(store, 1, *args), rtol=1e-5, atol=1e-5)

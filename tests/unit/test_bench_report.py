@@ -11,7 +11,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
            "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "tokens_served": {"hot": 90, "stage": 0, "miss": 10},
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers},
-           "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_compute_ms_per_expert": 3.25},
+           "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25},
                        {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None,
                         "cpu_pace": 1.4412}]}
     gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"}, "decode_tokens_per_s": 6.0,
@@ -26,7 +26,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "1.7", "0.9"] and len(lines) == at + 3
     compared = lines.index("the CPU's share against GPU-only mira in the same run:")
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
-    assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU at 3.25 ms each"
+    assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
     assert lines[compared + 3] == ("  repeat 2: 9 tokens/s, 1,200 experts on the CPU, the CPU's side priced at 1.44x "
                                    "its calibration")
 
