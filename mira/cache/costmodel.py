@@ -8,7 +8,9 @@ of the two sums; `split` chooses the CPU set that makes that smallest.
 
 Decode, with one token per miss, makes every miss cost the same on each side and the split a
 count. Many tokens per expert (prefill) make the CPU's cost grow with the tokens while the PCIe
-copy does not, so those experts stay on the GPU.
+copy does not, so those experts stay on the GPU. Where a decode split of whole experts leaves one
+side idle, one miss may be cut between the two (`Cuts`): the GPU computes its first intermediate
+units, the CPU the rest.
 
 `cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
 layer's misses before its kernel), and `CpuPace` keeps the CPU's costs at the pace decoding measures.
