@@ -46,18 +46,20 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
         fn = triton_ffn._gate_up_gemv
         signature = {"hidden_ptr": "*bf16", "stride_ht": I32, "index_ptr": "*i64", "bases_ptr": "*i64",
                      "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "S_IN_OFF": I32, "B13_OFF": I32,
-                     "ROWS": I32}
+                     "ROWS": I32, "limits_ptr": "*i32"}
         constants = {"SCHEME": 0, "BLOCK_I": config.block_rows, "BLOCK_H": config.block_cols, "UNROLL": config.unroll,
                      "EVEN_H": hidden % (config.block_cols * config.unroll) == 0, "HAS_BIAS": False, "ALPHA": 1.0,
-                     "LIMIT": 0.0, "UP_OFFSET": 0.0, "NAN_ABSENT": True}
+                     "LIMIT": 0.0, "UP_OFFSET": 0.0, "NAN_ABSENT": True, "CUT": False}
     else:
         fn = triton_ffn._down_gemv
         signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
                      "out_ptr": "*bf16", "stride_ot": I32, "partial_ptr": "*fp32", "count_ptr": "*i32",
-                     "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "S_OUT_OFF": I32, "B2_OFF": I32, "SPAN": I32}
+                     "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "S_OUT_OFF": I32, "B2_OFF": I32, "SPAN": I32,
+                     "limits_ptr": "*i32"}
         span, splits = triton_ffn.split_span(intermediate, config)
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
-                     "SPLIT": splits, "EVEN_I": splits * span == intermediate, "HAS_BIAS": False, "NAN_ABSENT": True}
+                     "SPLIT": splits, "EVEN_I": splits * span == intermediate, "HAS_BIAS": False, "NAN_ABSENT": True,
+                     "CUT": False}
     constants["CVT"] = config.cvt
     constants["VEC"] = triton_ffn.partial_sum(config)
     # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per
