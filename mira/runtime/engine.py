@@ -287,7 +287,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
-                               CpuPace() if costs is not None else None, _cut_granule(ffn, torch_device))
+                               CpuPace() if costs is not None else None, getattr(ffn, "cut_granule", None))
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))
@@ -295,11 +295,6 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
-
-
-def _cut_granule(ffn, device: torch.device) -> int | None:
-    """The device kernel's cut granule: on CUDA, where a miss crosses PCIe; None elsewhere."""
-    return getattr(ffn, "cut_granule", None) if device.type == "cuda" else None
 
 
 def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,

@@ -127,8 +127,9 @@ class HybridExperts:
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
         pace: follows the CPU's measured pace in decoding; None: the calibrated costs as they are.
-        cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it, splits
-            of one-token calls may cut a miss between the sides; None: never.
+        cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it and a
+            PCIe figure in `costs` (a GPU), splits of one-token calls may cut a miss between the
+            sides; None: never.
 
     Attributes:
         telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
