@@ -63,8 +63,7 @@ class HybridCosts:
         cpu: one expert on the CPU worker, by tokens.
         cpu_call_s: once per layer call with a CPU share: rows to the host, the worker's wake-up,
             the partial sum back to the device.
-        pcie_bytes_per_s: the rate a missed expert crosses PCIe at: its kernel reading the pinned
-            blob (zero-copy) where the kernel can, else copies; None without a GPU.
+        pcie_bytes_per_s: host-to-device bandwidth; None without a GPU (nothing crosses PCIe).
         pcie_latency_s: fixed cost of one copy.
         gpu: one expert's kernel on the GPU from device memory, by tokens.
     """

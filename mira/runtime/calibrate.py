@@ -41,7 +41,7 @@ ROUND_TRIPS = 30  # of an empty job, for the per-call cost
 KERNEL_CALLS = 20  # launches timed together per GPU figure
 PCIE_BYTES_PER_S_GUESS = 50e9  # sizes the copy load before the bandwidth is measured
 HOST_OPERATIONS, HOST_ELEMENTS, HOST_PYTHON = 6, 8, 200  # the host's loop beside the timed CPU (keep_host_busy)
-FORMAT = 3  # of a stored entry: 3 prices misses at the kernel's zero-copy reads (2: at copies; 1 had medians)
+FORMAT = 2  # of a stored entry: 2 has mean CPU figures (1, unmarked, had medians)
 
 
 def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device | str, *,
@@ -74,8 +74,6 @@ def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: to
     if cuda:
         bandwidth, latency = _pcie(blobs, device)
         gpu = _gpu_kernel(worker, blobs[0], device, tokens)
-        read = _zero_copy(worker, blobs, device, latency)
-        bandwidth = read if read is not None else bandwidth
         load = _copy_load(blobs, device, seconds=cpu_budget_s, bytes_per_s=bandwidth)
     per_count = max(cpu_budget_s / len(tokens), 1e-3)
     seconds = [keep_host_busy(worker.call(_time_cpu, worker.ffn, blobs, t, per_count)) for t in tokens]
@@ -174,8 +172,7 @@ def _time_cpu(ffn, blobs: Sequence[torch.Tensor], tokens: int, budget_s: float) 
 
 
 def _round_trip(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device) -> float:
-    """Mean seconds of a job with no experts on rows already on the host (decoding copies them before
-    its read-back): the worker's wake-up and the sum back."""
+    """Mean seconds of a job with no experts: rows to the host, the worker's wake-up, the sum back."""
     layout = worker.ffn.layout
     rows = HostRows(1, layout.hidden, 1, torch.bfloat16, device)
     hidden = torch.randn(1, layout.hidden, device=device).to(torch.bfloat16)
@@ -184,10 +181,10 @@ def _round_trip(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: 
     out = torch.zeros_like(hidden)
     times = []
     for _ in range(ROUND_TRIPS):
-        rows.copy_in(hidden, index, weights)
-        _sync(device)  # the read-back's
+        _sync(device)
         begin = time.perf_counter()
-        rows.add_into(out, worker.submit(rows.job(0, [], blobs, wait=False)).result())
+        job = rows.stage(hidden, index, weights, 0, [], blobs)
+        rows.add_into(out, worker.submit(job).result())
         _sync(device)
         times.append(time.perf_counter() - begin)
     return statistics.fmean(times)
@@ -230,29 +227,6 @@ def _gpu_kernel(worker: CpuExpertWorker, blob: torch.Tensor, device: torch.devic
         calls = [_gpu_seconds(lambda: [launch() for _ in range(KERNEL_CALLS)], device) for _ in range(3)]
         seconds.append(statistics.median(calls) / KERNEL_CALLS)
     return LinearCost.fit(list(tokens), seconds)
-
-
-def _zero_copy(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device,
-               latency: float) -> float | None:
-    """Bytes per second at which the layer's kernel reads a missed expert from its pinned blob
-    (zero-copy, one token, distinct blobs in turn), beyond `latency`: the GPU side of a miss in
-    decoding, which copies would overprice; None where the kernel reads no host memory."""
-    layout = worker.ffn.layout
-    ffn = make_moe_ffn(device, layout, worker.ffn.act)
-    if not hasattr(ffn, "forward_bases"):
-        return None
-    table = torch.tensor([blob.data_ptr() for blob in blobs], dtype=torch.int64, device=device)  # [E]
-    hidden = torch.randn(1, layout.hidden, device=device).to(torch.bfloat16)
-    weights = torch.ones(1, 1, device=device)
-    routes = [torch.full((1, 1), expert, dtype=torch.int64, device=device) for expert in range(len(blobs))]
-    ffn.forward_bases(hidden, routes[0], weights, table)  # compiles outside the timing
-
-    def launches():
-        for call in range(KERNEL_CALLS):
-            ffn.forward_bases(hidden, routes[call % len(routes)], weights, table)
-
-    seconds = statistics.median(_gpu_seconds(launches, device) for _ in range(3)) / KERNEL_CALLS
-    return layout.nbytes / max(seconds - latency, seconds / 2)
 
 
 def _copy_load(blobs: Sequence[torch.Tensor], device: torch.device, seconds: float,

@@ -162,12 +162,11 @@ def _first_parallel_operation() -> None:
 class HostRows:
     """The host buffers of one layer's CPU share and their copies to and from the device.
 
-    `copy_in` copies the hidden rows and routing of a call into pinned buffers (non-blocking on
-    CUDA, with an event), `job` makes the worker's job on them (`stage` does both); `add_into`
-    adds the worker's partial sum into the layer's output on the device. All enqueue on the
-    current stream, so a job's event also follows the previous job's return copy: the worker
-    never overwrites `out` before that copy has read it. One job per buffer set is in flight at a
-    time.
+    `stage` copies the hidden rows and routing of a call into pinned buffers (non-blocking on
+    CUDA, with an event for the worker to wait on); `add_into` adds the worker's partial sum into
+    the layer's output on the device. Both enqueue on the current stream, so a job's event also
+    follows the previous job's return copy: the worker never overwrites `out` before that copy
+    has read it. One job per buffer set is in flight at a time.
 
     Args:
         max_tokens: most tokens of one call (T).
@@ -190,43 +189,21 @@ class HostRows:
         self._device_out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, device=self.device) if cuda \
             else None
         self._staged = torch.cuda.Event() if cuda else None
-        self.tokens = 0  # rows of the last copy_in
-
-    def _rows(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.hidden[:tokens], self.top_k_index[:tokens], self.top_k_weights[:tokens]
-
-    def copy_in(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """Copy a call's rows here without a host sync (on CUDA non-blocking, then the event); the
-        previous job must be done with them, which stream order gives when they follow its hold."""
-        T = hidden.shape[0]
-        if T > self.hidden.shape[0]:
-            raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
-        for dst, src in zip(self._rows(T), (hidden, top_k_index, top_k_weights)):
-            dst.copy_(src, non_blocking=True)
-        if self._staged is not None:
-            self._staged.record()
-        self.tokens = T
-
-    def job(self, layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
-            done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None,
-            wait: bool = True) -> CpuJob:
-        """A job for `experts` (one of them `cut`, see CpuJob) on the rows copied in last; `wait`
-        False: the caller has waited for their copies (the job then carries no event)."""
-        ready = self._staged if wait else None
-        return CpuJob(layer_position, experts, *self._rows(self.tokens), blobs, self.out[:self.tokens], ready,
-                      done, cut)
 
     def stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
               done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
-        """`copy_in`, then the `job` on those rows."""
-        self.copy_in(hidden, top_k_index, top_k_weights)
-        return self.job(layer_position, experts, blobs, done, cut)
-
-    def wait_copied(self) -> None:
-        """Block this thread until the rows copied in last are here (at once on the CPU)."""
+        """A job for `experts` (one of them `cut`, see CpuJob) on this call's rows, copied here
+        without a host sync (the previous job must be done: its event is recorded again)."""
+        T = hidden.shape[0]
+        if T > self.hidden.shape[0]:
+            raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
+        rows = (self.hidden[:T], self.top_k_index[:T], self.top_k_weights[:T])
+        for dst, src in zip(rows, (hidden, top_k_index, top_k_weights)):
+            dst.copy_(src, non_blocking=True)
         if self._staged is not None:
-            self._staged.synchronize()
+            self._staged.record()
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged, done, cut)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the

@@ -107,8 +107,6 @@ class MiraExperts(nn.Module):
             self._stage(hidden_states, top_k_index)
         share = None
         if not (self.lagged and decode):
-            if self.hybrid is not None:
-                self.hybrid.prestage(hidden_states, top_k_index, top_k_weights)  # on the host by the read-back
             settled = self.cache.settle_layer(self.layer_position)
             if self.hybrid is not None:
                 share = self.hybrid.start(self.layer_position, hidden_states, top_k_index, top_k_weights, *settled)

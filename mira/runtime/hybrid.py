@@ -1,9 +1,8 @@
 """The CPU's share of each MoE layer's misses, wired into decoding (DESIGN.md 2.8).
 
-Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`, one read-back).
-`HybridExperts.prestage` copies the layer's rows to the host before that read-back, so they are
-there when it returns; `start` then chooses the misses the CPU computes (every one, or the cost
-model's split), hands the worker the job and hides those experts from the layer's address table
+Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`). `HybridExperts.start`
+chooses the misses the CPU computes (every one, or the cost model's split), copies the layer's
+rows to the host, hands the worker the job and hides those experts from the layer's address table
 (address 0: the kernel adds zero for them, its weights unread). The layer's kernel then computes
 the rest; `finish` restores the table and adds the CPU's partial sum into the layer's output.
 
@@ -176,16 +175,11 @@ class HybridExperts:
         return Split(cpu=[e for e, _ in from_host], pcie=[], cpu_s=cpu_s,
                      gpu_s=sum(costs.gpu(tokens) for _, tokens in on_device))
 
-    def prestage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """Before the layer's read-back: copy its rows to the host, behind the previous layer's hold
-        on the stream (so after the worker is through with them), for `start` to hand over at once."""
-        self._host_rows(hidden, top_k_weights).copy_in(hidden, top_k_index, top_k_weights)
-
     def start(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]]) -> CpuShare | None:
-        """Before the layer's kernel, after `prestage` of the same rows: hand the CPU its share of the
-        misses and hide those experts from the table. None when the CPU gets none."""
-        self.collect()
+        """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
+        from the table. None when the CPU gets none."""
+        self.collect()  # before staging: one job per set of host rows (their event is recorded again)
         if not from_host:
             return None
         plan = self.choose(on_device, from_host, may_cut=hidden.shape[0] == 1)
@@ -198,14 +192,12 @@ class HybridExperts:
             if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
                 self.pace.passed_over()
             return None
-        rows = self._rows
-        if rows is None or rows.tokens != hidden.shape[0]:
-            raise RuntimeError("start needs the call's rows on the host first: call prestage before the read-back")
+        rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
         done = self._signal.post if self._signal is not None else None
         computed = sorted(experts + [cut[0]]) if cut is not None else experts
-        rows.wait_copied()  # here at once after the read-back; the worker then takes no GIL to wait
-        job = rows.job(layer_position, computed, self._blobs[layer_position], done, cut, wait=False)
+        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, computed, self._blobs[layer_position],
+                         done, cut)
         future = self.worker.submit(job)
         self._tables.hide(layer_position, experts)
         if cut is not None:

@@ -142,25 +142,6 @@ def test_a_one_token_call_cuts_a_miss_between_the_worker_and_the_kernel(mixtral_
     assert jobs[-1][1] is None and layer.ffn.limits[-1] is None
 
 
-def test_the_workers_rows_are_copied_before_the_read_back_and_refused_when_they_are_not(mixtral_store):
-    """A layer copies its rows to the host before its routing read-back and `start` hands the worker
-    a job on those rows; it refuses rows copied for another call."""
-    model = _on_demand(mixtral_store, "all")
-    hybrid = model.hybrid
-    jobs = []
-    submit = hybrid.worker.submit
-    hybrid.worker.submit = lambda job: jobs.append(job) or submit(job)
-    hidden, index, weights = mixtral_layer_call(2, 1)
-    layer = _layers(model)[0]
-    torch.testing.assert_close(layer(hidden, index, weights).double(),
-                               mixtral_layer_reference(model.store, 0, hidden, index, weights), rtol=1e-5, atol=1e-5)
-    assert len(jobs) == 1 and torch.equal(jobs[0].hidden, hidden)
-    hybrid.prestage(hidden, index, weights)
-    two = mixtral_layer_call(3, 2)
-    with pytest.raises(RuntimeError, match="prestage"):
-        hybrid.start(0, *two, [], [(int(two[1][0, 0]), 1)])
-
-
 def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):
     """Costs that put one expert at a full second on the CPU: each finished decode job pulls the
     pace towards its measured CPU side over the calibrated one, and later predictions with it."""

@@ -113,32 +113,6 @@ def test_gpu_calibration_measures_pcie_and_the_kernel(worker):
     assert costs.cpu(1) > 0 and costs.cpu_call_s > 0
 
 
-@pytest.mark.gpu
-@gpu
-def test_a_miss_is_priced_at_the_kernels_zero_copy_read_of_its_blob():
-    """At Mixtral's expert shape the GPU side of a one-token miss is the time the layer's kernel
-    takes to read the pinned blob, timed here on its own (copies run faster than those reads)."""
-    from mira.kernels import make_moe_ffn
-
-    layout = ExpertLayout("int8-shared", 4096, 14336)
-    blobs = [torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8).pin_memory() for _ in range(4)]
-    with CpuExpertWorker(CpuExpertFFN(layout, F.silu), threads=4) as worker:
-        costs = calibrate(worker, blobs, "cuda", cpu_budget_s=0.05)
-    ffn = make_moe_ffn(torch.device("cuda"), layout, F.silu)
-    table = torch.tensor([blob.data_ptr() for blob in blobs], dtype=torch.int64, device="cuda")
-    hidden, weights = torch.randn(1, 4096, device="cuda").to(torch.bfloat16), torch.ones(1, 1, device="cuda")
-    routes = [torch.full((1, 1), e, dtype=torch.int64, device="cuda") for e in range(len(blobs))]
-    ffn.forward_bases(hidden, routes[0], weights, table)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for call in range(16):
-        ffn.forward_bases(hidden, routes[call % len(routes)], weights, table)
-    end.record()
-    end.synchronize()
-    read_s = begin.elapsed_time(end) / 1e3 / 16
-    assert costs.pcie_s(1) == pytest.approx(read_s, rel=0.05)
-
-
 def test_the_host_stays_busy_until_the_workers_result_and_returns_it(worker):
     from mira.runtime.calibrate import keep_host_busy
 

@@ -54,22 +54,6 @@ def test_worker_output_is_the_executors(scheme, tokens):
     assert torch.equal(result, ffn(hidden, index, weights, blobs, experts, out=torch.empty(tokens, H)))
 
 
-def test_a_job_on_rows_copied_in_earlier_computes_them():
-    """Rows copied in ahead (decoding's copy before its read-back), then a job made on them without
-    an event: the executor's result on those rows."""
-    layout, blobs, hidden, index, weights = layer("int8-shared", 3, seed=3)
-    ffn = CpuExpertFFN(layout, F.silu)
-    experts = index.unique().tolist()
-    rows = HostRows(8, H, K, hidden.dtype, "cpu")
-    rows.copy_in(hidden, index, weights)
-    rows.wait_copied()
-    job = rows.job(2, experts, blobs, wait=False)
-    assert rows.tokens == 3 and torch.equal(job.hidden, hidden)
-    with CpuExpertWorker(ffn, threads=1) as worker:
-        result = worker.submit(job).result(timeout=60)
-    assert torch.equal(result, ffn(hidden, index, weights, blobs, experts, out=torch.empty(3, H)))
-
-
 @pytest.mark.parametrize("scheme", ["int8-row", "int8-shared"])
 def test_gpu_share_plus_worker_share_is_the_whole_layer(scheme):
     """What the runtime does: the device computes some experts, the worker the others, add_into sums."""
@@ -142,24 +126,6 @@ def test_rows_go_to_the_worker_and_back_through_pinned_buffers():
         rows.add_into(out, worker.submit(job).result(timeout=60))
     expected = ffn(hidden, index, weights, blobs, experts).float().to(torch.bfloat16)
     assert torch.equal(out.cpu(), expected)
-
-
-@pytest.mark.gpu
-@gpu
-def test_a_job_after_the_callers_wait_for_its_rows_carries_no_event():
-    """The worker waits on the copies' event unless the caller has waited for them (decoding's read-back)."""
-    layout, blobs, hidden, index, weights = layer("int8-row", 2, seed=4)
-    ffn = CpuExpertFFN(layout, F.silu)
-    experts = index.unique().tolist()
-    rows = HostRows(4, H, K, hidden.dtype, "cuda")
-    rows.copy_in(hidden.cuda(), index.cuda(), weights.cuda())
-    assert rows.job(0, experts, blobs).ready is not None
-    rows.wait_copied()
-    job = rows.job(0, experts, blobs, wait=False)
-    assert job.ready is None
-    with CpuExpertWorker(ffn, threads=2) as worker:
-        result = worker.submit(job).result(timeout=60)
-    assert torch.equal(result, ffn(hidden, index, weights, blobs, experts, out=torch.empty(2, H)))
 
 
 def test_the_worker_calls_done_after_a_job_and_after_a_failed_one():
