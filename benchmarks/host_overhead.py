@@ -1,16 +1,14 @@
 """Where a decode step's host time goes inside Mira's experts modules (CPU, bundled model).
 
-Run eagerly, Mira's decode steps on the H200 are host-bound: with every expert resident, the
-Mixtral-shaped model decodes at 12.7-14 tokens/s where the HBM bound is 301 (`mira-inline` in
-benchmarks/results/bench-mixtral-8x7b.json as committed at 57afe3b; replayed from CUDA graphs the
-same step gives 111).
-This script times, per MoE layer call, the pieces of `MiraExperts.forward` that run on the host
-(with a quarter of the experts in slots, and with all of them, where a layer skips the cache):
-the cache lookups (`ExpertCache.fetch`), the prefetch offers (`stage`), the release
-(`after_layer`), the predictor's scores, the FFN call, and the rest of the forward (counting,
-the one `.tolist()` per layer), each wrapped with `time.perf_counter` (the wrappers add ~1 us per
-call). On the CPU the FFN is the PyTorch reference and computes for real, so its figure is not the
-GPU's; the bookkeeping figures are plain Python and carry over, scaled by the host's speed.
+Run eagerly (inline residency), a decode step is bound by the host's Python rather than the
+device. This script times, per MoE layer call, the pieces of `MiraExperts.forward` that run on
+the host (with a share of the experts in slots, and with all of them): the routing read-back
+and the policy's work (`ExpertCache.settle_layer`), staging's work before and after the layer,
+the predictor's scores, the FFN call, and the rest of the forward (counting and glue), each
+wrapped with `time.perf_counter` (the wrappers add about a microsecond per call). On the CPU the
+FFN is the PyTorch reference and computes for real, so its figure is not the GPU's; the
+bookkeeping figures are plain Python and carry over, scaled by the host's speed.
+`benchmarks/profile_decode.py` gives the same pieces on a GPU, with the device's side.
 
     python benchmarks/host_overhead.py [--new-tokens 64 --prompts 4]
 """
@@ -62,8 +60,10 @@ def profile(setting: str, slots_share: float, new_tokens: int, prompts: int) -> 
                       heads=HEADS if setting == "trained" else None)
     timers = Timers()
     experts = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
-    for name in ("fetch", "stage", "after_layer"):
-        timers.wrap(model.cache, name, f"cache.{name}")
+    timers.wrap(model.cache, "settle_layer", "cache.settle_layer")  # inline: the read-back and the policy
+    if model.cache.staging is not None:
+        for name in ("before_layer", "after_layer"):
+            timers.wrap(model.cache.staging, name, f"staging.{name}")
     timers.wrap(experts[0], "ffn", "ffn")  # one kernel object shared by every layer
     ffn = experts[0].ffn
     for module in experts:
@@ -84,7 +84,8 @@ def profile(setting: str, slots_share: float, new_tokens: int, prompts: int) -> 
     layer_calls = timers.calls["MiraExperts.forward"]
     per_call = {name: round(seconds / layer_calls * 1e6, 1) for name, seconds in timers.seconds.items()}
     forward = per_call["MiraExperts.forward"]
-    inner = sum(v for k, v in per_call.items() if k in ("cache.fetch", "cache.stage", "cache.after_layer", "ffn"))
+    inner = sum(v for k, v in per_call.items() if k in ("cache.settle_layer", "staging.before_layer",
+                                                        "staging.after_layer", "ffn"))
     steps = prompts * new_tokens
     return {"prefetch": setting, "slots": model.cache.pool.num_slots, "total_experts": total,
             "layer_calls": layer_calls, "us_per_layer_call": per_call,
@@ -103,14 +104,14 @@ def main() -> None:
     torch.manual_seed(0)
     rows = [profile(setting, args.slots_share, args.new_tokens, args.prompts) for setting in ("off", "gate", "trained")]
     rows.append(profile("off", 1.0, args.new_tokens, args.prompts))  # every expert resident: no lookups, no sync
-    names = ["MiraExperts.forward", "ffn", "cache.fetch", "cache.stage", "cache.after_layer", "predictor.scores",
-             "predictor.observe"]
+    names = ["MiraExperts.forward", "ffn", "cache.settle_layer", "staging.before_layer", "staging.after_layer",
+             "predictor.scores", "predictor.observe"]
     print(f"{'prefetch':>8} {'slots':>6} " + " ".join(f"{n:>20}" for n in names) + f" {'rest':>8} {'ms/step':>8}")
     for row in rows:
         cells = [row["us_per_layer_call"].get(n) for n in names]
         print(f"{row['prefetch']:>8} {row['slots']:>6} " + " ".join(f"{'' if c is None else c:>20}" for c in cells)
               + f" {row['us_per_layer_call_rest_of_forward']:>8} {row['ms_per_step']:>8}")
-    print("(microseconds per MoE layer call; rest = counting, the .tolist() sync and glue inside forward)")
+    print("(microseconds per MoE layer call; cache.settle_layer holds the routing read-back; rest = counting and glue)")
     out = ROOT / "benchmarks" / "results" / "host-overhead-cpu.json"
     out.write_text(json.dumps({
         **result_header("python benchmarks/host_overhead.py"),
