@@ -104,7 +104,8 @@ def _repeat(figures: dict) -> str:
 def layer_times(result: dict) -> list[str]:
     """Per run whose CPU computed missed experts: each MoE layer's cost-model prediction per call
     (the later side, and the CPU's side) against the measured time (hand-off to the worker's partial
-    sum written) and the worker's compute time within it, in milliseconds."""
+    sum written) and the worker's compute time within it, and where the device's side was timed, it
+    and the later side against the prediction; in milliseconds."""
     lines = []
     for row in result["runs"]:
         layers = [layer for layer in (row.get("cpu_experts") or {}).get("layers", []) if "predicted_ms" in layer]
@@ -112,11 +113,13 @@ def layer_times(result: dict) -> list[str]:
             continue
         lines += ["", f"{row['config']} at {row['budget']}: predicted and measured ms per MoE layer call with a CPU "
                       "share (over every run of the configuration)",
-                  "  layer  calls  CPU experts  predicted ms  predicted CPU ms  measured ms  CPU compute ms  predicted/measured"]
+                  "  layer  calls  CPU experts  predicted ms  predicted CPU ms  measured ms  CPU compute ms  "
+                  "predicted/measured  device ms  predicted/served"]
         lines += [f"  {layer['layer']:>5}  {layer['calls']:>5}  {layer['experts']:>11}  {layer['predicted_ms']:>12.3f}  "
                   f"{layer['predicted_cpu_ms']:>16.3f}  {layer['measured_ms']:>11.3f}  "
                   f"{_num(layer.get('cpu_compute_ms')):>14}  "
-                  f"{_num(layer.get('predicted_over_measured')):>18}" for layer in layers]
+                  f"{_num(layer.get('predicted_over_measured')):>18}  {_num(layer.get('device_ms')):>9}  "
+                  f"{_num(layer.get('predicted_over_served')):>16}" for layer in layers]
     return lines
 
 

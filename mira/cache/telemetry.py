@@ -79,11 +79,12 @@ class Telemetry:
 class HybridTelemetry:
     """Per MoE layer, the calls whose misses the CPU shared: experts it computed whole, experts cut
     between it and the device (`cuts`, and `cut_shares`: the CPU's share of their units), tokens it
-    computed, and the
-    cost model's predicted seconds (the later of the two sides, and the CPU's side alone) against
-    the measured ones (hand-off to the worker through with its partial sum: the CPU's side; the
-    device's kernel is not waited for), and the worker's own part of that (rows ready to partial
-    sum written). A CPU-served expert is also a miss in `Telemetry`: the policy saw it miss."""
+    computed, and the cost model's predicted seconds (the later of the two sides, and each side)
+    against the measured ones: the CPU's side (hand-off to the worker through with its partial
+    sum), the worker's own part of that (rows ready to partial sum written), and on CUDA the
+    device's side (its table updates and kernel, timed on the stream) and the later of the two,
+    when the layer's misses were all served. A CPU-served expert is also a miss in `Telemetry`:
+    the policy saw it miss."""
 
     def __init__(self, num_layers: int):
         self.calls = [0] * num_layers
@@ -97,12 +98,21 @@ class HybridTelemetry:
         self.predicted_cpu_s = [0.0] * num_layers
         self.predicted_calls = [0] * num_layers
         self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
+        self.device_s = [0.0] * num_layers  # over the calls whose device side was timed
+        self.served_s = [0.0] * num_layers  # the later side of those calls
+        self.device_calls = [0] * num_layers
+        self.device_predicted_calls = [0] * num_layers  # calls timed and predicted
+        self.predicted_device_s = [0.0] * num_layers  # over those calls
+        self.predicted_of_served_s = [0.0] * num_layers  # the later side predicted, of those calls
+        self.served_with_prediction_s = [0.0] * num_layers
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
-               predicted: tuple[float, float] | None, cut_share: float = 0.0) -> None:
-        """One call; `compute_s`: the worker's part of `measured_s`; `predicted`: (the layer's misses
-        served, the CPU's side) in seconds, or None; `cut_share`: the CPU's share of the units of one
-        more expert it computed in part (0: none)."""
+               predicted: tuple[float, float, float] | None, cut_share: float = 0.0,
+               device_s: float | None = None) -> None:
+        """One call; `measured_s`: the CPU's side; `compute_s`: the worker's part of it; `predicted`:
+        (the layer's misses served, the CPU's side, the device's side) in seconds, or None;
+        `cut_share`: the CPU's share of the units of one more expert it computed in part (0: none);
+        `device_s`: the device's side, or None where it was not timed."""
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
         self.cuts[layer_position] += cut_share > 0
@@ -115,9 +125,21 @@ class HybridTelemetry:
             self.predicted_cpu_s[layer_position] += predicted[1]
             self.predicted_calls[layer_position] += 1
             self.measured_with_prediction_s[layer_position] += measured_s
+        if device_s is not None:
+            served = max(measured_s, device_s)
+            self.device_s[layer_position] += device_s
+            self.served_s[layer_position] += served
+            self.device_calls[layer_position] += 1
+            if predicted is not None:
+                self.device_predicted_calls[layer_position] += 1
+                self.predicted_device_s[layer_position] += predicted[2]
+                self.predicted_of_served_s[layer_position] += predicted[0]
+                self.served_with_prediction_s[layer_position] += served
 
     def summary(self) -> dict:
-        """Totals, and per layer with calls the mean predicted and measured milliseconds per call."""
+        """Totals, and per layer with calls the mean predicted and measured milliseconds per call
+        (`predicted_over_measured`: the later side predicted over the CPU's side measured; with the
+        device's side timed, `predicted_over_served`: over the later side measured)."""
         layers = []
         for layer, calls in enumerate(self.calls):
             if not calls:
@@ -132,6 +154,15 @@ class HybridTelemetry:
                 row["predicted_cpu_ms"] = round(1e3 * self.predicted_cpu_s[layer] / predicted, 4)
                 measured = self.measured_with_prediction_s[layer]
                 row["predicted_over_measured"] = round(self.predicted_s[layer] / measured, 4) if measured else None
+            timed = self.device_calls[layer]
+            if timed:
+                row["device_ms"] = round(1e3 * self.device_s[layer] / timed, 4)
+                row["served_ms"] = round(1e3 * self.served_s[layer] / timed, 4)
+                both = self.device_predicted_calls[layer]
+                if both:
+                    row["predicted_device_ms"] = round(1e3 * self.predicted_device_s[layer] / both, 4)
+                    row["predicted_over_served"] = round(self.predicted_of_served_s[layer]
+                                                         / self.served_with_prediction_s[layer], 4)
             layers.append(row)
         return {"calls": sum(self.calls), "experts": sum(self.experts), "cuts": sum(self.cuts),
                 "cut_share": round(sum(self.cut_shares), 4), "tokens": sum(self.tokens), "layers": layers}

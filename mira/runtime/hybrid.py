@@ -112,7 +112,7 @@ class CpuShare:
     job: CpuJob
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
-    predicted: tuple[float, float] | None  # seconds: the layer's misses served, the CPU's side
+    predicted: tuple[float, float, float] | None  # seconds: the layer's misses served, the CPU's side, the device's
     calibrated_s: float  # the CPU's side as calibrated, before the pace (0.0 without a pace)
 
 
@@ -154,6 +154,9 @@ class HybridExperts:
         self._device = torch.device(device)
         self._rows: HostRows | None = None  # made by the first call, grown by a larger one
         self._signal = HostSignal() if self._device.type == "cuda" else None
+        # on CUDA, around the device's side of the call in flight: its table updates and its kernel
+        self._device_side = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self._signal is not None else None
         self._pending: CpuShare | None = None  # the job `finish` left to the stream, collected by `start`
         weakref.finalize(self, worker.close)
 
@@ -199,6 +202,8 @@ class HybridExperts:
         job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, computed, self._blobs[layer_position],
                          done, cut)
         future = self.worker.submit(job)
+        if self._device_side is not None:
+            self._device_side[0].record()
         self._tables.hide(layer_position, experts)
         if cut is not None:
             self._tables.cut(layer_position, *cut)
@@ -206,7 +211,7 @@ class HybridExperts:
         tokens = sum(t for e, t in from_host if e in chosen)
         calibrated = plan.cpu_s / self.pace.scale if plan is not None and self.pace is not None else 0.0
         return CpuShare(layer_position, experts, cut, tokens, job, future, begin,
-                        (plan.predicted_s, plan.cpu_s) if plan is not None else None, calibrated)
+                        (plan.predicted_s, plan.cpu_s, plan.gpu_s) if plan is not None else None, calibrated)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
@@ -217,6 +222,7 @@ class HybridExperts:
             out = self._rows.add_into(out, share.future.result())
             self._record(share)
             return out
+        self._device_side[1].record()
         self._signal.hold()
         self._pending = share
         return self._rows.add_into(out, share.job.out)
@@ -253,8 +259,13 @@ class HybridExperts:
         job = share.job
         measured = job.finished - share.begin
         cut_share = 1 - share.cut[1] / self._intermediate if share.cut is not None else 0.0
+        device_s = None
+        if self._device_side is not None:
+            begin, end = self._device_side
+            end.synchronize()  # done already after the next layer's read-back
+            device_s = begin.elapsed_time(end) / 1e3
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
-                              share.predicted, cut_share)
+                              share.predicted, cut_share, device_s)
         # prefill extrapolates the line; a cut's part carries the job's fixed costs on fewer bytes, and
         # learning from it would raise the pace, shrink later parts and raise it again
         if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS and share.cut is None:

@@ -39,6 +39,8 @@ def test_every_miss_on_the_cpu_generates_the_cpu_paths_float32_text(mixtral_stor
     print(f"\n{cpu}")
     assert torch.equal(got, expected) and cpu["tokens"] > 0
     assert all("predicted_ms" in layer for layer in cpu["layers"])
+    for layer in cpu["layers"]:  # the device's side timed on the stream; the later side is at least either mean
+        assert layer["device_ms"] > 0 and layer["served_ms"] >= max(layer["measured_ms"], layer["device_ms"]) - 1e-3
 
 
 def test_misses_cut_between_the_cpu_and_the_kernel_generate_the_cpu_paths_float32_text(mixtral_store):

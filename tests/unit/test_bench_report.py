@@ -5,7 +5,8 @@ from mira.bench.report import cpu_share_configs, cpu_share_lines, format_table
 
 def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_and_measured_times():
     layers = [{"layer": 0, "calls": 4, "experts": 4, "tokens": 4, "measured_ms": 2.0, "predicted_ms": 1.8,
-               "predicted_cpu_ms": 1.5, "predicted_over_measured": 0.9, "cpu_compute_ms": 1.7},
+               "predicted_cpu_ms": 1.5, "predicted_over_measured": 0.9, "cpu_compute_ms": 1.7, "device_ms": 2.4,
+               "predicted_over_served": 0.75},
               {"layer": 1, "calls": 2, "experts": 2, "tokens": 2, "measured_ms": 3.0}]  # no prediction: left out
     row = {"config": "mira-cpu-all", "budget": "8GiB", "num_beams": 1, "slots": 10, "ttft_s": 0.1,
            "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "tokens_served": {"hot": 90, "stage": 0, "miss": 10},
@@ -23,7 +24,8 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[2].split()[-2:] == ["6", "75"] and lines[3].split()[-1] == "0"  # no hybrid bound without costs
     at = lines.index("mira-cpu-all at 8GiB: predicted and measured ms per MoE layer call with a CPU share (over "
                      "every run of the configuration)")
-    assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "1.7", "0.9"] and len(lines) == at + 3
+    assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "1.7", "0.9", "2.4", "0.75"]
+    assert len(lines) == at + 3
     compared = lines.index("the CPU's share against GPU-only mira in the same run:")
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
