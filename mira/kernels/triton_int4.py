@@ -44,6 +44,7 @@ from mira.store import int4
 from mira.store.layout import ExpertLayout
 
 CHUNK = 32  # adjacent weights (16 bytes) a decode thread sums before scaling them
+CONVERSIONS = ("native", "bits", "prmt", "bits-fold", "prmt-fold")  # the GEMVs' unpackings (`_nibbles`)
 CHUNK_W: tl.constexpr = tl.constexpr(CHUNK)  # the same, for the kernels
 
 
@@ -52,8 +53,34 @@ def _nibbles(w, CVT: tl.constexpr):
     """uint8 bytes -> (low codes, high codes) in fp32, exactly.
     "native": the int-to-float unit; "bits": the code placed in the mantissa of 2**23 by integer
     logic, then one add; "prmt": the same with one byte-permute per code, four bytes at a time
-    (inline PTX: compiled GPUs only)."""
-    if CVT == "prmt":
+    (inline PTX: compiled GPUs only). The "-fold" forms skip the add: they give 1/2 + q/256 (the
+    code in the mantissa of 1/2), which `_chunk_dots` corrects with the group's scale and offset."""
+    if CVT == "prmt-fold":
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo4, hi4, mag;
+            mov.b32 mag, 0x3F000000;
+            and.b32 lo4, $8, 0x0F0F0F0F;
+            shr.b32 hi4, $8, 4;
+            and.b32 hi4, hi4, 0x0F0F0F0F;
+            prmt.b32 $0, lo4, mag, 0x7054;
+            prmt.b32 $1, lo4, mag, 0x7154;
+            prmt.b32 $2, lo4, mag, 0x7254;
+            prmt.b32 $3, lo4, mag, 0x7354;
+            prmt.b32 $4, hi4, mag, 0x7054;
+            prmt.b32 $5, hi4, mag, 0x7154;
+            prmt.b32 $6, hi4, mag, 0x7254;
+            prmt.b32 $7, hi4, mag, 0x7354;
+            }""",
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32), is_pure=True,
+            pack=4,
+        )
+        return lo, hi
+    elif CVT == "bits-fold":
+        b = w.to(tl.uint32)
+        return (((b & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True), \
+            (((b >> 4) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
+    elif CVT == "prmt":
         lo, hi = tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 lo4, hi4, mag;
@@ -88,11 +115,14 @@ def _nibbles(w, CVT: tl.constexpr):
 def _chunk_dots(w, x_even, x_odd, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr, CVT: tl.constexpr):
     """Bytes w [ROWS, BYTES] against the fp32 token's even and odd columns [BYTES] -> [ROWS, BYTES / 16]:
     per chunk of 32 weights, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
-    (s, z [ROWS, BYTES / 16]: each chunk's group scale and offset)."""
+    (s, z [ROWS, BYTES / 16]: each chunk's group scale and offset). With codes v = 1/2 + q/256 (the
+    "-fold" conversions), sum q x = 256 sum v x - 128 sum x, so s and z become 256 s and z - 128 s."""
     lo, hi = _nibbles(w, CVT)
     p = lo * x_even[None, :] + hi * x_odd[None, :]  # [ROWS, BYTES]
     p = tl.sum(tl.reshape(p, [ROWS, BYTES // 16, 16]), axis=2)  # [ROWS, chunks]
     sx = tl.sum(tl.reshape(x_even + x_odd, [BYTES // 16, 16]), axis=1)  # the token's sum over each chunk
+    if CVT == "prmt-fold" or CVT == "bits-fold":
+        return p * (256.0 * s) + (z - 128.0 * s) * sx[None, :]
     return p * s + z * sx[None, :]
 
 
@@ -405,11 +435,11 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         self._z_out_off = layout.sections["offset2"].offset
 
     def _cvt(self, gemv: GemvConfig) -> str:
-        """"prmt" unpacks 4 bytes per instruction group: it needs a multiple of 4 bytes per thread
-        and compiled code; otherwise "bits"."""
+        """"prmt" ("prmt-fold") unpacks 4 bytes per instruction group: it needs a multiple of 4 bytes
+        per thread and compiled code; otherwise "bits" ("bits-fold")."""
         per_thread = gemv.block_rows * gemv.block_cols // 2 // (32 * gemv.num_warps)
-        if gemv.cvt == "prmt" and (self.device.type != "cuda" or per_thread % 4):
-            return "bits"
+        if gemv.cvt in ("prmt", "prmt-fold") and (self.device.type != "cuda" or per_thread % 4):
+            return gemv.cvt.replace("prmt", "bits")
         return gemv.cvt
 
     @property
@@ -467,6 +497,8 @@ def _check_config(config: KernelConfig) -> None:
     for name, gemv in (("gate_up_gemv", config.gate_up_gemv), ("down_gemv", config.down_gemv)):
         if gemv.mma:
             raise ValueError(f"{name}: the INT4 kernels have no tensor-core GEMV (mma); use a CUDA-core configuration")
+        if gemv.cvt not in CONVERSIONS:
+            raise ValueError(f"{name}: cvt must be one of {', '.join(CONVERSIONS)} for INT4, not {gemv.cvt!r}")
         if gemv.block_cols % CHUNK:
             raise ValueError(f"{name}: block_cols must be a multiple of {CHUNK} weights for INT4, "
                              f"not {gemv.block_cols}")

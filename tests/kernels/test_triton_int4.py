@@ -50,6 +50,10 @@ DECODE_CONFIGS = {
     # second ragged), the last program to arrive adding the partials
     "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="bits"),
                                down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="bits")),
+    # codes as 1/2 + q/256, corrected by each group's scale and offset; "prmt-fold" runs as
+    # "bits-fold" in the interpreter
+    "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits-fold"),
+                              down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="prmt-fold")),
 }
 PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
     "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
@@ -213,6 +217,8 @@ def test_int8_layouts_and_tensor_core_configs_are_refused():
         TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=mma)
     with pytest.raises(ValueError, match="multiple of 32 weights"):
         TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 16)))
+    with pytest.raises(ValueError, match="cvt must be one of"):
+        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 32, cvt="ptx")))
 
 
 def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
@@ -257,6 +263,21 @@ def test_real_shape_bf16_matches_fp32_reference(real_blobs, shape, tokens):
     index, weights = routing(tokens, 8, K, seed=tokens, device="cuda")
     out = torch.full((tokens, layout.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs, out=out)
+    truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
+    assert relative_error(out, truth) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_real_shape_folded_conversion_matches_fp32_reference(real_blobs, shape):
+    """The decode GEMVs with "prmt-fold" (codes as 1/2 + q/256, the inline-PTX form) at real shapes."""
+    layout, blobs = real_blobs(shape)
+    fold = GemvConfig(8, 1024, unroll=1, cvt="prmt-fold")
+    ffn = TritonInt4MoEFFN(layout, "cuda", config=KernelConfig(gate_up_gemv=fold, down_gemv=fold))
+    hidden = torch.randn(2, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    index, weights = routing(2, 8, K, seed=3, device="cuda")
+    out = ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs)
     truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
     assert relative_error(out, truth) < 1e-2
 
