@@ -3,7 +3,7 @@
 1. Records routing traces of the bundled mira-tiny-moe (greedy, CPU) if they are not there yet:
    held-out ShareGPT prompts (the first user message of the first held-out conversations, in
    file order) and training-split prompts, the profile (the static placement and mira's prior).
-2. Tunes the mira policy's heat decay and prior weight on the TRAINING-split trace alone: its
+2. Tunes the mira policy's heat decay, prior weight and admission margin on the TRAINING-split trace alone: its
    first half of sequences is the profile, its second half is replayed (lagged residency, at 10%,
    25% and 50% of the experts, PCIe bytes over the best baseline's).
 3. Replays the held-out traces, none of them used for tuning, through every policy at 10%, 25%
@@ -92,15 +92,16 @@ def _row(trace: RoutingTrace, profile: RoutingTrace, slots: int, expert_bytes: i
 def _tune(training: RoutingTrace) -> list[dict]:
     profile, replayed = _halves(training)
     configs = []
-    for decay, weight in itertools.product((0.9, 0.95, 0.97, 0.99), (3, 10, 30, 100, 300)):
-        config = CacheConfig(heat_decay=decay, prior_weight=weight)
+    for decay, weight, margin in itertools.product((0.9, 0.95, 0.97, 0.99), (3, 10, 30, 100, 300), (0, 0.5, 1, 2)):
+        config = CacheConfig(heat_decay=decay, prior_weight=weight, admission_margin=margin)
         ratios = []
         for share in SHARES:
             slots = round(share * training.num_uids)
             mira = simulate(replayed, "mira", slots, profile=profile, config=config, residency="lagged")["copies"]
             best = min(simulate(replayed, name, slots, profile=profile)["copies"] for name in BASELINES)
             ratios.append(mira / best)
-        configs.append({"heat_decay": decay, "prior_weight": weight, "over_best_baseline": ratios,
+        configs.append({"heat_decay": decay, "prior_weight": weight, "admission_margin": margin,
+                        "over_best_baseline": ratios,
                         "worst": max(ratios)})
     return sorted(configs, key=lambda c: (c["worst"], sum(c["over_best_baseline"])))
 
@@ -133,9 +134,10 @@ def main() -> None:
     chosen = CacheConfig()
     print("tuning on the training trace (mira lagged / best baseline at 10, 25, 50%), best 5:")
     for c in tuning[:5]:
-        print(f"  decay {c['heat_decay']:.2f}  prior weight {c['prior_weight']:>4}: "
+        print(f"  decay {c['heat_decay']:.2f}  prior weight {c['prior_weight']:>4}  margin {c['admission_margin']:>3}: "
               + ", ".join(f"{r:.3f}" for r in c["over_best_baseline"]))
-    print(f"CacheConfig's defaults: decay {chosen.heat_decay}, prior weight {chosen.prior_weight}")
+    print(f"CacheConfig's defaults: decay {chosen.heat_decay}, prior weight {chosen.prior_weight}, "
+          f"admission margin {chosen.admission_margin}")
 
     calibration = mixtral.num_tokens // 4
     cases = [

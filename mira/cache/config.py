@@ -22,9 +22,13 @@ class CacheConfig:
         rebalancer free of LFU's pollution; in (0, 1].
     prior_weight: how many token steps of evidence the profile's popularity is worth in the mira
         policy's estimate of an expert's reuse, against its decayed heat.
+    admission_margin: blobs by which the PCIe bytes an admission is expected to save must exceed
+        what it moves, in the mira policy: a missed expert's heat, counted right after the access
+        that missed, overstates its reuse.
 
-    The heat decay and prior weight come from `benchmarks/policies.py`'s sweep on the bundled
-    model's training-split routing alone; `benchmarks/prefetch.py` measures the STAGE fractions.
+    The heat decay, prior weight and admission margin come from `benchmarks/policies.py`'s sweep on
+    the bundled model's training-split routing alone; `benchmarks/prefetch.py` measures the STAGE
+    fractions.
     """
 
     policy: str = "mira"
@@ -33,8 +37,9 @@ class CacheConfig:
     stage_fraction_large: float = 0.5
     rebalance_interval: int = 1
     max_swaps: int = 16
-    heat_decay: float = 0.97
-    prior_weight: float = 30.0
+    heat_decay: float = 0.9
+    prior_weight: float = 10.0
+    admission_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -45,3 +50,5 @@ class CacheConfig:
             raise ValueError(f"heat_decay must be in (0, 1], got {self.heat_decay}")
         if self.prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
+        if self.admission_margin < 0:
+            raise ValueError(f"admission_margin must be >= 0, got {self.admission_margin}")

@@ -367,9 +367,11 @@ class MiraPolicy(Policy):
     miss zero-copy and the admission copies it again. (Inline, where the copy is the read, the
     same rule keeps the policy's decisions those of lagged residency, a step earlier.) Over the
     horizon the heat estimates (1 / (1 - heat_decay) steps) a resident saves one blob per use, so a
-    miss takes a free slot when its expected uses exceed the admission's cost, and the slot of the
-    least valuable STAGE entry outside the current group when its expected uses exceed the victim's
-    by more than that cost; otherwise it is served from the host without admission. STAGE is the probation area:
+    miss takes a free slot when its expected uses exceed the admission's cost plus
+    `config.admission_margin` (its heat, just raised by the access that missed, overstates its
+    reuse), and the slot of the least valuable STAGE entry outside the current group when its
+    expected uses exceed the victim's by more than that; otherwise it is served from the host
+    without admission. STAGE is the probation area:
     after every `config.rebalance_interval` tokens (`end_step`), at most `config.max_swaps` STAGE
     entries with a higher expected reuse than HOT's least valuable residents swap tiers with them
     (a hand-over of slots: nothing is copied or evicted).
@@ -399,6 +401,7 @@ class MiraPolicy(Policy):
             raise ValueError(f"admission_cost must be >= 0, got {admission_cost}")
         self.config = config
         self.admission_cost = admission_cost
+        self._threshold = admission_cost + config.admission_margin  # blobs an admission must save beyond
         decay = config.heat_decay
         self.horizon = 1 / (1 - decay) if decay < 1 else math.inf  # steps the heat looks back (and ahead)
         self._heat = Heat(decay, total_experts)
@@ -438,12 +441,12 @@ class MiraPolicy(Policy):
         """Where a missed expert goes: a free HOT or STAGE slot, a less valuable STAGE entry's slot, or nowhere."""
         gain = self._saved(uid)
         if len(self._hot) < self.hot_slots or len(self._stage) < self.stage_slots:
-            if gain <= self.admission_cost:
+            if gain <= self._threshold:
                 return SERVED[Tier.MISS]
             (self._hot if len(self._hot) < self.hot_slots else self._stage).add(uid)
             return Access(Tier.MISS, admit=True)
         victim = self._stage_victim()
-        if victim is None or gain - self._saved(victim) <= self.admission_cost:
+        if victim is None or gain - self._saved(victim) <= self._threshold:
             return SERVED[Tier.MISS]
         self._stage.remove(victim)
         self._stage.add(uid)

@@ -119,6 +119,7 @@ def test_heat_decays_per_step_and_survives_rescaling():
 
 def mira(capacity=4, stage_slots=1, prior=None, admission_cost=0.0, **config):  # inline-cost cases by default
     config.setdefault("heat_decay", 0.5)  # a horizon of 2 steps: every figure below is worked by hand
+    config.setdefault("admission_margin", 0.0)
     return MiraPolicy(capacity, 100, CacheConfig(**config), stage_slots=stage_slots, prior=prior,
                       admission_cost=admission_cost)
 
@@ -205,6 +206,16 @@ def test_bad_sizes_are_refused():
         Heat(0.0, 4)
     with pytest.raises(ValueError, match="prior_weight"):
         CacheConfig(prior_weight=-1.0)
+
+
+def test_the_admission_margin_adds_to_the_cost():
+    """A margin of one blob inline decides as a lagged admission's one crossing does (the test above)."""
+    policy = mira(capacity=2, stage_slots=1, admission_margin=1.0)
+    assert steps(policy, [[1], [2]]) == [MISS_ADMIT, MISS_ADMIT]
+    assert steps(policy, [[3]]) == [Access(Tier.MISS)]  # saves 0.86 more than 1: not more than 0 + 1
+    assert steps(policy, [[3]]) == [Access(Tier.MISS, True, 1)]  # 1.47 > 1
+    with pytest.raises(ValueError, match="admission_margin must be >= 0"):
+        CacheConfig(admission_margin=-0.5)
 
 
 def test_make_policy_builds_each_policy_by_name():
