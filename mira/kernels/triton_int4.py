@@ -48,6 +48,27 @@ CONVERSIONS = ("native", "bits", "prmt", "bits-fold", "prmt-fold")  # the GEMVs'
 CHUNK_W: tl.constexpr = tl.constexpr(CHUNK)  # the same, for the kernels
 
 
+def _prmt_asm(magic: int, selectors: tuple[int, ...]) -> str:
+    """Inline PTX: a 32-bit word's 4 low codes, then its 4 high codes, each byte-permuted into
+    `magic` by its selector (one per byte position), as 8 fp32 outputs."""
+    permutes = [f"prmt.b32 ${4 * half + k}, {codes}, mag, {selector:#06x};"
+                for half, codes in enumerate(("lo4", "hi4")) for k, selector in enumerate(selectors)]
+    return "\n".join(["{", ".reg .b32 lo4, hi4, mag;", f"mov.b32 mag, {magic:#010x};", "and.b32 lo4, $8, 0x0F0F0F0F;",
+                      "shr.b32 hi4, $8, 4;", "and.b32 hi4, hi4, 0x0F0F0F0F;", *permutes, "}"])
+
+
+# a code into the low byte of 2**23's mantissa (2**23 + q), or the third byte of 1/2's (1/2 + q/256)
+PRMT_ASM: tl.constexpr = tl.constexpr(_prmt_asm(0x4B000000, (0x7650, 0x7651, 0x7652, 0x7653)))
+PRMT_FOLD_ASM: tl.constexpr = tl.constexpr(_prmt_asm(0x3F000000, (0x7054, 0x7154, 0x7254, 0x7354)))
+
+
+@triton.jit
+def _permuted(w, ASM: tl.constexpr):
+    """Bytes -> (low codes, high codes) in fp32 by the byte permutes of ASM (compiled GPUs only)."""
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
 @triton.jit
 def _nibbles(w, CVT: tl.constexpr):
     """uint8 bytes -> (low codes, high codes) in fp32, exactly.
@@ -55,57 +76,20 @@ def _nibbles(w, CVT: tl.constexpr):
     logic, then one add; "prmt": the same with one byte-permute per code, four bytes at a time
     (inline PTX: compiled GPUs only). The "-fold" forms skip the add: they give 1/2 + q/256 (the
     code in the mantissa of 1/2), which `_chunk_dots` corrects with the group's scale and offset."""
-    if CVT == "prmt-fold":
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo4, hi4, mag;
-            mov.b32 mag, 0x3F000000;
-            and.b32 lo4, $8, 0x0F0F0F0F;
-            shr.b32 hi4, $8, 4;
-            and.b32 hi4, hi4, 0x0F0F0F0F;
-            prmt.b32 $0, lo4, mag, 0x7054;
-            prmt.b32 $1, lo4, mag, 0x7154;
-            prmt.b32 $2, lo4, mag, 0x7254;
-            prmt.b32 $3, lo4, mag, 0x7354;
-            prmt.b32 $4, hi4, mag, 0x7054;
-            prmt.b32 $5, hi4, mag, 0x7154;
-            prmt.b32 $6, hi4, mag, 0x7254;
-            prmt.b32 $7, hi4, mag, 0x7354;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32), is_pure=True,
-            pack=4,
-        )
-        return lo, hi
-    elif CVT == "bits-fold":
-        b = w.to(tl.uint32)
-        return (((b & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True), \
-            (((b >> 4) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
-    elif CVT == "prmt":
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo4, hi4, mag;
-            mov.b32 mag, 0x4B000000;
-            and.b32 lo4, $8, 0x0F0F0F0F;
-            shr.b32 hi4, $8, 4;
-            and.b32 hi4, hi4, 0x0F0F0F0F;
-            prmt.b32 $0, lo4, mag, 0x7650;
-            prmt.b32 $1, lo4, mag, 0x7651;
-            prmt.b32 $2, lo4, mag, 0x7652;
-            prmt.b32 $3, lo4, mag, 0x7653;
-            prmt.b32 $4, hi4, mag, 0x7650;
-            prmt.b32 $5, hi4, mag, 0x7651;
-            prmt.b32 $6, hi4, mag, 0x7652;
-            prmt.b32 $7, hi4, mag, 0x7653;
-            }""",
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32, tl.float32), is_pure=True,
-            pack=4,
-        )
+    if CVT == "prmt":
+        lo, hi = _permuted(w, PRMT_ASM)
         return lo - 8388608.0, hi - 8388608.0
+    elif CVT == "prmt-fold":
+        return _permuted(w, PRMT_FOLD_ASM)
     elif CVT == "bits":
         b = w.to(tl.uint32)
         lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         return lo, hi
+    elif CVT == "bits-fold":
+        b = w.to(tl.uint32)
+        return (((b & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True), \
+            (((b >> 4) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
     else:
         b = w.to(tl.int32)
         return (b & 15).to(tl.float32), (b >> 4).to(tl.float32)
