@@ -127,8 +127,7 @@ class MiraExperts(nn.Module):
         """The layer's routed experts from the address table (hidden experts add zero, a cut one
         its units below its limit)."""
         out = self._output(hidden)
-        cuts = self.hybrid is not None and self.hybrid.cuts is not None and hidden.shape[0] == 1  # (HybridExperts)
-        limits = self._limits if cuts else None
+        limits = self._limits if self.hybrid is not None and self.hybrid.may_cut(hidden.shape[0]) else None
         if self._fused:
             return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=out, limits=limits)
         return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=out, limits=limits)

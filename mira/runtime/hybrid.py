@@ -164,6 +164,10 @@ class HybridExperts:
     def mode(self) -> str:
         return "split" if self.split_misses else "all"
 
+    def may_cut(self, tokens: int) -> bool:
+        """Whether a call of `tokens` tokens may cut a miss (its kernel then takes the table's limits)."""
+        return self.cuts is not None and tokens == 1
+
     def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
                may_cut: bool = False) -> Split | None:
         """The layer's misses divided: the cost model's split (a miss cut too, where `may_cut` and
@@ -185,7 +189,7 @@ class HybridExperts:
         self.collect()  # before staging: one job per set of host rows (their event is recorded again)
         if not from_host:
             return None
-        plan = self.choose(on_device, from_host, may_cut=hidden.shape[0] == 1)
+        plan = self.choose(on_device, from_host, may_cut=self.may_cut(hidden.shape[0]))
         experts = plan.cpu if plan is not None else [e for e, _ in from_host]
         cut = None
         if plan is not None and plan.cut is not None:
