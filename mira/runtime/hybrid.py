@@ -266,7 +266,8 @@ class HybridExperts:
         device_s = None
         if self._device_side is not None:
             begin, end = self._device_side
-            end.synchronize()  # done already after the next layer's read-back
+            if not end.query():  # done already after the next layer's read-back; not yet in `summary`
+                end.synchronize()
             device_s = begin.elapsed_time(end) / 1e3
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
                               share.predicted, cut_share, device_s)
