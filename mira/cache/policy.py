@@ -431,37 +431,39 @@ class MiraPolicy(Policy):
 
     def _access(self, uid: int, tokens: int) -> Access:
         self._heat.add(uid, tokens)
-        self._touch(uid)
+        rate = self._touch(uid)
         tier = self.tier_of(uid)
         if tier is not Tier.MISS:
             return SERVED[tier]
-        return self._admit(uid)
+        return self._admit(uid, rate)
 
-    def _admit(self, uid: int) -> Access:
-        """Where a missed expert goes: a free HOT or STAGE slot, a less valuable STAGE entry's slot, or nowhere."""
-        gain = self._saved(uid)
+    def _admit(self, uid: int, rate: float) -> Access:
+        """Where a missed expert (expected reuse `rate`) goes: a free HOT or STAGE slot, a less
+        valuable STAGE entry's slot, or nowhere."""
+        gain = self._saved(rate)
+        if gain <= self._threshold:  # no slot, free or a victim's (worth >= 0), is worth its moves
+            return SERVED[Tier.MISS]
         if len(self._hot) < self.hot_slots or len(self._stage) < self.stage_slots:
-            if gain <= self._threshold:
-                return SERVED[Tier.MISS]
             (self._hot if len(self._hot) < self.hot_slots else self._stage).add(uid)
             return Access(Tier.MISS, admit=True)
         victim = self._stage_victim()
-        if victim is None or gain - self._saved(victim) <= self._threshold:
+        if victim is None or gain - self._saved(self.expected_rate(victim)) <= self._threshold:
             return SERVED[Tier.MISS]
         self._stage.remove(victim)
         self._stage.add(uid)
         return Access(Tier.MISS, admit=True, evict=victim)
 
-    def _saved(self, uid: int) -> float:
-        """Blobs a slot for `uid` saves over the horizon: its expected uses (an unbounded horizon
-        compares rates)."""
-        rate = self.expected_rate(uid)
+    def _saved(self, rate: float) -> float:
+        """Blobs a slot saves over the horizon for an expert of expected reuse `rate`: its expected
+        uses (an unbounded horizon compares rates)."""
         return rate * self.horizon if math.isfinite(self.horizon) else rate
 
-    def _touch(self, uid: int) -> None:
+    def _touch(self, uid: int) -> float:
+        """Note `uid`'s value now, as accessed in this step; returns it (its expected reuse)."""
         rate = self.expected_rate(uid)
         self._touched[uid] = rate
         heapq.heappush(self._touched_heap, (rate, uid))
+        return rate
 
     def _stage_victim(self) -> int | None:
         """The least valuable STAGE entry outside the current group (ties to the lower uid)."""
@@ -496,12 +498,14 @@ class MiraPolicy(Policy):
             heapq.heappush(heap, entry)
         return found
 
-    def _ranked(self, uids: set[int], descending: bool = False) -> np.ndarray:
-        """`uids` by expected reuse, least first (ties: lower uid first), or most first (higher uid first)."""
+    def _valued(self, uids: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`uids` as an array, and their expected reuse."""
         array = np.fromiter(uids, dtype=np.int64, count=len(uids))
-        rates = self._rates(array)
-        order = np.lexsort((-array, -rates) if descending else (array, rates))
-        return array[order]
+        return array, self._rates(array)
+
+    def _ranked(self, uids: set[int]) -> np.ndarray:
+        """`uids` by expected reuse, least first (ties: lower uid first)."""
+        return _by_rate(*self._valued(uids))
 
     def resident(self) -> set[int]:
         return self._hot | self._stage
@@ -533,8 +537,11 @@ class MiraPolicy(Policy):
         Returns:
             The (promoted, demoted) uid pairs, in the order they were swapped.
         """
-        victims = self._ranked(self._hot)[: self.config.max_swaps].tolist()
-        candidates = self._ranked(self._stage, descending=True).tolist()
+        (hot, hot_rates), (stage, stage_rates) = self._valued(self._hot), self._valued(self._stage)
+        if not (hot.size and stage.size) or stage_rates.max() <= hot_rates.min():
+            return []  # no STAGE entry is worth more than HOT's least valuable resident
+        victims = _by_rate(hot, hot_rates)[: self.config.max_swaps].tolist()
+        candidates = _by_rate(stage, stage_rates, descending=True).tolist()
         swaps = []
         for promoted, demoted in zip(candidates, victims):
             if self.expected_rate(promoted) <= self.expected_rate(demoted):
@@ -545,6 +552,11 @@ class MiraPolicy(Policy):
             self._stage.add(demoted)
             swaps.append((promoted, demoted))
         return swaps
+
+
+def _by_rate(uids: np.ndarray, rates: np.ndarray, descending: bool = False) -> np.ndarray:
+    """`uids` by their `rates`, least first (ties: lower uid first), or most first (higher uid first)."""
+    return uids[np.lexsort((-uids, -rates) if descending else (uids, rates))]
 
 
 def make_policy(
