@@ -64,6 +64,7 @@ GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
     GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(16, 512, unroll=2, num_warps=8, cvt="prmt"),
     GemvConfig(16, 512, unroll=2, cvt="bits"), GemvConfig(8, 512, unroll=2, cvt="prmt", programs_per_sm=4),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
+    GemvConfig(16, 512, unroll=2, cvt="prmt-dot"), GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"),
 ]
 DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
@@ -71,6 +72,7 @@ DOWN = [  # down decode launch candidates
     GemvConfig(8, 512, unroll=2, cvt="prmt", split=2), GemvConfig(16, 512, unroll=1, cvt="prmt", split=4),
     GemvConfig(8, 1024, unroll=1, cvt="bits"),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
+    GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"), GemvConfig(8, 512, unroll=2, cvt="prmt-dot"),
 ]
 
 

@@ -37,6 +37,9 @@ from mira.store.quant import quantize_expert  # noqa: E402
 from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 H, I, E, K = 96, 40, 6, 2
 FP32_TOL = 1e-5
+# codes as 1/2 + q/256 ("-fold", "-dot" conversions): each product's code part lies 7 bits below
+# its leading 1/2, which fp32 sums round off; errors reach about 1e-5 at these sizes
+FOLD_TOL = 2e-5
 BF16_TOL = 1e-2 if DEVICE == "cuda" else 2.5e-2
 
 DECODE_CONFIGS = {
@@ -54,6 +57,13 @@ DECODE_CONFIGS = {
     # "bits-fold" in the interpreter
     "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits-fold"),
                               down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="prmt-fold")),
+    # 32-bit words of 8 codes against the prepared token and the act rows' chunk sums; gate/up
+    # ragged (masked loads), down split in 2; "prmt-dot" runs as "bits-dot" in the interpreter
+    "gemv-dot": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="prmt-dot"),
+                             down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="prmt-dot")),
+    # the same with whole gate/up steps (unmasked loads), one warp, and one down program per row
+    "gemv-dot-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="bits-dot", num_warps=1),
+                                  down_gemv=GemvConfig(8, 64, unroll=1, cvt="prmt-dot", num_warps=1)),
 }
 PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
     "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
@@ -93,8 +103,8 @@ def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> 
 def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonInt4MoEFFN:
     """A kernel object whose workspaces are all NaN."""
     ffn = TritonInt4MoEFFN(layout, DEVICE, config=config, num_experts=E, max_tokens=tokens, top_k=K, dtype=dtype)
-    ffn._decode_act.fill_(float("nan"))
-    ffn._split_partials.fill_(float("nan"))
+    for buffer in (ffn._decode_act, ffn._split_partials, ffn._x_copy, ffn._x_sums, ffn._act_sums):
+        buffer.fill_(float("nan"))
     for buffer in ffn._prefill.values():
         buffer.fill_(float("nan"))
     return ffn
@@ -134,7 +144,8 @@ def test_prefill_matches_reference_fp32(small, tokens, config):
     assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
 
 
-@pytest.mark.parametrize(("config", "tokens"), [("gemv-masked", 3), ("gemv-split", 2), ("gemm-m16", 19)])
+@pytest.mark.parametrize(("config", "tokens"),
+                         [("gemv-masked", 3), ("gemv-split", 2), ("gemv-dot", 3), ("gemm-m16", 19)])
 def test_bf16_hidden_matches_float64_reference(small, config, tokens):
     layout, blobs = small
     hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
@@ -221,6 +232,30 @@ def test_int8_layouts_and_tensor_core_configs_are_refused():
         TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 32, cvt="ptx")))
 
 
+def test_dot_conversions_read_ragged_rows_of_whole_words():
+    """"-dot" at sizes that are multiples of 8 only: H 104 (a short group of 40 and a last chunk of
+    one word) and I 24 (one short group and chunk)."""
+    layout = ExpertLayout("int4", 104, 24)
+    blobs = quantized_blobs(layout, E, seed=5)
+    hidden = torch.randn(2, 104, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    index, weights = routing(2, E, K, seed=5)
+    ffn = poisoned_ffn(layout, DECODE_CONFIGS["gemv-dot"], 2, torch.float32)
+    out = run_poisoned(ffn, hidden, index, weights, blobs)
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FOLD_TOL
+
+
+def test_dot_conversions_refuse_rows_of_part_words():
+    """A hidden (gate/up) or intermediate (down) size that is not whole 32-bit words of 8 codes is
+    refused, naming the "-fold" form instead; the other launch's size does not matter."""
+    dot = GemvConfig(16, 64, cvt="prmt-dot")
+    with pytest.raises(ValueError, match="gate_up_gemv: cvt 'prmt-dot' reads rows as 32-bit words.*'prmt-fold'"):
+        TritonInt4MoEFFN(ExpertLayout("int4", 100, I), DEVICE, config=KernelConfig(gate_up_gemv=dot))
+    with pytest.raises(ValueError, match="down_gemv: cvt 'bits-dot' .* 'bits-fold'"):
+        TritonInt4MoEFFN(ExpertLayout("int4", H, 36), DEVICE,
+                         config=KernelConfig(down_gemv=GemvConfig(16, 64, cvt="bits-dot")))
+    TritonInt4MoEFFN(ExpertLayout("int4", H, 36), DEVICE, config=KernelConfig(gate_up_gemv=dot))
+
+
 def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
     tuned = KernelConfig(decode_max_pairs=8, gate_up_gemv=GemvConfig(8, 256, unroll=4, cvt="prmt"))
     path = save_configs(tuning_name("NVIDIA H200"), {(H, I): tuned}, {"written_by": "test"}, directory=tmp_path)
@@ -269,11 +304,13 @@ def test_real_shape_bf16_matches_fp32_reference(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("cvt", ["prmt-fold", "prmt-dot"])
 @pytest.mark.parametrize("shape", REAL_SHAPES)
-def test_real_shape_folded_conversion_matches_fp32_reference(real_blobs, shape):
-    """The decode GEMVs with "prmt-fold" (codes as 1/2 + q/256, the inline-PTX form) at real shapes."""
+def test_real_shape_folded_conversion_matches_fp32_reference(real_blobs, shape, cvt):
+    """The decode GEMVs with codes as 1/2 + q/256 in their inline-PTX forms at real shapes: "prmt-fold"
+    (bytes), "prmt-dot" (words against the prepared token and act rows)."""
     layout, blobs = real_blobs(shape)
-    fold = GemvConfig(8, 1024, unroll=1, cvt="prmt-fold")
+    fold = GemvConfig(8, 1024, unroll=1, cvt=cvt)
     ffn = TritonInt4MoEFFN(layout, "cuda", config=KernelConfig(gate_up_gemv=fold, down_gemv=fold))
     hidden = torch.randn(2, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     index, weights = routing(2, 8, K, seed=3, device="cuda")
@@ -300,9 +337,13 @@ def test_zero_copy_pinned_blob_gives_the_slot_result(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
-def test_decode_step_allocates_nothing_and_never_syncs(real_blobs):
+@pytest.mark.parametrize("config", [None, "prmt-dot"])  # the stored tuning; the prepared token and act sums
+def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, config):
     layout, blobs = real_blobs("qwen3-30b-a3b")
-    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8)
+    if config is not None:
+        dot = GemvConfig(8, 512, unroll=1, cvt=config)
+        config = KernelConfig(gate_up_gemv=dot, down_gemv=dot)
+    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8, config=config)
     bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
     hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
     index, weights = routing(1, 8, K, seed=0, device="cuda")
