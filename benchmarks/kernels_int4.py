@@ -65,6 +65,7 @@ GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
     GemvConfig(16, 512, unroll=2, cvt="bits"), GemvConfig(8, 512, unroll=2, cvt="prmt", programs_per_sm=4),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
     GemvConfig(16, 512, unroll=2, cvt="prmt-dot"), GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"),
+    GemvConfig(32, 512, unroll=1, cvt="prmt-dot"),
 ]
 DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
