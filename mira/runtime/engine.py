@@ -53,12 +53,15 @@ class MiraModel:
         config: the RuntimeConfig it was loaded with.
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
         hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None.
+        calibration: this machine's calibrated CPU and PCIe costs for the experts (mira.cache.costmodel),
+            whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
             when switched off (`use_cuda_graphs(False)`) or on the CPU.
     """
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
-                 plan: SlotPlan | None, max_context: int, lagged: bool, hybrid: HybridExperts | None = None):
+                 plan: SlotPlan | None, max_context: int, lagged: bool, hybrid: HybridExperts | None = None,
+                 calibration: HybridCosts | None = None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.config = config
@@ -68,6 +71,7 @@ class MiraModel:
         self.max_context = max_context
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
+        self.calibration = calibration
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
@@ -164,7 +168,8 @@ class MiraModel:
             "prefetch": self.cache.prefetch.as_dict(),
             "residency": "lagged" if self.lagged else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
-            "cpu_experts": self.hybrid.summary() if self.hybrid is not None else {"mode": "off"},
+            "cpu_experts": {**(self.hybrid.summary() if self.hybrid is not None else {"mode": "off"}),
+                            **({"calibration": self.calibration.to_json()} if self.calibration is not None else {})},
         }
 
 
@@ -291,7 +296,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))
-    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid)
+    model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid,
+                      costs)
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model

@@ -18,8 +18,10 @@ import torch
 
 import mira
 from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost
+from mira.runtime import engine
+from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.hybrid import HybridExperts
+from mira.runtime.hybrid import CpuExperts, HybridExperts
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K, H = 8, 2, 64  # the tiny Mixtral: top-2 of 8 experts, hidden 64
@@ -207,6 +209,22 @@ def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
     misses = stats["all"]["cache"]["lookups"]["miss"]
     assert 0 < cpu["experts"] <= misses and cpu["tokens"] > 0  # admitted misses stay with the kernel
     assert stats["all"]["cache"]["lookups"] == stats["off"]["cache"]["lookups"]  # the policy saw the same
+
+
+def test_the_calibration_is_reported_whether_or_not_it_turned_the_cpu_share_on(monkeypatch):
+    """A result says what the CPU and PCIe were measured at, also where auto stayed off (here: no
+    GPU), so a run without a CPU share can be told apart from one whose CPU was found too slow."""
+    costs = HybridCosts(blob_bytes=1 << 20, cpu=LinearCost(2e-3, 1e-4), cpu_call_s=3e-4, pcie_bytes_per_s=5e10)
+    workers = []
+
+    def calibrated(config, store, act, gate, device, misses, top_k):
+        workers.append(CpuExpertWorker(CpuExperts(store.layout, act, gate), 1))
+        return workers[-1], costs
+
+    monkeypatch.setattr(engine, "_calibrated_worker", calibrated)
+    model = mira.load(None, device="cpu", vram_budget="25%", cpu_experts="auto", progress=False)
+    assert model.stats()["cpu_experts"] == {"mode": "off", "calibration": costs.to_json()}
+    assert not workers[0]._thread.is_alive()  # the unused worker was closed
 
 
 def test_the_command_line_generates_the_same_text_with_every_miss_on_the_cpu(tmp_path):
