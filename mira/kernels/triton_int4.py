@@ -403,20 +403,20 @@ def _gate_up_gemm4(
             x_mask = valid[None, :] & (offs_k < H)[:, None]
             w_mask = row_mask[:, None] & (offs_kb < H // 2)[None, :]
         x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)  # [BK, BM]
+        x_sum = tl.sum(x_t.to(tl.float32), axis=0)[None, :]  # [1, BM]: the step's columns, once for both halves
+        x_t = x_t.to(DOT_DTYPE)
         group = k0 // GROUP
         for half in tl.static_range(2):  # gate rows, then up rows
             rows = offs_n + half * I
             w_ptrs = w13 + rows[:, None] * (H // 2) + offs_kb[None, :]
             q = _codes_tile(w_ptrs, w_mask, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
-            part = tl.dot(q, x_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BN, BM]
-            s = tl.load(s_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)
-            part = part * s[:, None]
-            z = tl.load(z_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)
-            part += z[:, None] * tl.sum(x_t.to(tl.float32), axis=0)[None, :]
-            if half == 0:
-                acc_g += part
+            part = tl.dot(q, x_t, input_precision=PRECISION)  # [BN, BM]
+            s = tl.load(s_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            if half == 0:  # two fmas per element
+                acc_g = acc_g + part * s + z * x_sum
             else:
-                acc_u += part
+                acc_u = acc_u + part * s + z * x_sum
     if HAS_BIAS:
         acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
         acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
@@ -465,11 +465,9 @@ def _down_gemm4(
         a_t = tl.load(a_cols + offs_k[:, None], mask=a_mask, other=0.0)  # [BK, BM]
         q = _codes_tile(w_rows + offs_kb[None, :], w_mask, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
         part = tl.dot(q, a_t.to(DOT_DTYPE), input_precision=PRECISION)
-        s = tl.load(s_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)
-        part = part * s[:, None]
-        z = tl.load(z_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)
-        part += z[:, None] * tl.sum(a_t.to(tl.float32), axis=0)[None, :]
-        acc += part
+        s = tl.load(s_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        acc = acc + part * s + z * tl.sum(a_t.to(tl.float32), axis=0)[None, :]  # two fmas per element
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += _bias(base, B2_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
