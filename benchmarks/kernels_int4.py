@@ -12,9 +12,9 @@ activations):
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
 calls on rotating inputs (the bytes read per replay exceed the L2 cache); the JSON keeps every
-repeat with their median and range. --autotune first tries a few decode launch configurations
-(gate/up, then down; each checked against the reference) and writes the fastest into
-mira/kernels/tuning/<device>-int4.json (or --tuning-dir).
+repeat with their median and range. --autotune first tries a few launch configurations (decode
+gate/up, then down, then the prefill GEMM; each checked against the reference) and writes the
+fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir).
 
     python benchmarks/kernels_int4.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
     python benchmarks/kernels_int4.py --smoke   # a tiny shape, few repeats: checks the script runs (CPU too)
@@ -48,7 +48,7 @@ from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import (  # noqa: E402
     TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
 )
-from mira.kernels.tuning import TUNING_DIR, GemvConfig, default_config, load_config, save_configs  # noqa: E402
+from mira.kernels.tuning import TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -74,6 +74,14 @@ DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="bits"),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"), GemvConfig(8, 512, unroll=2, cvt="prmt-dot"),
+]
+
+
+GEMM = [  # prefill launch candidates (a K step stays inside one group: block_k is cut to the group)
+    GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4), GemmConfig(32, 128, 64, num_warps=4, num_stages=4),
+    GemmConfig(64, 256, 64, num_warps=8, num_stages=3), GemmConfig(64, 128, 32, num_warps=4, num_stages=4),
 ]
 
 
@@ -180,18 +188,21 @@ def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: in
 
 
 def autotune(work: Workload, ffn_for, log, smoke: bool):
-    """Coordinate search over the decode launches by one expert's time from HBM; returns the config."""
+    """Coordinate search over the decode launches by one expert's time from HBM, then over the
+    prefill launches by a layer's prefill time; returns the config."""
     H, I = work.layout.hidden, work.layout.intermediate
     best = default_int4_config(H, I)
     tried = []
-    for field, candidates in (("gate_up_gemv", GATE_UP), ("down_gemv", DOWN)):
+    for field, candidates, check, timed in (("gate_up_gemv", GATE_UP, work.check_one, work.one_expert),
+                                            ("down_gemv", DOWN, work.check_one, work.one_expert),
+                                            ("gemm", GEMM, work.check_prefill, work.prefill)):
         results = []
         for candidate in (candidates[:2] if smoke else candidates):
             config = dataclasses.replace(best, **{field: candidate})
             try:
                 ffn = ffn_for(config)
-                error = work.check_one(ffn)
-                seconds = work.one_expert(ffn) if error < 2e-2 else math.inf
+                error = check(ffn)
+                seconds = timed(ffn) if error < 2e-2 else math.inf
             except Exception as failure:  # a configuration the compiler or the GPU refuses
                 error, seconds = repr(failure)[:160], math.inf
             results.append((seconds, candidate))
@@ -208,7 +219,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="mixtral-8x7b", help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--autotune", action="store_true",
-                        help="try decode launch configurations first and store the best")
+                        help="try decode and prefill launch configurations first and store the best")
     parser.add_argument("--tuning-dir", type=Path, default=TUNING_DIR)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--replays", type=int, default=20)
