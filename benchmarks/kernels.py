@@ -384,6 +384,20 @@ class ShapeBench:
                 "zero_copy_over_copy_bandwidth": copy / zero, "zero_copy_equals_slot": bool(torch.equal(out_zero, out_slot))}
 
 
+def zero_copy_reader(results: list[tuple[float, object]], fastest, zero_copy_s):
+    """Under a budget misses are read over PCIe (zero-copy), and those reads take most of a decode
+    step: among the candidates of `results` ((seconds from HBM, candidate)) at most
+    ZERO_COPY_TOLERANCE slower than the fastest, the one `zero_copy_s(candidate)` times fastest
+    replaces `fastest` if it reads at least ZERO_COPY_MIN_GAIN faster (less is replay noise)."""
+    quickest = min(t for t, _ in results)
+    close = [c for t, c in results if t <= quickest * (1 + ZERO_COPY_TOLERANCE)]
+    if not math.isfinite(quickest) or len(close) < 2:
+        return fastest
+    timed = {candidate: zero_copy_s(candidate) for candidate in close}
+    reader = min(timed, key=timed.get)
+    return reader if timed[reader] < timed[fastest] * (1 - ZERO_COPY_MIN_GAIN) else fastest
+
+
 def autotune(bench: ShapeBench, log, smoke: bool = False) -> KernelConfig:
     """Coordinate search: gate/up decode launch, then down, then the GEMM; then the decode/GEMM
     crossover. Every candidate is checked against the reference before it is timed."""
@@ -416,21 +430,12 @@ def autotune(bench: ShapeBench, log, smoke: bool = False) -> KernelConfig:
     pick = (lambda c: [c[0], c[-1]]) if smoke else (lambda c: c)  # noqa: E731
     up_results = search("gate_up_gemv", pick(GEMV_UP), score_decode)
     search("down_gemv", pick(GEMV_DOWN), score_decode)
-    # Under a budget the misses of small experts are read over PCIe (zero-copy), and those reads
-    # take most of a decode step: among the gate/up launches at most ZERO_COPY_TOLERANCE slower
-    # than the fastest from HBM, the one that reads a layer's pinned experts fastest replaces the
-    # fastest if it reads them at least ZERO_COPY_MIN_GAIN faster (less is replay noise).
-    fastest = min(t for t, _ in up_results)
-    close = [c for t, c in up_results if t <= fastest * (1 + ZERO_COPY_TOLERANCE)]
-    if len(close) > 1 and bench.device.type == "cuda":
-        timed = {}
-        for candidate in close:
+    if bench.device.type == "cuda":
+        def layer_zero_copy(candidate):
             t = bench.time_layer_zero_copy(bench.ffn(dataclasses.replace(best, gate_up_gemv=candidate)))
             log(f"  {bench.name} gate_up_gemv zero-copy, {EXPERTS} experts routed {candidate}: {t * 1e6:.1f} us")
-            timed[candidate] = t
-        reader = min(timed, key=timed.get)
-        if timed[reader] < timed[best.gate_up_gemv] * (1 - ZERO_COPY_MIN_GAIN):
-            best = dataclasses.replace(best, gate_up_gemv=reader)
+            return t
+        best = dataclasses.replace(best, gate_up_gemv=zero_copy_reader(up_results, best.gate_up_gemv, layer_zero_copy))
 
     def score_gemm(config):
         ffn = bench.ffn(dataclasses.replace(config, decode_max_pairs=0))

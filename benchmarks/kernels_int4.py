@@ -14,7 +14,10 @@ Every figure is measured --repeats times, each the median of --replays replays o
 calls on rotating inputs (the bytes read per replay exceed the L2 cache); the JSON keeps every
 repeat with their median and range. --autotune first tries a few launch configurations (decode
 gate/up, then down, then the prefill GEMM; each checked against the reference) and writes the
-fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir).
+fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir). A decode launch is chosen
+by its time from HBM, except that among those within ZERO_COPY_TOLERANCE of the fastest the one
+reading a pinned expert fastest wins if it reads it ZERO_COPY_MIN_GAIN faster (kernels.py's rule:
+under a budget the misses, read zero-copy, take most of a decode step).
 
     python benchmarks/kernels_int4.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
     python benchmarks/kernels_int4.py --smoke   # a tiny shape, few repeats: checks the script runs (CPU too)
@@ -35,7 +38,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, random_slots  # noqa: E402
+from kernels import (  # noqa: E402
+    HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, random_slots, zero_copy_reader,
+)
 
 import triton  # noqa: E402  (after kernels, which sets TRITON_INTERPRET without a GPU)
 
@@ -154,19 +159,31 @@ class Workload:
         return self.timer.graph(lambda i: _read_words[(programs,)](words[i % n], words.shape[1], sink, BLOCK=4096,
                                                                    num_warps=4), self.inputs["calls"])
 
+    def pinned(self, smoke: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copies of the first blobs in pinned host memory (made on the first call) and their tables."""
+        if not hasattr(self, "_pinned"):
+            nbytes, device = self.layout.nbytes, self.slots.device
+            count = min(16, max(4, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes)))
+            host = torch.empty(count, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            for r in range(count):
+                host[r].copy_(self.slots[r % self.slots.shape[0]])
+            self._pinned = host, [addresses([host[r]], device) for r in range(count)]
+        return self._pinned
+
+    def zero_copy_time(self, ffn, smoke: bool) -> float:
+        """The kernel computing one expert read straight from its pinned blob."""
+        _, host_tables = self.pinned(smoke)
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
+        return self.timer.graph(lambda r: ffn.forward_bases(x[0], index, weight, host_tables[r], out=out),
+                                len(host_tables))
+
     def zero_copy(self, ffn, smoke: bool) -> tuple[float, float, bool]:
         """(pinned copy of one blob into a slot, the kernel reading the pinned blob, same result as from a slot)."""
-        nbytes, device = self.layout.nbytes, self.slots.device
-        count = min(16, max(4, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes)))
-        host = torch.empty(count, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        for r in range(count):
-            host[r].copy_(self.slots[r % self.slots.shape[0]])
-        slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        host_tables = [addresses([host[r]], device) for r in range(count)]
-        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
-        x = x[0]
-        copy = self.timer.graph(lambda r: slot.copy_(host[r], non_blocking=True), count)
-        zero = self.timer.graph(lambda r: ffn.forward_bases(x, index, weight, host_tables[r], out=out), count)
+        host, host_tables = self.pinned(smoke)
+        slot = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.slots.device)
+        copy = self.timer.graph(lambda r: slot.copy_(host[r], non_blocking=True), len(host_tables))
+        zero = self.zero_copy_time(ffn, smoke)
+        x, index, weight = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"]
         same = torch.equal(ffn.forward_bases(x, index, weight, host_tables[0]),
                            ffn.forward_bases(x, index, weight, self.one_tables[0]))
         return copy, zero, same
@@ -188,8 +205,9 @@ def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: in
 
 
 def autotune(work: Workload, ffn_for, log, smoke: bool):
-    """Coordinate search over the decode launches by one expert's time from HBM, then over the
-    prefill launches by a layer's prefill time; returns the config."""
+    """Coordinate search over the decode launches by one expert's time from HBM (near ties going
+    to the faster zero-copy reader, `zero_copy_reader`), then over the prefill launches by a
+    layer's prefill time; returns the config and every candidate's figures."""
     H, I = work.layout.hidden, work.layout.intermediate
     best = default_int4_config(H, I)
     tried = []
@@ -211,8 +229,21 @@ def autotune(work: Workload, ffn_for, log, smoke: bool):
             log(f"  {field} {candidate}: {seconds * 1e6:.1f} us (error {error})")
         seconds, winner = min(results, key=lambda r: r[0])
         if math.isfinite(seconds):
+            if field != "gemm" and work.slots.device.type == "cuda":  # misses are read zero-copy
+                winner = _zero_copy_winner(work, ffn_for, best, field, results, tried[-len(results):], log, smoke)
             best = dataclasses.replace(best, **{field: winner})
     return best, tried
+
+
+def _zero_copy_winner(work: Workload, ffn_for, best, field: str, results: list, entries: list[dict], log, smoke: bool):
+    """`zero_copy_reader` over one decode launch's candidates, each timed reading a pinned expert
+    (kept in its `tried` entry)."""
+    def zero_copy_s(candidate):
+        seconds = work.zero_copy_time(ffn_for(dataclasses.replace(best, **{field: candidate})), smoke)
+        entries[[c for _, c in results].index(candidate)]["zero_copy_seconds"] = seconds
+        log(f"  {field} zero-copy {candidate}: {seconds * 1e6:.1f} us")
+        return seconds
+    return zero_copy_reader(results, min(results, key=lambda r: r[0])[1], zero_copy_s)
 
 
 def main() -> None:
