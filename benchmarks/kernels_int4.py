@@ -53,7 +53,9 @@ from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import (  # noqa: E402
     TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
 )
-from mira.kernels.tuning import TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs  # noqa: E402
+from mira.kernels.tuning import (  # noqa: E402
+    TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs,
+)
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -80,8 +82,6 @@ DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"), GemvConfig(8, 512, unroll=2, cvt="prmt-dot"),
 ]
-
-
 GEMM = [  # prefill launch candidates (a K step stays inside one group: block_k is cut to the group)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),
@@ -121,6 +121,7 @@ class Workload:
 
     def __init__(self, layout: ExpertLayout, slots: torch.Tensor, inputs: dict, timer: Timer):
         self.layout, self.slots, self.timer = layout, slots, timer
+        self._pinned: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # made by `pinned`
         self.inputs = inputs
         device = slots.device
         n, calls = slots.shape[0], inputs["calls"]
@@ -161,7 +162,7 @@ class Workload:
 
     def pinned(self, smoke: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Copies of the first blobs in pinned host memory (made on the first call) and their tables."""
-        if not hasattr(self, "_pinned"):
+        if self._pinned is None:
             nbytes, device = self.layout.nbytes, self.slots.device
             count = min(16, max(4, math.ceil(((1 << 20) if smoke else PINNED_BYTES) / nbytes)))
             host = torch.empty(count, nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -230,20 +231,22 @@ def autotune(work: Workload, ffn_for, log, smoke: bool):
         seconds, winner = min(results, key=lambda r: r[0])
         if math.isfinite(seconds):
             if field != "gemm" and work.slots.device.type == "cuda":  # misses are read zero-copy
-                winner = _zero_copy_winner(work, ffn_for, best, field, results, tried[-len(results):], log, smoke)
+                winner = _zero_copy_winner(work, ffn_for, best, field, winner, results, tried[-len(results):], log,
+                                           smoke)
             best = dataclasses.replace(best, **{field: winner})
     return best, tried
 
 
-def _zero_copy_winner(work: Workload, ffn_for, best, field: str, results: list, entries: list[dict], log, smoke: bool):
-    """`zero_copy_reader` over one decode launch's candidates, each timed reading a pinned expert
-    (kept in its `tried` entry)."""
+def _zero_copy_winner(work: Workload, ffn_for, best, field: str, fastest, results: list, entries: list[dict], log,
+                      smoke: bool):
+    """`zero_copy_reader` over one decode launch's candidates (`fastest` from HBM), each timed
+    reading a pinned expert (kept in its `tried` entry)."""
     def zero_copy_s(candidate):
         seconds = work.zero_copy_time(ffn_for(dataclasses.replace(best, **{field: candidate})), smoke)
         entries[[c for _, c in results].index(candidate)]["zero_copy_seconds"] = seconds
         log(f"  {field} zero-copy {candidate}: {seconds * 1e6:.1f} us")
         return seconds
-    return zero_copy_reader(results, min(results, key=lambda r: r[0])[1], zero_copy_s)
+    return zero_copy_reader(results, fastest, zero_copy_s)
 
 
 def main() -> None:
