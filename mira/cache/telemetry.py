@@ -98,13 +98,12 @@ class HybridTelemetry:
         self.predicted_cpu_s = [0.0] * num_layers
         self.predicted_calls = [0] * num_layers
         self.measured_with_prediction_s = [0.0] * num_layers  # the measured seconds of those calls
-        self.device_s = [0.0] * num_layers  # over the calls whose device side was timed
-        self.served_s = [0.0] * num_layers  # the later side of those calls
+        # the device's side is timed in every call or in none (a CUDA run's, by HybridExperts)
+        self.device_s = [0.0] * num_layers
+        self.served_s = [0.0] * num_layers  # the later side
         self.device_calls = [0] * num_layers
-        self.device_predicted_calls = [0] * num_layers  # calls timed and predicted
-        self.predicted_device_s = [0.0] * num_layers  # over those calls
-        self.predicted_of_served_s = [0.0] * num_layers  # the later side predicted, of those calls
-        self.served_with_prediction_s = [0.0] * num_layers
+        self.predicted_device_s = [0.0] * num_layers  # over the predicted calls
+        self.served_with_prediction_s = [0.0] * num_layers  # the later side of the predicted calls
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
                predicted: tuple[float, float, float] | None, cut_share: float = 0.0,
@@ -131,9 +130,7 @@ class HybridTelemetry:
             self.served_s[layer_position] += served
             self.device_calls[layer_position] += 1
             if predicted is not None:
-                self.device_predicted_calls[layer_position] += 1
                 self.predicted_device_s[layer_position] += predicted[2]
-                self.predicted_of_served_s[layer_position] += predicted[0]
                 self.served_with_prediction_s[layer_position] += served
 
     def summary(self) -> dict:
@@ -158,10 +155,9 @@ class HybridTelemetry:
             if timed:
                 row["device_ms"] = round(1e3 * self.device_s[layer] / timed, 4)
                 row["served_ms"] = round(1e3 * self.served_s[layer] / timed, 4)
-                both = self.device_predicted_calls[layer]
-                if both:
-                    row["predicted_device_ms"] = round(1e3 * self.predicted_device_s[layer] / both, 4)
-                    row["predicted_over_served"] = round(self.predicted_of_served_s[layer]
+                if predicted:
+                    row["predicted_device_ms"] = round(1e3 * self.predicted_device_s[layer] / predicted, 4)
+                    row["predicted_over_served"] = round(self.predicted_s[layer]
                                                          / self.served_with_prediction_s[layer], 4)
             layers.append(row)
         return {"calls": sum(self.calls), "experts": sum(self.experts), "cuts": sum(self.cuts),
