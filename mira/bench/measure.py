@@ -169,6 +169,7 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
                              "cpu_compute_ms_per_expert": round(1e3 * compute_s / touched, 4) if touched else None}
             if model.hybrid.pace is not None:
                 timing.of_run["cpu_pace"] = round(model.hybrid.pace.scale, 4)  # at the run's end
+                timing.of_run["cpu_cut_pace"] = round(model.hybrid.cut_pace.scale, 4)
         return timing
 
     if recorder is None:

@@ -98,6 +98,8 @@ def _repeat(figures: dict) -> str:
         text += f" at {figures['cpu_compute_ms_per_expert']:.3g} ms each"
     if figures.get("cpu_pace") is not None:
         text += f", the CPU's side priced at {figures['cpu_pace']:.3g}x its calibration"
+        if figures.get("cpu_cut_pace") is not None:
+            text += f" ({figures['cpu_cut_pace']:.3g}x with a cut)"
     return text
 
 

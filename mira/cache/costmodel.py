@@ -103,9 +103,11 @@ class CpuPace:
     geometric mean of measured over calibrated seconds, which scales the CPU's costs of later splits.
 
     Beside a busy host thread and PCIe traffic the CPU computes more slowly than any calibration
-    in isolation shows, and by how much depends on the budget and the machine's load. A pace learnt
-    only from the jobs the CPU is given could price it out for good, so each decode layer whose
-    misses the CPU got none of pulls the pace back towards the calibration: it is then tried again.
+    in isolation shows, and by how much depends on the budget, the machine's load and the kind of
+    job: the runtime keeps one pace for jobs of whole experts and one for jobs with a cut expert
+    (mira.runtime.hybrid). A pace learnt only from the jobs it prices could price them out for
+    good, so each decode layer with misses that gave the CPU no job of its kind pulls it back
+    towards the calibration: such jobs are then tried again.
 
     Args:
         learn: the weight of each decode job's ratio (0.05: about the last 20 jobs).
@@ -129,7 +131,7 @@ class CpuPace:
             self._log += self.learn * (math.log(measured_s / calibrated_s) - self._log)
 
     def passed_over(self) -> None:
-        """A decode layer had misses and the CPU got none of them."""
+        """A decode layer had misses and gave the CPU no job of the kind this pace prices."""
         self._log -= self.forget * self._log
 
     def costs(self, calibrated: HybridCosts) -> HybridCosts:
@@ -174,7 +176,7 @@ class Split:
 
 
 def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts, gpu_busy_s: float = 0.0,
-          cuts: Cuts | None = None) -> Split:
+          cuts: Cuts | None = None, cut_costs: HybridCosts | None = None) -> Split:
     """Divide a layer's missed experts between the CPU and PCIe so that both finish together.
 
     Misses go to the CPU in order of their CPU cost over their PCIe cost, cheapest first; of the
@@ -193,6 +195,7 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         cuts: how a miss may be cut between the sides (None: never); tried when every miss has the
             same tokens (decode) and the best whole split leaves one side idle (a layer's single
             miss, or a CPU too slow for a whole one), where a cut gains most.
+        cut_costs: the costs that price a split with a cut, CPU and PCIe sides alike (None: `costs`).
 
     Returns:
         The split, with both sides' predicted times.
@@ -201,7 +204,7 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         alike = _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
         if cuts is None or (alike.cpu and alike.pcie):
             return alike
-        return _cut_one(alike, misses[0][1], blob_bytes, costs, gpu_busy_s, cuts)
+        return _cut_one(alike, misses[0][1], blob_bytes, cut_costs or costs, gpu_busy_s, cuts)
     priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]
     priced.sort(key=lambda item: _ratio(item[1], item[2]))
     suffix = [0.0] * (len(priced) + 1)  # suffix[k]: PCIe seconds of the misses from position k on

@@ -20,7 +20,10 @@ on the CPU, and `finish` waits for the worker. A layer whose kernel fails betwee
 `abandon` instead: the table whole again, and no post left over to let a later hold through early.
 
 With a `CpuPace`, splits and predictions price the CPU's side at the pace decoding measures
-(mira.cache.costmodel): each decode job's measured CPU side against its calibrated one.
+(mira.cache.costmodel): each decode job's measured CPU side against its calibrated one. Jobs with a
+cut keep a pace of their own: their part carries the job's fixed costs on fewer bytes, and priced
+with whole experts' pace they would drive it up until the CPU got cuts alone, from which that pace
+then learnt nothing.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class CpuShare:
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float, float] | None  # seconds: the layer's misses served, the CPU's side, the device's
-    calibrated_s: float  # the CPU's side as calibrated, before the pace (0.0 without a pace)
+    calibrated_s: float  # the CPU's side as calibrated, before its pace (0.0 without a pace)
 
 
 class HybridExperts:
@@ -126,7 +129,8 @@ class HybridExperts:
         costs: the calibrated costs (None: no predictions, which `split_misses` needs).
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
-        pace: follows the CPU's measured pace in decoding; None: the calibrated costs as they are.
+        pace: follows the CPU's measured pace in decoding for jobs of whole experts, and a copy of
+            it (`cut_pace`) for jobs with a cut; None: the calibrated costs as they are.
         cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it and a
             PCIe figure in `costs` (a GPU), splits of one-token calls may cut a miss between the
             sides; None: never.
@@ -146,6 +150,7 @@ class HybridExperts:
         self.worker = worker
         self.costs = costs
         self.pace = pace
+        self.cut_pace = CpuPace(pace.learn, pace.forget) if pace is not None else None
         self.split_misses = split_misses
         self.telemetry = HybridTelemetry(store.num_layers)
         self._tables = tables
@@ -172,10 +177,11 @@ class HybridExperts:
                may_cut: bool = False) -> Split | None:
         """The layer's misses divided: the cost model's split (a miss cut too, where `may_cut` and
         the kernel can), or every miss to the CPU; None without costs for the latter (no prediction)."""
-        costs = self.pace.costs(self.costs) if self.pace is not None and self.costs is not None else self.costs
+        costs = self._paced(self.pace)
         if self.split_misses:
             busy = sum(costs.gpu(tokens) for _, tokens in on_device)
-            return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy, cuts=self.cuts if may_cut else None)
+            return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy, cuts=self.cuts if may_cut else None,
+                         cut_costs=self._paced(self.cut_pace))
         if costs is None:
             return None
         cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
@@ -195,9 +201,10 @@ class HybridExperts:
         if plan is not None and plan.cut is not None:
             expert, parts = plan.cut
             cut = (expert, (self.cuts.parts - parts) * self._granule)
+        pace = self.cut_pace if cut is not None else self.pace
+        if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
+            self._pass_over(pace if experts or cut is not None else None)
         if not experts and cut is None:
-            if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
-                self.pace.passed_over()
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
@@ -213,7 +220,7 @@ class HybridExperts:
             self._tables.cut(layer_position, *cut)
         chosen = set(computed)
         tokens = sum(t for e, t in from_host if e in chosen)
-        calibrated = plan.cpu_s / self.pace.scale if plan is not None and self.pace is not None else 0.0
+        calibrated = plan.cpu_s / pace.scale if plan is not None and pace is not None else 0.0
         return CpuShare(layer_position, experts, cut, tokens, job, future, begin,
                         (plan.predicted_s, plan.cpu_s, plan.gpu_s) if plan is not None else None, calibrated)
 
@@ -250,8 +257,19 @@ class HybridExperts:
 
     def summary(self) -> dict:
         self.collect()
-        pace = {"cpu_pace": round(self.pace.scale, 4)} if self.pace is not None else {}
+        pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4)} \
+            if self.pace is not None else {}
         return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
+
+    def _pass_over(self, given: CpuPace | None) -> None:
+        """A decode layer with misses gave the CPU a job priced by `given` (None: no job): the other
+        paces are pulled towards the calibration."""
+        for pace in (self.pace, self.cut_pace):
+            if pace is not given:
+                pace.passed_over()
+
+    def _paced(self, pace: CpuPace | None) -> HybridCosts | None:
+        return pace.costs(self.costs) if pace is not None and self.costs is not None else self.costs
 
     def _restore(self, share: CpuShare) -> None:
         """The layer's table whole again: hidden experts back to their blobs, a cut expert uncut."""
@@ -271,10 +289,8 @@ class HybridExperts:
             device_s = begin.elapsed_time(end) / 1e3
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
                               share.predicted, cut_share, device_s)
-        # prefill extrapolates the line; a cut's part carries the job's fixed costs on fewer bytes, and
-        # learning from it would raise the pace, shrink later parts and raise it again
-        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS and share.cut is None:
-            self.pace.observe(measured, share.calibrated_s)
+        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
+            (self.cut_pace if share.cut is not None else self.pace).observe(measured, share.calibrated_s)
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows

@@ -114,8 +114,8 @@ def test_a_one_token_call_cuts_a_miss_between_the_worker_and_the_kernel(mixtral_
     at j of 6 parts on the CPU, the other miss whole on PCIe: 2 (c2 + (1 - c2) j / 6) on the CPU
     against 1 + (1 - j / 6); at j = 3, 1.33 against 1.5 ms (j = 4: 1.55 against 1.33). So the lower
     expert's units from 48 on go to the worker, the kernel computes it below 48, and the other
-    whole; after the call its limit is whole again, and the pace learnt nothing from the cut's part.
-    Calls of more tokens never cut."""
+    whole; after the call its limit is whole again, and whole experts' pace learnt nothing from
+    the cut's part. Calls of more tokens never cut."""
     model = _on_demand(mixtral_store, "all")
     store = model.store
     blob = store.blob_bytes
@@ -142,6 +142,35 @@ def test_a_one_token_call_cuts_a_miss_between_the_worker_and_the_kernel(mixtral_
     args = mixtral_layer_call(6, 3)
     torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(store, 1, *args), rtol=1e-5, atol=1e-5)
     assert jobs[-1][1] is None and layer.ffn.limits[-1] is None
+
+
+def test_a_cut_teaches_the_cut_pace_and_pulls_whole_experts_pace_back(mixtral_store):
+    """The costs of the cut test above, with whole experts' pace at 3 (a CPU at 6 ms per expert):
+    the cut (priced by its own pace, at 1) still wins, its job sets the cut pace to its measured
+    CPU side over the calibrated 1.33 ms (learning weight 1), and the layer, which gave whole
+    experts no job, halves whole experts' log pace (forgetting weight 1/2): sqrt(3)."""
+    model = _on_demand(mixtral_store, "all")
+    store = model.store
+    blob = store.blob_bytes
+    c2 = store.layout.sections["w2"].nbytes / store.layout.nbytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(2e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    pace = CpuPace(learn=1.0, forget=0.5)
+    hybrid = HybridExperts(model.hybrid.worker, store, model.cache.tables, costs, True, torch.device("cpu"),
+                           pace, cut_granule=16)
+    pace.observe(3.0, 1.0)
+    assert hybrid.cut_pace.scale == 1.0 and (hybrid.cut_pace.learn, hybrid.cut_pace.forget) == (1.0, 0.5)
+    layer = _layers(model)[1]
+    layer.hybrid = hybrid
+    args = mixtral_layer_call(5, 1)
+    torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(store, 1, *args), rtol=1e-5, atol=1e-5)
+    hybrid.collect()
+    calibrated = 2e-3 * (c2 + (1 - c2) / 2)
+    assert hybrid.telemetry.cuts[1] == 1
+    assert hybrid.cut_pace.scale == pytest.approx(hybrid.telemetry.measured_s[1] / calibrated, rel=1e-9)
+    assert hybrid.pace.scale == pytest.approx(math.sqrt(3), rel=1e-9)
+    summary = hybrid.summary()
+    assert (summary["cpu_pace"], summary["cpu_cut_pace"]) == (round(hybrid.pace.scale, 4),
+                                                             round(hybrid.cut_pace.scale, 4))
 
 
 def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):

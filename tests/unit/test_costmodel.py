@@ -205,6 +205,19 @@ def test_a_cut_is_the_best_of_every_whole_split_and_every_cut(seed):
     assert sorted(result.cpu + result.pcie + cut) == sorted(e for e, _ in misses)
 
 
+def test_a_cut_is_priced_by_the_cut_costs_and_the_whole_split_by_the_others():
+    """Hand-worked, one miss, the CPU reading nothing whole (4 parts): PCIe 1 ms a miss, and the
+    whole split at a CPU of 1 ms leaves it on PCIe (a tie goes to fewer CPU experts): 1 ms. Cut
+    costs with the CPU at 1 ms: half on each side, 0.5 ms. At 3 ms: a quarter on the CPU,
+    0.75 ms each side. At 10 ms even a quarter (2.5 ms) is slower than PCIe alone: no cut."""
+    cuts = Cuts(4, 0.0)
+    assert split(decode([0]), MB, costs(), cuts=cuts).predicted_s == pytest.approx(0.5e-3)
+    slow = split(decode([0]), MB, costs(), cuts=cuts, cut_costs=costs(cpu_fixed=3e-3))
+    assert slow.cut == (0, 1) and (slow.cpu_s, slow.gpu_s) == pytest.approx((0.75e-3, 0.75e-3))
+    slower = split(decode([0]), MB, costs(), cuts=cuts, cut_costs=costs(cpu_fixed=10e-3))
+    assert slower.cut is None and slower.pcie == [0] and slower.predicted_s == pytest.approx(1e-3)
+
+
 def test_a_cut_needs_two_parts_and_a_share_below_one():
     for parts, whole in ((1, 0.0), (4, 1.0), (4, -0.1)):
         with pytest.raises(ValueError, match="parts"):
