@@ -40,8 +40,12 @@
 #                                           # the bundled model at 10% and all (~4 min)
 #   bash benchmarks/h200_suite.sh replay    # mira bench, Mixtral-8x7B shape replaying the recorded Mixtral-8x7B-
 #                                           # Instruct decode routing (results/traces), 64 in / 64 out, mira
-#                                           # (auto residency), mira-lagged, LRU and static, 3 timed repeats
-#                                           # each; BUDGETS=25% then BUDGETS=50% (~8 min each, resumed)
+#                                           # (its defaults: auto residency, the CPU's share where it pays),
+#                                           # LRU, LFU and static, 3 timed repeats each; BUDGETS=25% then
+#                                           # BUDGETS=50% (~5 min each, resumed)
+#   bash benchmarks/h200_suite.sh hybrid    # the same replay at 8 and 12 GiB, mira against mira-gpu (the CPU's
+#                                           # share off) in one run, each layer's predicted and measured times
+#                                           # printed; THREADS=8 adds --cpu-threads 8 (~5 min)
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
@@ -119,7 +123,12 @@ case "${1:-}" in
   replay)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-25%,50%}" \
-      --configs mira,mira-lagged,lru,static --repeats 3 --out "$OUT/bench-mixtral-8x7b-replay.json" --quiet --resume ;;
+      --configs mira,lru,lfu,static --repeats 3 --out "$OUT/bench-mixtral-8x7b-replay.json" --quiet --resume ;;
+  hybrid)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
+      --configs mira,mira-gpu ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 \
+      --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}.json" --resume ;;
   shapes)
     for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do
       timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \
