@@ -460,6 +460,18 @@ def autotune(bench: ShapeBench, log, smoke: bool = False) -> KernelConfig:
 def _read_words(words_ptr, n_words, sink_ptr, BLOCK: tl.constexpr):
     """The fastest plain read we know: each program strides over the buffer's int32 words a
     block at a time and sums them (one store per program, so the loads are not dead)."""
+    _sum_words(words_ptr, n_words, sink_ptr, BLOCK)
+
+
+@triton.jit
+def _read_words_at(table_ptr, n_words, sink_ptr, BLOCK: tl.constexpr):
+    """`_read_words` of the buffer at the address table_ptr[0], as the kernels reach a blob (one
+    in pinned host memory is read zero-copy, over PCIe)."""
+    _sum_words(tl.multiple_of(tl.load(table_ptr).to(tl.pointer_type(tl.int32)), 16), n_words, sink_ptr, BLOCK)
+
+
+@triton.jit
+def _sum_words(words_ptr, n_words, sink_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(pid * BLOCK, n_words, tl.num_programs(0) * BLOCK):

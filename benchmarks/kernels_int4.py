@@ -7,7 +7,8 @@ activations):
   shape in the same run; a plain read of the INT4 blob's bytes in one launch (the read ceiling);
   GB/s of blob bytes and the share of the design's 4.29 TB/s (DESIGN.md 3);
 - zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
-  of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth;
+  of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth,
+  beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach);
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import (  # noqa: E402
-    HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, random_slots, zero_copy_reader,
+    HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, _read_words_at, random_slots, zero_copy_reader,
 )
 
 import triton  # noqa: E402  (after kernels, which sets TRITON_INTERPRET without a GPU)
@@ -163,6 +164,16 @@ class Workload:
         n = self.slots.shape[0]
         return self.timer.graph(lambda i: _read_words[(programs,)](words[i % n], words.shape[1], sink, BLOCK=4096,
                                                                    num_warps=4), self.inputs["calls"])
+
+    def zero_copy_read(self, smoke: bool) -> float:
+        """The same plain read of one pinned blob's bytes, zero-copy: the most a kernel can read over PCIe."""
+        _, host_tables = self.pinned(smoke)
+        device = self.slots.device
+        programs = torch.cuda.get_device_properties(device).multi_processor_count * 16
+        sink = torch.empty(programs, dtype=torch.int32, device=device)
+        n_words = self.layout.nbytes // 4
+        return self.timer.graph(lambda r: _read_words_at[(programs,)](host_tables[r], n_words, sink, BLOCK=4096,
+                                                                      num_warps=4), len(host_tables))
 
     def pinned(self, smoke: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Copies of the first blobs in pinned host memory (made on the first call) and their tables."""
@@ -338,6 +349,10 @@ def main() -> None:
         if device.type == "cuda":
             read = [work4.read_ceiling() for _ in range(repeats)]
             figures["read_one_blob_s"] = spread(read)
+            read_zero = [work4.zero_copy_read(args.smoke) for _ in range(repeats)]
+            figures["zero_copy_read_s"] = spread(read_zero)  # the plain read's share: what the kernel could reach
+            figures["zero_copy_read_fraction_of_copy_bandwidth"] = spread(
+                [copy / read for (copy, _, _), read in zip(misses, read_zero)])
         zero_copy = statistics.median(fraction)
         goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": zero_copy,
                                                           "met": zero_copy >= ZERO_COPY_GOAL}}
@@ -351,6 +366,10 @@ def main() -> None:
             f"{statistics.median(fraction):.3f} of the copy ({min(fraction):.3f}-{max(fraction):.3f}); prefill "
             f"{statistics.median(prefill) * 1e6:.0f} us against INT8 {statistics.median(prefill8) * 1e6:.0f} us; "
             f"errors {errors}")
+        if "zero_copy_read_fraction_of_copy_bandwidth" in figures:
+            plain = figures["zero_copy_read_fraction_of_copy_bandwidth"]
+            log(f"{name}: a plain zero-copy read of the INT4 blob: {plain['median']:.3f} of the copy "
+                f"({plain['min']:.3f}-{plain['max']:.3f})")
         del work4, work8, slots4, slots8, ffn, ffn8
         if device.type == "cuda":
             torch.cuda.empty_cache()
