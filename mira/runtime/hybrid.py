@@ -180,8 +180,9 @@ class HybridExperts:
         costs = self._paced(self.pace)
         if self.split_misses:
             busy = sum(costs.gpu(tokens) for _, tokens in on_device)
+            cut_costs = self._paced(self.cut_pace) if may_cut else None  # priced only where a cut may be made
             return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy, cuts=self.cuts if may_cut else None,
-                         cut_costs=self._paced(self.cut_pace))
+                         cut_costs=cut_costs)
         if costs is None:
             return None
         cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
