@@ -88,7 +88,7 @@ def cpu_share_lines(result: dict) -> list[str]:
 
 def _repeat(figures: dict) -> str:
     """One repeat's decode tokens/s and the CPU's experts in it (whole, and cut with the device),
-    with their mean compute time."""
+    with their mean compute time, and each side's pace at the repeat's end."""
     speed = figures.get("decode_tokens_per_s")
     text = f"{speed:.3g} tokens/s" if speed is not None else "no decode timing"
     text += f", {figures['cpu_experts']:,} experts on the CPU"
@@ -100,6 +100,8 @@ def _repeat(figures: dict) -> str:
         text += f", the CPU's side priced at {figures['cpu_pace']:.3g}x its calibration"
         if figures.get("cpu_cut_pace") is not None:
             text += f" ({figures['cpu_cut_pace']:.3g}x with a cut)"
+    if figures.get("device_pace") is not None:
+        text += f", the device's side at {figures['device_pace']:.3g}x"
     return text
 
 

@@ -13,12 +13,14 @@ side idle, one miss may be cut between the two (`Cuts`): the GPU computes its fi
 units, the CPU the rest.
 
 `cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
-layer's misses before its kernel), and `CpuPace` keeps the CPU's costs at the pace decoding measures.
+layer's misses before its kernel), and `CpuPace` and `DevicePace` keep each side's costs at the pace
+decoding measures.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -98,16 +100,18 @@ class HybridCosts:
                    pcie_latency_s=float(data["pcie_latency_s"]), gpu=LinearCost(**data["gpu"]))
 
 
-class CpuPace:
-    """How much slower (or faster) the CPU's side runs in decoding than calibrated: a running
-    geometric mean of measured over calibrated seconds, which scales the CPU's costs of later splits.
+class Pace(ABC):
+    """How much slower (or faster) one side of the split runs in decoding than calibrated: a running
+    geometric mean of measured over calibrated seconds, which scales that side's costs in later
+    splits (`CpuPace`, `DevicePace`).
 
-    Beside a busy host thread and PCIe traffic the CPU computes more slowly than any calibration
-    in isolation shows, and by how much depends on the budget, the machine's load and the kind of
-    job: the runtime keeps one pace for jobs of whole experts and one for jobs with a cut expert
-    (mira.runtime.hybrid). A pace learnt only from the jobs it prices could price them out for
-    good, so each decode layer with misses that gave the CPU no job of its kind pulls it back
-    towards the calibration: such jobs are then tried again.
+    Beside a busy host thread and PCIe traffic each side runs more slowly than any calibration in
+    isolation shows, and by how much depends on the budget, the machine's load and the kind of
+    job: the runtime keeps a pace for the CPU's jobs of whole experts, one for its jobs with a cut
+    expert, and one for the device's side (mira.runtime.hybrid). A pace learnt only from the jobs
+    it prices could price them out for good, so each decode layer with misses that gave a side no
+    job of the kind a pace prices pulls that pace back towards the calibration: such jobs are then
+    tried again.
 
     Args:
         learn: the weight of each decode job's ratio (0.05: about the last 20 jobs).
@@ -126,19 +130,37 @@ class CpuPace:
         return math.exp(self._log)
 
     def observe(self, measured_s: float, calibrated_s: float) -> None:
-        """One decode job: its CPU side took `measured_s` where the calibration said `calibrated_s`."""
+        """One decode job: its side took `measured_s` where the calibration said `calibrated_s`."""
         if measured_s > 0 and calibrated_s > 0:
             self._log += self.learn * (math.log(measured_s / calibrated_s) - self._log)
 
     def passed_over(self) -> None:
-        """A decode layer had misses and gave the CPU no job of the kind this pace prices."""
+        """A decode layer had misses and gave no job of the kind this pace prices."""
         self._log -= self.forget * self._log
 
+    @abstractmethod
     def costs(self, calibrated: HybridCosts) -> HybridCosts:
-        """The calibrated costs with the CPU's side (per expert and per call) at this pace."""
+        """The calibrated costs with this pace's side scaled."""
+
+
+class CpuPace(Pace):
+    """The CPU's pace: scales its cost per expert and per call."""
+
+    def costs(self, calibrated: HybridCosts) -> HybridCosts:
         scale, cpu = self.scale, calibrated.cpu
         return replace(calibrated, cpu=LinearCost(cpu.fixed_s * scale, cpu.per_token_s * scale),
                        cpu_call_s=calibrated.cpu_call_s * scale)
+
+
+class DevicePace(Pace):
+    """The device's pace: scales its misses' copies (latency and bandwidth) and its kernels alike,
+    and so every device-side time `split` predicts."""
+
+    def costs(self, calibrated: HybridCosts) -> HybridCosts:
+        scale, gpu = self.scale, calibrated.gpu
+        bandwidth = calibrated.pcie_bytes_per_s / scale if calibrated.pcie_bytes_per_s else calibrated.pcie_bytes_per_s
+        return replace(calibrated, pcie_bytes_per_s=bandwidth, pcie_latency_s=calibrated.pcie_latency_s * scale,
+                       gpu=LinearCost(gpu.fixed_s * scale, gpu.per_token_s * scale))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ With a `CpuPace`, splits and predictions price the CPU's side at the pace decodi
 (mira.cache.costmodel): each decode job's measured CPU side against its calibrated one. Jobs with a
 cut keep a pace of their own: their part carries the job's fixed costs on fewer bytes, and priced
 with whole experts' pace they would drive it up until the CPU got cuts alone, from which that pace
-then learnt nothing.
+then learnt nothing. On CUDA a `DevicePace` does the same for the device's side (its misses' reads
+over PCIe beside the CPU's traffic, and its kernels), timed by events around it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from mira.cache.costmodel import CpuPace, Cuts, HybridCosts, Split, split
+from mira.cache.costmodel import CpuPace, Cuts, DevicePace, HybridCosts, Split, split
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
@@ -116,7 +117,8 @@ class CpuShare:
     future: object  # concurrent.futures.Future of the partial sum [T, H]
     begin: float
     predicted: tuple[float, float, float] | None  # seconds: the layer's misses served, the CPU's side, the device's
-    calibrated_s: float  # the CPU's side as calibrated, before its pace (0.0 without a pace)
+    calibrated_cpu_s: float  # the CPU's side as calibrated, before its pace (0.0 without a pace)
+    calibrated_device_s: float  # the device's side so, where it served a miss (else 0.0: nothing learnt)
 
 
 class HybridExperts:
@@ -130,7 +132,8 @@ class HybridExperts:
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
         pace: follows the CPU's measured pace in decoding for jobs of whole experts, and a copy of
-            it (`cut_pace`) for jobs with a cut; None: the calibrated costs as they are.
+            it (`cut_pace`) for jobs with a cut; a `DevicePace` of the same weights (`device_pace`)
+            follows the device's side; None: the calibrated costs as they are.
         cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it and a
             PCIe figure in `costs` (a GPU), splits of one-token calls may cut a miss between the
             sides; None: never.
@@ -151,6 +154,7 @@ class HybridExperts:
         self.costs = costs
         self.pace = pace
         self.cut_pace = CpuPace(pace.learn, pace.forget) if pace is not None else None
+        self.device_pace = DevicePace(pace.learn, pace.forget) if pace is not None else None
         self.split_misses = split_misses
         self.telemetry = HybridTelemetry(store.num_layers)
         self._tables = tables
@@ -203,8 +207,9 @@ class HybridExperts:
             expert, parts = plan.cut
             cut = (expert, (self.cuts.parts - parts) * self._granule)
         pace = self.cut_pace if cut is not None else self.pace
+        device_served = plan is not None and (bool(plan.pcie) or cut is not None)  # a miss read by the kernel
         if self.pace is not None and hidden.shape[0] <= DECODE_TOKENS:
-            self._pass_over(pace if experts or cut is not None else None)
+            self._pass_over(pace if experts or cut is not None else None, device_served)
         if not experts and cut is None:
             return None
         rows = self._host_rows(hidden, top_k_weights)
@@ -221,9 +226,11 @@ class HybridExperts:
             self._tables.cut(layer_position, *cut)
         chosen = set(computed)
         tokens = sum(t for e, t in from_host if e in chosen)
-        calibrated = plan.cpu_s / pace.scale if plan is not None and pace is not None else 0.0
+        calibrated_cpu = plan.cpu_s / pace.scale if plan is not None and pace is not None else 0.0
+        calibrated_device = plan.gpu_s / self.device_pace.scale if device_served and pace is not None else 0.0
         return CpuShare(layer_position, experts, cut, tokens, job, future, begin,
-                        (plan.predicted_s, plan.cpu_s, plan.gpu_s) if plan is not None else None, calibrated)
+                        (plan.predicted_s, plan.cpu_s, plan.gpu_s) if plan is not None else None, calibrated_cpu,
+                        calibrated_device)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
         """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
@@ -258,19 +265,26 @@ class HybridExperts:
 
     def summary(self) -> dict:
         self.collect()
-        pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4)} \
-            if self.pace is not None else {}
+        pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4),
+                "device_pace": round(self.device_pace.scale, 4)} if self.pace is not None else {}
         return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
 
-    def _pass_over(self, given: CpuPace | None) -> None:
-        """A decode layer with misses gave the CPU a job priced by `given` (None: no job): the other
-        paces are pulled towards the calibration."""
+    def _pass_over(self, given: CpuPace | None, device_served: bool) -> None:
+        """A decode layer with misses gave the CPU a job priced by `given` (None: no job), and the
+        device a miss or not: the paces of the jobs not given are pulled towards the calibration."""
         for pace in (self.pace, self.cut_pace):
             if pace is not given:
                 pace.passed_over()
+        if not device_served:
+            self.device_pace.passed_over()
 
     def _paced(self, pace: CpuPace | None) -> HybridCosts | None:
-        return pace.costs(self.costs) if pace is not None and self.costs is not None else self.costs
+        """The calibrated costs, the CPU's side at `pace` and the device's at its own."""
+        costs = self.costs
+        for each in (pace, self.device_pace):
+            if each is not None and costs is not None:
+                costs = each.costs(costs)
+        return costs
 
     def _restore(self, share: CpuShare) -> None:
         """The layer's table whole again: hidden experts back to their blobs, a cut expert uncut."""
@@ -282,16 +296,22 @@ class HybridExperts:
         job = share.job
         measured = job.finished - share.begin
         cut_share = 1 - share.cut[1] / self._intermediate if share.cut is not None else 0.0
-        device_s = None
-        if self._device_side is not None:
-            begin, end = self._device_side
-            if not end.query():  # done already after the next layer's read-back; not yet in `summary`
-                end.synchronize()
-            device_s = begin.elapsed_time(end) / 1e3
+        device_s = self._device_seconds()
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
                               share.predicted, cut_share, device_s)
         if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
-            (self.cut_pace if share.cut is not None else self.pace).observe(measured, share.calibrated_s)
+            (self.cut_pace if share.cut is not None else self.pace).observe(measured, share.calibrated_cpu_s)
+            if device_s is not None:
+                self.device_pace.observe(device_s, share.calibrated_device_s)
+
+    def _device_seconds(self) -> float | None:
+        """The device's side of the last call, between its events; None on a CPU-only run."""
+        if self._device_side is None:
+            return None
+        begin, end = self._device_side
+        if not end.query():  # done already after the next layer's read-back; not yet in `summary`
+            end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
     def _host_rows(self, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> HostRows:
         rows = self._rows

@@ -197,6 +197,42 @@ def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):
     assert hybrid.summary()["cpu_pace"] == round(hybrid.pace.scale, 4)
 
 
+class _DeviceClock(HybridExperts):
+    """Times the device's side at a fixed number of seconds, as CUDA events would on a GPU."""
+
+    device_s = 4e-3
+
+    def _device_seconds(self) -> float:
+        return self.device_s
+
+
+def test_the_devices_side_is_priced_at_the_pace_its_timing_measures(mixtral_store):
+    """Hand-worked: two decode misses, the CPU at 1.5 ms each, PCIe at 1 ms: one miss each side
+    (1.5 ms; both on PCIe take 2). The device's side, predicted at 1 ms, takes 4: with learning
+    weight 1 its pace is 4, so the next layer gives the CPU both misses (3 ms; one over PCIe would
+    end at 4), and that layer, which gave the device none, halves its log pace (forgetting 1/2): 2."""
+    model = _on_demand(mixtral_store, "all")
+    blob = model.store.blob_bytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1.5e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    hybrid = _DeviceClock(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
+                          CpuPace(learn=1.0, forget=0.5))
+    assert (hybrid.device_pace.learn, hybrid.device_pace.forget) == (1.0, 0.5)
+    layer = _layers(model)[1]
+    layer.hybrid, layer.ffn = hybrid, _Spy(layer.ffn)
+    for seed, cpu_experts in ((5, 1), (6, 2)):
+        args = mixtral_layer_call(seed, 1)
+        torch.testing.assert_close(layer(*args).double(), mixtral_layer_reference(model.store, 1, *args),
+                                   rtol=1e-5, atol=1e-5)
+        assert len(layer.ffn.absent[-1]) == cpu_experts
+        if cpu_experts == 1:
+            hybrid.collect()
+            assert hybrid.device_pace.scale == pytest.approx(4.0)
+            assert hybrid.choose([], [(0, 1), (1, 1)]).cpu == [0, 1]
+    hybrid.collect()
+    assert hybrid.device_pace.scale == pytest.approx(2.0) and hybrid.summary()["device_pace"] == 2.0
+    assert hybrid.telemetry.summary()["layers"][0]["device_ms"] == pytest.approx(4.0)
+
+
 def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(mixtral_store):
     """The error reaches the caller; the experts hidden for the CPU are back in the table, the
     worker's job is over, and the layer's next call is right and is the only one recorded."""

@@ -14,7 +14,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers},
            "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25},
                        {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None,
-                        "cpu_pace": 1.4412, "cpu_cut_pace": 2.2}]}
+                        "cpu_pace": 1.4412, "cpu_cut_pace": 2.2, "device_pace": 1.1749}]}
     gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"}, "decode_tokens_per_s": 6.0,
            "bound": {"bound_tokens_per_s": 50.0}, "repeats": [{"decode_tokens_per_s": 6.0}]}
     result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row, gpu]}
@@ -30,7 +30,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
     assert lines[compared + 3] == ("  repeat 2: 9 tokens/s, 1,200 experts on the CPU, the CPU's side priced at 1.44x "
-                                   "its calibration (2.2x with a cut)")
+                                   "its calibration (2.2x with a cut), the device's side at 1.17x")
 
 
 def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_their_names():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, Cuts, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
+from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
 
 MB = 1 << 20
 
@@ -259,6 +259,24 @@ def test_the_pace_scales_the_per_call_cost_too():
     assert (paced.cpu.fixed_s, paced.cpu.per_token_s, paced.cpu_call_s) == pytest.approx((2e-3, 4e-4, 2e-4))
     with pytest.raises(ValueError, match="learn is a weight"):
         CpuPace(learn=1.5)
+
+
+def test_the_device_pace_scales_copies_and_kernels_and_moves_misses_to_the_cpu():
+    """Hand-worked: two decode misses, the CPU at 2.5 ms each, PCIe at 1 ms. As calibrated both go
+    over PCIe (2 ms; one on the CPU ends at 2.5). With the device's side at twice its calibration
+    PCIe alone takes 4 ms and one miss on the CPU ends at 2.5 ms (the other at 2 on the device)."""
+    base = costs(cpu_fixed=2.5e-3, latency=1e-4, gpu=LinearCost(1e-4, 1e-5))
+    misses = [(0, 1), (1, 1)]
+    assert split(misses, MB, base).cpu == []
+    pace = DevicePace(learn=1.0)
+    pace.observe(4e-3, 2e-3)
+    paced = pace.costs(base)
+    assert paced.pcie_s(1) == pytest.approx(2 * base.pcie_s(1)) and paced.gpu(7) == pytest.approx(2 * base.gpu(7))
+    assert paced.cpu == base.cpu and paced.cpu_call_s == base.cpu_call_s
+    chosen = split(misses, MB, paced)
+    assert (chosen.cpu, chosen.pcie) == ([0], [1])
+    assert (chosen.cpu_s, chosen.gpu_s) == pytest.approx((2.5e-3, 2 * base.pcie_s(1)))
+    assert DevicePace().costs(costs(bandwidth=None)).pcie_bytes_per_s is None  # no GPU: nothing to scale
 
 
 def test_a_cpu_share_pays_only_where_it_saves_more_than_running_inline_costs():
