@@ -252,7 +252,7 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
     (independently; the share of experts without a slot, as under uniform routing), the split must
     finish at least `INLINE_LAYER_S` before PCIe alone would, in expectation. Whole splits only:
     what cuts save, priced at the calibration, did not show where only they would have paid
-    (benchmarks/results/bench-mixtral-8x7b-hybrid-budgets.json at 24 GiB)."""
+    (benchmarks/results/bench-mixtral-8x7b-hybrid-cuts-counted.json at 24 GiB)."""
     if not 0 <= miss_rate <= 1:
         raise ValueError(f"miss_rate is a probability, not {miss_rate}")
     saved = 0.0
