@@ -45,7 +45,9 @@
 #                                           # BUDGETS=50% (~5 min each, resumed)
 #   bash benchmarks/h200_suite.sh hybrid    # the same replay at 8 and 12 GiB, mira against mira-gpu (the CPU's
 #                                           # share off) in one run, each layer's predicted and measured times
-#                                           # printed; THREADS=8 adds --cpu-threads 8 (~5 min)
+#                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
+#                                           # calibrated,mira-gpu adds the device's side at its calibration, an
+#                                           # A/B of the device's pace in one run (~5 min, ~7 with it)
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
@@ -127,7 +129,7 @@ case "${1:-}" in
   hybrid)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
-      --configs mira,mira-gpu ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 \
+      --configs "${CONFIGS:-mira,mira-gpu}" ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 \
       --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}.json" --resume ;;
   shapes)
     for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do

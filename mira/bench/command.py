@@ -30,6 +30,8 @@ def add_command(subparsers) -> None:
                     "speculation, inline), mira (what `mira generate` does: no prefetch, residency auto, "
                     "--cpu-experts auto: on CUDA the calibrated split of the misses with the CPU, inline, where "
                     "it pays, else lagged), mira-gpu (the same with --cpu-experts off: no CPU share), "
+                    "mira-device-calibrated (mira with the device's side of each split priced at its calibration, "
+                    "not at the pace decoding measures), "
                     "mira-cpu-all (every miss computed on the CPU, inline), mira-inline (inline: one host sync "
                     "per MoE layer, each miss copied in once), mira-lagged (always "
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "

@@ -170,6 +170,7 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
             if model.hybrid.pace is not None:
                 timing.of_run["cpu_pace"] = round(model.hybrid.pace.scale, 4)  # at the run's end
                 timing.of_run["cpu_cut_pace"] = round(model.hybrid.cut_pace.scale, 4)
+            if model.hybrid.device_pace is not None:
                 timing.of_run["device_pace"] = round(model.hybrid.device_pace.scale, 4)
         return timing
 

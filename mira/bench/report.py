@@ -127,9 +127,10 @@ def layer_times(result: dict) -> list[str]:
     return lines
 
 
+# one colour each, the same in every chart (mira-cpu-auto: older results)
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
-                "mira-lagged", "mira-eager", "lru", "lru-lagged", "static", "hf-gpu", "hf-offload",
-                "mira-gpu")  # one colour each, the same in every chart (mira-cpu-auto: older results)
+                "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
+                "mira-gpu", "mira-device-calibrated")
 
 
 def plot(result: dict, path: str) -> None:

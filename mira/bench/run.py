@@ -52,6 +52,7 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira+gate": dict(policy="mira", prefetch="gate", residency="inline"),
     "mira": dict(policy="mira", prefetch="off", residency="auto"),  # what `mira generate` does
     "mira-gpu": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="off"),  # no CPU share
+    "mira-device-calibrated": dict(policy="mira", prefetch="off", residency="auto", device_pace=False),  # an A/B
     "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
     "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
     "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),

@@ -58,10 +58,13 @@ class HybridConfig:
         the same cores), "all" (every miss the policy leaves in host memory goes to the CPU) or
         "off".
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
+    device_pace: splits price the device's side at the pace decoding measures (on CUDA), as they
+        price the CPU's; False: at its calibration (an A/B for `mira bench`).
     """
 
     mode: str = "auto"
     threads: int | None = None
+    device_pace: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,15 +128,16 @@ class RuntimeConfig:
 
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
-        policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode) and
-        cpu_threads for the nested ones.
+        policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode),
+        cpu_threads and device_pace for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
         """
         nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
                   "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
-                  "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads")}
+                  "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads"),
+                  "device_pace": ("hybrid", "device_pace")}
         flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
         if unknown:

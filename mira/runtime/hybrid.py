@@ -132,8 +132,9 @@ class HybridExperts:
         split_misses: split each layer's misses by the cost model; else the CPU computes every miss.
         device: where the layers run.
         pace: follows the CPU's measured pace in decoding for jobs of whole experts, and a copy of
-            it (`cut_pace`) for jobs with a cut; a `DevicePace` of the same weights (`device_pace`)
-            follows the device's side; None: the calibrated costs as they are.
+            it (`cut_pace`) for jobs with a cut; None: the calibrated costs as they are.
+        device_pace: with `pace`, a `DevicePace` of its weights (`device_pace`) follows the device's
+            side too; False: the device's side at its calibration (`device_pace` None).
         cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it and a
             PCIe figure in `costs` (a GPU), splits of one-token calls may cut a miss between the
             sides; None: never.
@@ -144,7 +145,7 @@ class HybridExperts:
 
     def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
                  split_misses: bool, device: torch.device, pace: CpuPace | None = None,
-                 cut_granule: int | None = None):
+                 cut_granule: int | None = None, device_pace: bool = True):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
         self.cuts = _expert_cuts(store.layout, cut_granule) if split_misses and costs.pcie_bytes_per_s else None
@@ -154,7 +155,7 @@ class HybridExperts:
         self.costs = costs
         self.pace = pace
         self.cut_pace = CpuPace(pace.learn, pace.forget) if pace is not None else None
-        self.device_pace = DevicePace(pace.learn, pace.forget) if pace is not None else None
+        self.device_pace = DevicePace(pace.learn, pace.forget) if pace is not None and device_pace else None
         self.split_misses = split_misses
         self.telemetry = HybridTelemetry(store.num_layers)
         self._tables = tables
@@ -227,7 +228,8 @@ class HybridExperts:
         chosen = set(computed)
         tokens = sum(t for e, t in from_host if e in chosen)
         calibrated_cpu = plan.cpu_s / pace.scale if plan is not None and pace is not None else 0.0
-        calibrated_device = plan.gpu_s / self.device_pace.scale if device_served and pace is not None else 0.0
+        device_pace = self.device_pace
+        calibrated_device = plan.gpu_s / device_pace.scale if device_served and device_pace is not None else 0.0
         return CpuShare(layer_position, experts, cut, tokens, job, future, begin,
                         (plan.predicted_s, plan.cpu_s, plan.gpu_s) if plan is not None else None, calibrated_cpu,
                         calibrated_device)
@@ -265,8 +267,10 @@ class HybridExperts:
 
     def summary(self) -> dict:
         self.collect()
-        pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4),
-                "device_pace": round(self.device_pace.scale, 4)} if self.pace is not None else {}
+        pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4)} \
+            if self.pace is not None else {}
+        if self.device_pace is not None:
+            pace["device_pace"] = round(self.device_pace.scale, 4)
         return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
 
     def _pass_over(self, given: CpuPace | None, device_served: bool) -> None:
@@ -275,7 +279,7 @@ class HybridExperts:
         for pace in (self.pace, self.cut_pace):
             if pace is not given:
                 pace.passed_over()
-        if not device_served:
+        if not device_served and self.device_pace is not None:
             self.device_pace.passed_over()
 
     def _paced(self, pace: CpuPace | None) -> HybridCosts | None:
@@ -301,7 +305,7 @@ class HybridExperts:
                               share.predicted, cut_share, device_s)
         if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
             (self.cut_pace if share.cut is not None else self.pace).observe(measured, share.calibrated_cpu_s)
-            if device_s is not None:
+            if device_s is not None and self.device_pace is not None:
                 self.device_pace.observe(device_s, share.calibrated_device_s)
 
     def _device_seconds(self) -> float | None:

@@ -19,6 +19,7 @@ import torch
 import mira
 from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost
 from mira.runtime import engine
+from mira.runtime.config import RuntimeConfig
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import CpuExperts, HybridExperts
@@ -207,8 +208,9 @@ class _DeviceClock(HybridExperts):
 
 
 def test_the_devices_side_is_priced_at_the_pace_its_timing_measures(mixtral_store):
-    """Hand-worked: two decode misses, the CPU at 1.5 ms each, PCIe at 1 ms: one miss each side
-    (1.5 ms; both on PCIe take 2). The device's side, predicted at 1 ms, takes 4: with learning
+    """Hand-worked, the CPU's side held at its calibration: two decode misses, the CPU at 1.5 ms
+    each, PCIe at 1 ms: one miss each side (1.5 ms; both on PCIe take 2). The device's side,
+    predicted at 1 ms, takes 4: with learning
     weight 1 its pace is 4, so the next layer gives the CPU both misses (3 ms; one over PCIe would
     end at 4), and that layer, which gave the device none, halves its log pace (forgetting 1/2): 2."""
     model = _on_demand(mixtral_store, "all")
@@ -217,6 +219,7 @@ def test_the_devices_side_is_priced_at_the_pace_its_timing_measures(mixtral_stor
     hybrid = _DeviceClock(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
                           CpuPace(learn=1.0, forget=0.5))
     assert (hybrid.device_pace.learn, hybrid.device_pace.forget) == (1.0, 0.5)
+    hybrid.pace.learn = hybrid.cut_pace.learn = 0.0  # the CPU's side held at its calibration
     layer = _layers(model)[1]
     layer.hybrid, layer.ffn = hybrid, _Spy(layer.ffn)
     for seed, cpu_experts in ((5, 1), (6, 2)):
@@ -231,6 +234,24 @@ def test_the_devices_side_is_priced_at_the_pace_its_timing_measures(mixtral_stor
     hybrid.collect()
     assert hybrid.device_pace.scale == pytest.approx(2.0) and hybrid.summary()["device_pace"] == 2.0
     assert hybrid.telemetry.summary()["layers"][0]["device_ms"] == pytest.approx(4.0)
+
+
+def test_without_the_device_pace_the_devices_side_stays_at_its_calibration(mixtral_store):
+    """The costs of the test above with `device_pace` off (the bench's mira-device-calibrated): the
+    same 4 ms device side teaches nothing, and the next layer is split one miss each side again."""
+    model = _on_demand(mixtral_store, "all")
+    assert RuntimeConfig().with_overrides(device_pace=False).hybrid.device_pace is False
+    blob = model.store.blob_bytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1.5e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    hybrid = _DeviceClock(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
+                          CpuPace(learn=0.0), device_pace=False)
+    layer = _layers(model)[1]
+    layer.hybrid = hybrid
+    layer(*mixtral_layer_call(5, 1))
+    hybrid.collect()
+    assert hybrid.device_pace is None and "device_pace" not in hybrid.summary()
+    split = hybrid.choose([], [(0, 1), (1, 1)])
+    assert (split.cpu, split.pcie, split.gpu_s) == ([0], [1], pytest.approx(1e-3))
 
 
 def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(mixtral_store):
