@@ -8,7 +8,9 @@ activations):
   GB/s of blob bytes and the share of the design's 4.29 TB/s (DESIGN.md 3);
 - zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
   of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth,
-  beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach);
+  beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach),
+  and of reads in the decode launches' pattern (rows of codes a tile at a time, with and without
+  their group scales and offsets), which tells the tile's reads from the scales' apart;
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -44,6 +46,7 @@ from kernels import (  # noqa: E402
 )
 
 import triton  # noqa: E402  (after kernels, which sets TRITON_INTERPRET without a GPU)
+import triton.language as tl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,6 +60,7 @@ from mira.kernels.triton_int4 import (  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs,
 )
+from mira.store.int4 import GROUP  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -107,6 +111,34 @@ def random_int4_slots(layout: ExpertLayout, count: int, device: torch.device, ge
         slots[:, section.offset:section.offset + section.nbytes].copy_(values.to(torch.bfloat16).view(torch.uint8)
                                                                         .view(count, -1))
     return slots
+
+
+@triton.jit
+def _read_rows_at(table_ptr, W_OFF, S_OFF, Z_OFF, R, C, sink_ptr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr, SCALES: tl.constexpr):
+    """Reads one packed matrix of the blob at table_ptr[0] as the decode launches do, without their
+    arithmetic: BLOCK_R rows per program, BLOCK_C columns per step, of codes [R, C / 2] bytes (as
+    int32 words) and, with SCALES, the steps' group scales and offsets [R, cdiv(C, GROUP)] bf16."""
+    base = tl.load(table_ptr)
+    words = (base + W_OFF).to(tl.pointer_type(tl.int32))
+    scales = (base + S_OFF).to(tl.pointer_type(tl.bfloat16))
+    offsets = (base + Z_OFF).to(tl.pointer_type(tl.bfloat16))
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = rows < R
+    row_words, n_groups = C // 8, (C + GROUP - 1) // GROUP
+    codes = tl.zeros([BLOCK_R, BLOCK_C // 8], dtype=tl.int32)
+    values = tl.zeros([BLOCK_R, BLOCK_C // GROUP], dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        cols = start // 8 + tl.arange(0, BLOCK_C // 8)
+        codes += tl.load(words + rows[:, None] * row_words + cols[None, :],
+                         mask=in_rows[:, None] & (cols < row_words)[None, :], other=0, eviction_policy="evict_first")
+        if SCALES:
+            groups = start // GROUP + tl.arange(0, BLOCK_C // GROUP)
+            at = rows[:, None] * n_groups + groups[None, :]
+            mask = in_rows[:, None] & (groups < n_groups)[None, :]
+            values += tl.load(scales + at, mask=mask, other=0.0).to(tl.float32)
+            values += tl.load(offsets + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(sink_ptr + tl.program_id(0), tl.sum(codes).to(tl.float32) + tl.sum(values))
 
 
 def addresses(rows, device) -> torch.Tensor:
@@ -170,6 +202,23 @@ class Workload:
         n_words = self.layout.nbytes // 4
         return self.timer.graph(lambda r: _read_words_at[(programs,)](host_tables[r], n_words, sink, BLOCK=4096,
                                                                       num_warps=4), len(host_tables))
+
+    def zero_copy_row_read(self, smoke: bool, scales: bool, block_rows: int = 8, block_cols: int = 1024) -> float:
+        """`_read_rows_at` over a pinned blob, zero-copy: w13 then w2, in two launches as the decode's."""
+        _, host_tables = self.pinned(smoke)
+        sections = self.layout.sections
+        parts = [(sections["w13"].offset, sections["scale13"].offset, sections["offset13"].offset,
+                  2 * self.layout.intermediate, self.layout.hidden),
+                 (sections["w2"].offset, sections["scale2"].offset, sections["offset2"].offset,
+                  self.layout.hidden, self.layout.intermediate)]
+        sink = torch.empty(max(triton.cdiv(rows, block_rows) for _, _, _, rows, _ in parts), dtype=torch.float32,
+                           device=self.slots.device)
+
+        def read(r):
+            for w, s, z, rows, cols in parts:
+                _read_rows_at[(triton.cdiv(rows, block_rows),)](host_tables[r], w, s, z, rows, cols, sink, GROUP=GROUP,
+                                                                BLOCK_R=block_rows, BLOCK_C=block_cols, SCALES=scales)
+        return self.timer.graph(read, len(host_tables))
 
     def _read_grid(self) -> tuple[int, torch.Tensor]:
         """The plain reads' program count and their sink [programs]."""
@@ -355,6 +404,12 @@ def main() -> None:
             figures["zero_copy_read_s"] = spread(read_zero)
             figures["zero_copy_read_fraction_of_copy_bandwidth"] = spread(
                 [copy / read for (copy, _, _), read in zip(misses, read_zero)])
+            codes_bytes = layout4.sections["w13"].nbytes + layout4.sections["w2"].nbytes
+            for key, scales, nbytes in (("codes", False, codes_bytes), ("codes_and_scales", True, layout4.nbytes)):
+                rows_read = [work4.zero_copy_row_read(args.smoke, scales) for _ in range(repeats)]
+                figures[f"zero_copy_row_read_{key}_s"] = spread(rows_read)
+                figures[f"zero_copy_row_read_{key}_fraction_of_copy_bandwidth"] = spread(
+                    [nbytes / read / (layout4.nbytes / copy) for (copy, _, _), read in zip(misses, rows_read)])
         zero_copy = statistics.median(fraction)
         goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": zero_copy,
                                                           "met": zero_copy >= ZERO_COPY_GOAL}}
@@ -372,6 +427,10 @@ def main() -> None:
             plain = figures["zero_copy_read_fraction_of_copy_bandwidth"]
             log(f"{name}: a plain zero-copy read of the INT4 blob: {plain['median']:.3f} of the copy "
                 f"({plain['min']:.3f}-{plain['max']:.3f})")
+            for key in ("codes", "codes_and_scales"):
+                rows_read = figures[f"zero_copy_row_read_{key}_fraction_of_copy_bandwidth"]
+                log(f"{name}: zero-copy reads in the decode's pattern, {key.replace('_', ' ')}: "
+                    f"{rows_read['median']:.3f} of the copy ({rows_read['min']:.3f}-{rows_read['max']:.3f})")
         del work4, work8, slots4, slots8, ffn, ffn8
         if device.type == "cuda":
             torch.cuda.empty_cache()
