@@ -38,6 +38,10 @@
 #                                           # Mixtral shape at 24 GiB (~4 min)
 #   bash benchmarks/h200_suite.sh profile-small  # the same for the DeepSeek-V2-Lite shape at 8 GiB, and
 #                                           # the bundled model at 10% and all (~4 min)
+#   bash benchmarks/h200_suite.sh profile-replay  # where a decode step's time goes, mira against static (both
+#                                           # with the CPU's share), Mixtral shape at 25% replaying the real
+#                                           # trace: does an admission's copy cost more than the misses it saves
+#                                           # (~4 min)
 #   bash benchmarks/h200_suite.sh replay    # mira bench, Mixtral-8x7B shape replaying the recorded Mixtral-8x7B-
 #                                           # Instruct decode routing (results/traces), 64 in / 64 out, mira
 #                                           # (its defaults: auto residency, the CPU's share where it pays),
@@ -122,6 +126,10 @@ case "${1:-}" in
       --configs mira+p,mira,lru,static --out "$OUT/profile-decode-deepseek-v2-lite.json"
     timeout 150 python benchmarks/profile_decode.py --budgets 10%,all --configs mira+p,mira,lru,static \
       --heads benchmarks/results/predictor-tiny-heads.safetensors --out "$OUT/profile-decode-mira-tiny-moe.json" ;;
+  profile-replay)
+    timeout 400 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets 25% --configs mira,static \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz \
+      --out "$OUT/profile-decode-mixtral-8x7b-replay-25pct.json" ;;
   replay)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-25%,50%}" \

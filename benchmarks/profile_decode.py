@@ -20,11 +20,17 @@ token and its routing with it. Reports per decode step:
 - device time by kind: the expert kernels (Triton), host-to-device copies, everything else
   (attention, norms, router, embeddings, LM head).
 
+With `--routing TRACE.npz` every model routes as the trace did, as in `mira bench --routing`: the
+calibration prompts replay its first rows and place the static policy and the mira policy's prior,
+the profiled calls replay the rows after them; without it the placement is uniform.
+
 Prints a table and writes benchmarks/results/profile-decode-<model>-<budgets>.json (or --out). On
 the CPU the device columns are empty; run it on the GPU machine.
 
     python benchmarks/profile_decode.py --synthetic deepseek-v2-lite --budgets 8GiB --configs mira+p,mira,static
     python benchmarks/profile_decode.py --budgets all
+    python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets 25% --configs mira,static \
+        --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz
 """
 
 from __future__ import annotations
@@ -39,10 +45,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LogitsProcessorList
 
-from mira.bench.measure import RandomContinuation
+from mira.bench.measure import RandomContinuation, time_generation
 from mira.bench.provenance import result_header
 from mira.runtime.config import PrefetchConfig, RuntimeConfig
-from mira.bench.run import MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory
+from mira.bench.run import (
+    CALIBRATION, CALIBRATION_ROWS, MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory,
+)
 from mira.bench.sources import open_source
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
@@ -130,11 +138,11 @@ def _per_step(whole: dict[str, float], prompt: dict[str, float], steps: int) -> 
     return {key: (value - prompt.get(key, 0.0)) / steps for key, value in whole.items()}
 
 
-def _profile_config(source, name: str, budget: int, total: int, context: int, ids: torch.Tensor, steps: int,
-                    device: torch.device) -> dict:
+def _profile_config(source, name: str, budget: int, total: int, placement: Popularity, context: int,
+                    ids: torch.Tensor, steps: int, device: torch.device) -> dict:
     """One configuration's figures per decode step, or {"skipped": why}."""
     try:
-        model = config_model(source, name, budget, Popularity((1,) * total, 1), context)  # a uniform placement
+        model = config_model(source, name, budget, placement, context)
     except MiraError as error:
         return {"skipped": str(error)}
     forced = LogitsProcessorList([RandomContinuation(source.config.vocab_size, 0)]) if (
@@ -185,6 +193,8 @@ def main() -> None:
     parser.add_argument("--heads", help="trained predictor heads for mira+p (default: the store's own)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
+    parser.add_argument("--routing", help="a routing trace (.npz) to replay, as mira bench --routing: its first rows "
+                                          "place the static policy and mira's prior, the profiled calls replay the next")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--out", type=Path, help="the JSON to write (default benchmarks/results/profile-decode-"
                                                   "<model>-<budgets>.json)")
@@ -195,14 +205,21 @@ def main() -> None:
         parser.error(f"unknown configuration {', '.join(unknown)}; choose out of {', '.join(MIRA_CONFIGS)}")
 
     device = torch.device(args.device)
-    source = open_source(args.model, args.synthetic, device, progress=False)
+    source = open_source(args.model, args.synthetic, device, progress=False, routing=args.routing)
     source.open_store(None)
     source.heads = args.heads
-    context = args.prompt_tokens + 2 * args.steps + 8
+    context = max(args.prompt_tokens + 2 * args.steps + 8, CALIBRATION_ROWS)
     probe = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=context, prefetch=PrefetchConfig("off")), None)
     reserve = probe.plan.reserve_bytes if probe.plan else 0
     total = probe.store.num_layers * probe.store.num_experts
     all_bytes = reserve + total * probe.store.blob_bytes
+    placement = Popularity((1,) * total, 1)  # uniform
+    if source.trace is not None:  # the bench's calibration on the trace's first rows, then the rows after them
+        time_generation(probe.generate, CALIBRATION, None, source.config.vocab_size, device,
+                        random_continuation=source.synthetic)
+        placement = Popularity.of_routing(probe.cache.telemetry.counts[:, :, 0].reshape(-1),
+                                          source.config.num_experts_per_tok, probe.store.num_layers)
+        source.replay_from = CALIBRATION_ROWS
     del probe
     ids = torch.randint(5, source.config.vocab_size, (1, args.prompt_tokens),
                         generator=torch.Generator().manual_seed(0)).to(device)
@@ -210,7 +227,7 @@ def main() -> None:
     for label in args.budgets.split(","):
         budget = _budget_bytes(label, reserve, total, source.store.blob_bytes, all_bytes)
         for name in configs:
-            figures = _profile_config(source, name, budget, total, context, ids, args.steps, device)
+            figures = _profile_config(source, name, budget, total, placement, context, ids, args.steps, device)
             _print(source.label, label, name, figures)
             runs.append({"budget": label, "config": name, **figures})
     model_name = args.synthetic or Path(args.model or "mira-tiny-moe").name
