@@ -158,7 +158,7 @@ class DevicePace(Pace):
 
     def costs(self, calibrated: HybridCosts) -> HybridCosts:
         scale, gpu = self.scale, calibrated.gpu
-        bandwidth = calibrated.pcie_bytes_per_s / scale if calibrated.pcie_bytes_per_s else calibrated.pcie_bytes_per_s
+        bandwidth = None if calibrated.pcie_bytes_per_s is None else calibrated.pcie_bytes_per_s / scale
         return replace(calibrated, pcie_bytes_per_s=bandwidth, pcie_latency_s=calibrated.pcie_latency_s * scale,
                        gpu=LinearCost(gpu.fixed_s * scale, gpu.per_token_s * scale))
 
