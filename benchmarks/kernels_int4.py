@@ -81,6 +81,9 @@ GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
     # a whole Mixtral row per loop iteration (its loads issued together): each row's group scales
     # and offsets are asked for at once rather than 32 bytes per step, which may read better zero-copy
     GemvConfig(8, 1024, unroll=4, cvt="prmt-dot"), GemvConfig(4, 2048, unroll=2, cvt="prmt-dot"),
+    # a whole row in one load per section: each row's scales and offsets are whole 128-byte lines
+    # (H / 64 groups of 2 bytes), and a program's rows are contiguous in both sections
+    GemvConfig(4, 4096, unroll=1, cvt="prmt-dot"), GemvConfig(2, 4096, unroll=1, cvt="prmt-dot"),
 ]
 DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
@@ -90,6 +93,7 @@ DOWN = [  # down decode launch candidates
     GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
     GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"), GemvConfig(8, 512, unroll=2, cvt="prmt-dot"),
     GemvConfig(8, 1024, unroll=2, cvt="prmt-fold"), GemvConfig(8, 2048, unroll=1, cvt="prmt-fold"),  # as above
+    GemvConfig(4, 2048, unroll=7, cvt="prmt-fold"),  # a whole Mixtral row (I = 14336) per loop step
 ]
 GEMM = [  # prefill launch candidates (a K step stays inside one group: block_k is cut to the group)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
