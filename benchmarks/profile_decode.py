@@ -193,8 +193,9 @@ def main() -> None:
     parser.add_argument("--heads", help="trained predictor heads for mira+p (default: the store's own)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (default 16)")
-    parser.add_argument("--routing", help="a routing trace (.npz) to replay, as mira bench --routing: its first rows "
-                                          "place the static policy and mira's prior, the profiled calls replay the next")
+    parser.add_argument("--routing", help="a routing trace (.npz) to replay, as mira bench --routing: its first "
+                                          "rows place the static policy and mira's prior, the profiled calls replay "
+                                          "the next")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--out", type=Path, help="the JSON to write (default benchmarks/results/profile-decode-"
                                                   "<model>-<budgets>.json)")

@@ -210,9 +210,9 @@ class _DeviceClock(HybridExperts):
 def test_the_devices_side_is_priced_at_the_pace_its_timing_measures(mixtral_store):
     """Hand-worked, the CPU's side held at its calibration: two decode misses, the CPU at 1.5 ms
     each, PCIe at 1 ms: one miss each side (1.5 ms; both on PCIe take 2). The device's side,
-    predicted at 1 ms, takes 4: with learning
-    weight 1 its pace is 4, so the next layer gives the CPU both misses (3 ms; one over PCIe would
-    end at 4), and that layer, which gave the device none, halves its log pace (forgetting 1/2): 2."""
+    predicted at 1 ms, takes 4: with learning weight 1 its pace is 4, so the next layer gives the
+    CPU both misses (3 ms; one over PCIe would end at 4), and that layer, which gave the device
+    none, halves its log pace (forgetting 1/2): 2."""
     model = _on_demand(mixtral_store, "all")
     blob = model.store.blob_bytes
     costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1.5e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split
+from mira.cache.costmodel import (
+    INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split,
+)
 
 MB = 1 << 20
 
@@ -262,9 +264,10 @@ def test_the_pace_scales_the_per_call_cost_too():
 
 
 def test_the_device_pace_scales_copies_and_kernels_and_moves_misses_to_the_cpu():
-    """Hand-worked: two decode misses, the CPU at 2.5 ms each, PCIe at 1 ms. As calibrated both go
-    over PCIe (2 ms; one on the CPU ends at 2.5). With the device's side at twice its calibration
-    PCIe alone takes 4 ms and one miss on the CPU ends at 2.5 ms (the other at 2 on the device)."""
+    """Hand-worked: two decode misses, the CPU at 2.5 ms each, PCIe at 1.1 ms (1 ms of bytes, 0.1 of
+    latency). As calibrated both go over PCIe (2.2 ms; one on the CPU ends at 2.5). With the
+    device's side at twice its calibration PCIe alone takes 4.4 ms, and one miss on the CPU ends
+    at 2.5 ms (the other at 2.2 on the device)."""
     base = costs(cpu_fixed=2.5e-3, latency=1e-4, gpu=LinearCost(1e-4, 1e-5))
     misses = [(0, 1), (1, 1)]
     assert split(misses, MB, base).cpu == []
