@@ -45,11 +45,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LogitsProcessorList
 
-from mira.bench.measure import RandomContinuation, time_generation
+from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
 from mira.runtime.config import PrefetchConfig, RuntimeConfig
 from mira.bench.run import (
-    CALIBRATION, CALIBRATION_ROWS, MIRA_CONFIGS, UNLIMITED, _budget_bytes, config_model, free_memory,
+    CALIBRATION_ROWS, MIRA_CONFIGS, UNLIMITED, _budget_bytes, calibration_placement, config_model, free_memory,
 )
 from mira.bench.sources import open_source
 from mira.cache.policy import Popularity
@@ -216,10 +216,7 @@ def main() -> None:
     all_bytes = reserve + total * probe.store.blob_bytes
     placement = Popularity((1,) * total, 1)  # uniform
     if source.trace is not None:  # the bench's calibration on the trace's first rows, then the rows after them
-        time_generation(probe.generate, CALIBRATION, None, source.config.vocab_size, device,
-                        random_continuation=source.synthetic)
-        placement = Popularity.of_routing(probe.cache.telemetry.counts[:, :, 0].reshape(-1),
-                                          source.config.num_experts_per_tok, probe.store.num_layers)
+        placement = calibration_placement(source, probe, device)
         source.replay_from = CALIBRATION_ROWS
     del probe
     ids = torch.randint(5, source.config.vocab_size, (1, args.prompt_tokens),

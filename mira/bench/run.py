@@ -142,12 +142,11 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
     rows, scheme = result["runs"], source.scheme
     source.replay_from = 0  # with a routing trace: calibration replays its first rows, measured runs the next
     warm = source.mira(RuntimeConfig(vram_budget=UNLIMITED, max_context=max_context), None)
-    time_generation(warm.generate, CALIBRATION, None, vocab, device, random_continuation=_random_continuation(source))
+    calibrated = calibration_placement(source, warm, device)
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
     all_bytes = reserve + total_experts * warm.store.blob_bytes
-    profile = (Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else Popularity.of_routing(
-        warm.cache.telemetry.counts[:, :, 0].reshape(-1), source.config.num_experts_per_tok, warm.store.num_layers))
+    profile = Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else calibrated
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
     del warm
     free_memory(device)
@@ -173,6 +172,16 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     return budgets
+
+
+def calibration_placement(source: Source, model, device: torch.device) -> Popularity:
+    """The calibration prompts generated on `model` (which also compiles its kernels; with a trace,
+    replaying its rows from `source.replay_from`) and the routing they gave: the static policy's
+    placement and the mira policy's prior where no profile is given."""
+    time_generation(model.generate, CALIBRATION, None, source.config.vocab_size, device,
+                    random_continuation=_random_continuation(source))
+    return Popularity.of_routing(model.cache.telemetry.counts[:, :, 0].reshape(-1),
+                                 source.config.num_experts_per_tok, model.store.num_layers)
 
 
 def config_model(source: Source, name: str, budget: int, profile: Popularity, max_context: int):
