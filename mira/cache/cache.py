@@ -12,6 +12,8 @@ goes where is the policy's business (mira.cache.policy); how bytes move is the t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from mira.cache.policy import Access, Policy, Tier
@@ -21,6 +23,20 @@ from mira.cache.tables import ISSUED, PLACED, UID, USED, ExpertTables
 from mira.cache.telemetry import Telemetry
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
+
+
+class Settled(NamedTuple):
+    """One layer's routed experts, (expert, tokens) each, as settled before its kernel.
+
+    on_device: read from device memory (slots, stage rows).
+    from_host: read from their host blobs (misses the policy did not admit).
+    copied: those of on_device whose slot is being filled by this settle's admission: their copy
+        comes before their kernel.
+    """
+
+    on_device: list[tuple[int, int]]
+    from_host: list[tuple[int, int]]
+    copied: list[tuple[int, int]]
 
 
 class ExpertCache:
@@ -57,14 +73,13 @@ class ExpertCache:
             self.staging = DeviceStaging(self.tables, self.store, rows, self.transfer)
         return self.staging
 
-    def settle_layer(self, layer_position: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def settle_layer(self, layer_position: int) -> Settled:
         """Inline: before layer `layer_position`'s kernel, read its counted tokens back (one host
         sync) and ask the policy about them; the compute stream then waits for the routed experts'
         slots, so an admitted miss is read from HBM after its one copy.
 
         Returns:
-            (expert, tokens) of the routed experts read from device memory (slots, stage rows), and
-            of those read from their host blobs (misses the policy did not admit), ascending.
+            The routed experts by where the kernel reads them, ascending (`Settled`).
         """
         if self.staging is not None:  # what layer - 2 staged for this layer, and its state, must be in place
             self.staging.wait_for(layer_position)
@@ -72,13 +87,16 @@ class ExpertCache:
         staged = state[UID] - layer_position * self.store.num_experts if state[PLACED] else None
         if staged is not None and per_expert[staged]:  # counted here: the restore after the kernel sees no tokens
             self.prefetch.used += 1
-        on_device, from_host = [], []
-        for expert in self._settle(layer_position, per_expert, staged):
+        settled = Settled([], [], [])
+        for expert, admitted in self._settle(layer_position, per_expert, staged):
             uid = layer_position * self.store.num_experts + expert
             if uid in self._slot_of:
                 self.transfer.ready(self._slot_of[uid])
-            (on_device if uid in self._slot_of or expert == staged else from_host).append((expert, per_expert[expert]))
-        return on_device, from_host
+            routed = (expert, per_expert[expert])
+            (settled.on_device if uid in self._slot_of or expert == staged else settled.from_host).append(routed)
+            if admitted:
+                settled.copied.append(routed)
+        return settled
 
     def settle(self) -> None:
         """Once per forward step, after it: read every layer's counters back at once and settle the
@@ -116,14 +134,14 @@ class ExpertCache:
         for uid in [u for u in self._slot_of if u not in resident]:
             self.pool.give(self._vacate(uid))
 
-    def _settle(self, layer_position: int, per_expert: list[int], staged: int | None) -> list[int]:
-        """Policy accesses for one layer's routed tokens, in ascending expert id; the experts routed."""
+    def _settle(self, layer_position: int, per_expert: list[int], staged: int | None) -> list[tuple[int, bool]]:
+        """Policy accesses for one layer's routed tokens, in ascending expert id; the experts routed,
+        each with whether it was admitted (copied in now)."""
         experts = [e for e, count in enumerate(per_expert) if count]
         if experts:
             self.policy.begin_group()
-        for expert in experts:
-            self._access(layer_position, expert, per_expert[expert], staged=expert == staged)
-        return experts
+        return [(expert, self._access(layer_position, expert, per_expert[expert], staged=expert == staged).admit)
+                for expert in experts]
 
     def _access(self, layer_position: int, expert: int, tokens: int, staged: bool) -> Access:
         """Ask the policy about one routed expert, carry out an admission and record the tokens

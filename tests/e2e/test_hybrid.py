@@ -254,6 +254,23 @@ def test_without_the_device_pace_the_devices_side_stays_at_its_calibration(mixtr
     assert (split.cpu, split.pcie, split.gpu_s) == ([0], [1], pytest.approx(1e-3))
 
 
+def test_an_admissions_copy_comes_first_on_the_devices_side(mixtral_store):
+    """Hand-worked, the CPU at 1.5 ms an expert, PCIe at 1 ms a blob, kernels free: a lone miss goes
+    over PCIe (1 ms). Beside an expert admitted in the same settle, whose copy takes PCIe's first
+    millisecond, it would end at 2 ms there: it goes to the CPU (1.5 ms), and the device's side is
+    the copy."""
+    model = _on_demand(mixtral_store, "all")
+    blob = model.store.blob_bytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1.5e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    hybrid = HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
+                           CpuPace(learn=0.0), device_pace=False)
+    alone = hybrid.choose([(2, 1)], [(0, 1)])
+    assert (alone.cpu, alone.pcie, alone.gpu_s) == ([], [0], pytest.approx(1e-3))
+    beside = hybrid.choose([(2, 1)], [(0, 1)], copied=[(2, 1)])
+    assert (beside.cpu, beside.pcie, beside.cpu_s, beside.gpu_s) == ([0], [], pytest.approx(1.5e-3),
+                                                                     pytest.approx(1e-3))
+
+
 def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(mixtral_store):
     """The error reaches the caller; the experts hidden for the CPU are back in the table, the
     worker's job is over, and the layer's next call is right and is the only one recorded."""

@@ -341,3 +341,26 @@ def test_lagged_staging_across_a_prefill_generates_the_unbudgeted_text():
     _assert_tables_follow_the_slots(model.cache)
     assert model.stats()["prefetch"]["issued"] > 0
 
+
+
+def test_an_inline_settle_names_the_admissions_it_copies_in(stores, monkeypatch):
+    """Inline LRU with room for three experts, one layer, one token routed to experts 1 and 5,
+    then to 5 and 6, then to 6 and 7: the first call copies both in; the second copies 6 in (5 is
+    a hit); the third copies 7 into the least recent one's slot, 1's, beside the hit 6."""
+    store = ExpertStore.open(stores["mixtral", "int8-shared"], progress=False)
+    cache = ExpertCache(store, LRU(3), SlotPool(3, store.blob_bytes, torch.device("cpu")),
+                        Transfer(torch.device("cpu"), 3), Telemetry(L, E))
+    layer = MiraExperts(0, cache, make_moe_ffn("cpu", store.layout, "silu", backend="reference"),
+                        torch.device("cpu"), lagged=False)
+    settled = []
+    settle_layer = cache.settle_layer
+    monkeypatch.setattr(cache, "settle_layer", lambda position: settled.append(settle_layer(position)) or settled[-1])
+    generator = torch.Generator().manual_seed(2)
+    for experts in ((1, 5), (5, 6), (6, 7)):
+        hidden = torch.randn(1, H, generator=generator)
+        index, weights = torch.tensor([experts]), torch.rand(1, K, generator=generator)
+        torch.testing.assert_close(layer(hidden, index, weights).double(), _reference(store, 0, hidden, index, weights),
+                                   rtol=1e-5, atol=1e-5)
+    assert [s.copied for s in settled] == [[(1, 1), (5, 1)], [(6, 1)], [(7, 1)]]
+    assert [s.on_device for s in settled] == [[(1, 1), (5, 1)], [(5, 1), (6, 1)], [(6, 1), (7, 1)]]
+    assert all(s.from_host == [] for s in settled) and cache.policy.resident() == {5, 6, 7}
