@@ -52,6 +52,9 @@
 #                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
 #                                           # calibrated,mira-gpu adds the device's side at its calibration, an
 #                                           # A/B of the device's pace in one run (~5 min, ~7 with it)
+#   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule leaves the CPU out there),
+#                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
+#                                           # run: does the CPU pay at 24 GiB once an admission's copy is priced (~6 min)
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
@@ -139,6 +142,11 @@ case "${1:-}" in
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
       --configs "${CONFIGS:-mira,mira-gpu}" ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 \
       --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}.json" --resume ;;
+  hybrid-24)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \
+      --configs "${CONFIGS:-mira,mira-gpu,mira-cpu-split}" --repeats 3 --out "$OUT/bench-mixtral-8x7b-hybrid-24gib.json" \
+      --resume ;;
   shapes)
     for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do
       timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \

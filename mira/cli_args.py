@@ -127,7 +127,10 @@ def check_model_options(args: argparse.Namespace) -> None:
                                 f"in place from host memory); pass --vram-budget (e.g. 25%) or leave out {flag}")
     if args.cpu_expert_threads is not None and args.cpu_experts == "off":
         raise MiraError("--cpu-threads sets the threads of the CPU that computes missed experts, which --cpu-experts "
-                        "off leaves unused; pass --cpu-experts auto or all, or leave out --cpu-threads")
+                        "off leaves unused; pass --cpu-experts auto, split or all, or leave out --cpu-threads")
+    if args.cpu_experts == "split" and device.type == "cpu":
+        raise MiraError("--cpu-experts split weighs the CPU against PCIe, and on the CPU both sides would be the same "
+                        "cores; pass --cpu-experts all (or auto, which stays off there)")
     if args.cpu_expert_threads is not None and device.type == "cpu" and args.cpu_experts in (None, "auto"):
         raise MiraError("--cpu-threads has no effect on the CPU, where --cpu-experts auto (the default) stays off "
                         "(both sides would be the same cores); pass --cpu-experts all, or leave out --cpu-threads")
@@ -204,8 +207,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
                              "(the default: on CUDA under a budget, a cost model calibrated once per machine splits "
                              "each layer's misses, and stays off where that would save a decode layer less than "
-                             "running layers inline costs; off on the CPU), all (every miss the policy leaves in "
-                             "host memory) or off. On, MoE layers run inline (--residency)")
+                             "running layers inline costs; off on the CPU), split (that split wherever there are "
+                             "misses, CUDA only), all (every miss the policy leaves in host memory) or off. On, MoE "
+                             "layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one)")
     parser.add_argument("--no-cuda-graphs", action="store_true",

@@ -57,7 +57,7 @@ def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
     misses. In results from before `--cpu-experts auto` was generate's default, `mira` had no CPU
     share and `mira-cpu-auto` had the calibrated one."""
     if any(row.get("config") == GPU_ONLY for row in result["runs"]):
-        return GPU_ONLY, ("mira", "mira-cpu-all")
+        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all")
     return "mira", ("mira-cpu-auto", "mira-cpu-all")
 
 
@@ -130,7 +130,7 @@ def layer_times(result: dict) -> list[str]:
 # one colour each, the same in every chart (mira-cpu-auto: older results)
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
-                "mira-gpu", "mira-device-calibrated")
+                "mira-gpu", "mira-device-calibrated", "mira-cpu-split")
 
 
 def plot(result: dict, path: str) -> None:

@@ -18,7 +18,7 @@ from mira.store.layout import SCHEMES
 
 PREFETCH = ("auto", "trained", "gate", "off")
 RESIDENCY = ("auto", "lagged", "inline")
-CPU_EXPERTS = ("auto", "off", "all")
+CPU_EXPERTS = ("auto", "off", "all", "split")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -55,8 +55,9 @@ class HybridConfig:
     mode: "auto" (the default: on CUDA under a budget, the calibrated cost model splits each
         layer's misses between the CPU and PCIe, and turns itself off where that would not pay for
         running layers inline (mira.cache.costmodel.cpu_pays); on the CPU, off: both sides would be
-        the same cores), "all" (every miss the policy leaves in host memory goes to the CPU) or
-        "off".
+        the same cores), "split" (auto's split on CUDA wherever there are misses, even where the
+        rule judges it does not pay), "all" (every miss the policy leaves in host memory goes to
+        the CPU) or "off".
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
     device_pace: splits price the device's side at the pace decoding measures (on CUDA), as they
         price the CPU's; False: at its calibration (an A/B for `mira bench`).
@@ -122,9 +123,10 @@ class RuntimeConfig:
         threads = self.hybrid.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MiraError(f"--cpu-threads {threads} is not a positive number of threads; pass 1 or more")
-        if self.hybrid.mode == "all" and self.residency.mode == "lagged":
-            raise MiraError("--cpu-experts all needs each layer's misses before its kernel, which lagged residency "
-                            "settles only after the step; pass --residency inline (or auto), or --cpu-experts off")
+        if self.hybrid.mode in ("all", "split") and self.residency.mode == "lagged":
+            raise MiraError(f"--cpu-experts {self.hybrid.mode} needs each layer's misses before its kernel, which "
+                            "lagged residency settles only after the step; pass --residency inline (or auto), or "
+                            "--cpu-experts off")
 
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
@@ -244,14 +246,14 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     "lagged" by name, since under "auto" residency decoding measured faster without it, and only
     for routers gate speculation recomputes.
 
-    Missed experts go to the CPU with cpu_experts "all", and with "auto" on CUDA where the
-    calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know its
+    Missed experts go to the CPU with cpu_experts "all" or "split", and with "auto" on CUDA where
+    the calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know its
     misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
     "auto" prefetching does not stage beside auto's CPU share (inline staging measured no gain).
 
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
-            gate speculation does not recompute.
+            gate speculation does not recompute; cpu_experts "split" off CUDA.
     """
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
         return Decisions("static", True, None, facts.capacity)
@@ -281,6 +283,10 @@ def _cpu_experts(config: RuntimeConfig, facts: Facts) -> str | None:
     mode = config.hybrid.mode
     if mode == "all":
         return "all"
-    if mode == "auto" and facts.device_type == "cuda" and facts.cpu_pays and config.residency.mode != "lagged":
+    if mode == "split" and facts.device_type != "cuda":
+        raise MiraError("--cpu-experts split weighs the CPU against PCIe, and on the CPU both sides would be the same "
+                        "cores; pass --cpu-experts all (or auto, which stays off there)")
+    if mode == "split" or (mode == "auto" and facts.device_type == "cuda" and facts.cpu_pays
+                           and config.residency.mode != "lagged"):
         return "split"
     return None

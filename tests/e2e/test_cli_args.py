@@ -112,8 +112,9 @@ def test_output_paths_are_checked_before_any_work(tmp_path, fresh_cache):
     (("--vram-budget", "25%", "--policy", "static"), ("--policy static", "pass --profile")),
     (("--vram-budget", "25%", "--cpu-experts", "all", "--residency", "lagged"),
      ("--cpu-experts all", "pass --residency inline")),
-    (("--cpu-experts", "off", "--cpu-threads", "2"), ("--cpu-threads", "pass --cpu-experts auto or all")),
+    (("--cpu-experts", "off", "--cpu-threads", "2"), ("--cpu-threads", "pass --cpu-experts auto, split or all")),
     (("--cpu-threads", "2"), ("--cpu-threads has no effect on the CPU", "pass --cpu-experts all")),
+    (("--vram-budget", "25%", "--cpu-experts", "split"), ("--cpu-experts split", "pass --cpu-experts all")),
     (("--max-context", "20000"), ("--max-context 20000 is beyond the 2048 positions", "pass --max-context 2048")),
 ])
 def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv, phrases, fresh_cache):

@@ -47,7 +47,7 @@ def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_thei
     assert compared(row("mira", 7.5), row("mira-gpu", 5.0), row("static", 4.0)) == [
         "12GiB: mira 7.5 tokens/s, 1.500x mira-gpu (GPU only), 0.750x the caching bound"]
     both = {"runs": [row("mira", 7.5), row("mira-gpu", 5.0)]}
-    assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-all"))
+    assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-split", "mira-cpu-all"))
     # before, `mira` was GPU-only and mira-cpu-auto had the calibrated split
     assert compared(row("mira-cpu-auto", 6.0), row("mira", 5.0)) == [
         "12GiB: mira-cpu-auto 6 tokens/s, 1.200x mira (GPU only), 0.600x the caching bound"]

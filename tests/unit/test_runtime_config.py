@@ -92,10 +92,11 @@ def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     (dict(policy="fifo"), "unknown policy 'fifo'"), (dict(residency="late"), "choose one of auto, lagged, inline"),
     (dict(quant="int3"), "unknown quant"), (dict(vram_budget=0), "not a positive number of bytes"),
     (dict(vram_budget="150%"), "or a share like 25%"), (dict(max_context=0), "not a positive number of tokens"),
-    (dict(cpu_experts="some"), "unknown cpu_experts 'some'; choose one of auto, off, all"),
+    (dict(cpu_experts="some"), "unknown cpu_experts 'some'; choose one of auto, off, all, split"),
     (dict(cpu_threads=0), "--cpu-threads 0 is not a positive"), (dict(cpu_threads=-2), "--cpu-threads -2"),
     (dict(cpu_threads=1.5), "--cpu-threads 1.5"),
     (dict(cpu_experts="all", residency="lagged"), "pass --residency inline"),
+    (dict(cpu_experts="split", residency="lagged"), "--cpu-experts split needs each layer's misses"),
 ])
 def test_bad_settings_are_refused_with_the_fix(settings, message):
     with pytest.raises(MiraError, match=message):
@@ -112,6 +113,10 @@ def test_the_cpu_takes_misses_with_all_and_where_the_calibration_says_it_pays_an
     assert _decide(cpu_pays=True, residency="inline").cpu_experts == "split"
     assert _decide(cpu_pays=True, device_type="cpu").cpu_experts is None  # on the CPU both sides are the same cores
     assert _decide(cpu_pays=True, cpu_experts="off") == Decisions("mira", True, None, 40, None)
+    assert _decide(cpu_pays=False, cpu_experts="split") == Decisions("mira", False, None, 40, "split")  # rule ignored
+    assert _decide(cpu_experts="split", capacity=96).cpu_experts is None  # all resident: no misses
+    with pytest.raises(MiraError, match="pass --cpu-experts all"):
+        _decide(cpu_experts="split", device_type="cpu")
     assert _decide(cpu_experts="all", capacity=96).cpu_experts is None  # all resident: no misses
     assert _decide(cpu_experts="all", prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "all")
 
