@@ -247,8 +247,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     for routers gate speculation recomputes.
 
     Missed experts go to the CPU with cpu_experts "all" or "split", and with "auto" on CUDA where
-    the calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know its
-    misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
+    the calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know
+    its misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
     "auto" prefetching does not stage beside auto's CPU share (inline staging measured no gain).
 
     Raises:
