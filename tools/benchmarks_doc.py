@@ -372,7 +372,7 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
     hybrid_cells = [(hybrid, "8GiB"), (hybrid, "12GiB"), (hybrid_24, "24GiB")]
     names = {stem: cpu_share_configs(results[stem]) for stem in (hybrid, hybrid_24)}
     gpu_only = {stem: gpu for stem, (gpu, _) in names.items()}
-    shared = {stem: cpu for stem, (_, (cpu, _)) in names.items()}
+    shared = {stem: cpu for stem, (_, (cpu, *_)) in names.items()}
     kernel = results["kernels-h200"]["shapes"]["mixtral-8x7b"]
     quality = results["eval-tiny"]["schemes"]["int8-shared"]
     coverage = results["predictor-tiny"]["coverage"]
