@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mira.cache.config import POLICIES
 from mira.errors import MiraError
-from mira.runtime.config import CPU_EXPERTS, PREFETCH, RESIDENCY, RuntimeConfig
+from mira.runtime.config import CPU_EXPERTS, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
@@ -128,9 +128,7 @@ def check_model_options(args: argparse.Namespace) -> None:
     if args.cpu_expert_threads is not None and args.cpu_experts == "off":
         raise MiraError("--cpu-threads sets the threads of the CPU that computes missed experts, which --cpu-experts "
                         "off leaves unused; pass --cpu-experts auto, split or all, or leave out --cpu-threads")
-    if args.cpu_experts == "split" and device.type == "cpu":
-        raise MiraError("--cpu-experts split weighs the CPU against PCIe, and on the CPU both sides would be the same "
-                        "cores; pass --cpu-experts all (or auto, which stays off there)")
+    refuse_split_off_cuda(args.cpu_experts, device.type)
     if args.cpu_expert_threads is not None and device.type == "cpu" and args.cpu_experts in (None, "auto"):
         raise MiraError("--cpu-threads has no effect on the CPU, where --cpu-experts auto (the default) stays off "
                         "(both sides would be the same cores); pass --cpu-experts all, or leave out --cpu-threads")

@@ -278,14 +278,19 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     return Decisions(config.cache.policy, lagged, predictor, slots, cpu_experts)
 
 
+def refuse_split_off_cuda(mode: str, device_type: str) -> None:
+    """Raises MiraError for cpu_experts "split" on a device other than CUDA, naming the fix."""
+    if mode == "split" and device_type != "cuda":
+        raise MiraError("--cpu-experts split weighs the CPU against PCIe, and on the CPU both sides would be the same "
+                        "cores; pass --cpu-experts all (or auto, which stays off there)")
+
+
 def _cpu_experts(config: RuntimeConfig, facts: Facts) -> str | None:
     """`Decisions.cpu_experts` under a budget (see `resolve`)."""
     mode = config.hybrid.mode
     if mode == "all":
         return "all"
-    if mode == "split" and facts.device_type != "cuda":
-        raise MiraError("--cpu-experts split weighs the CPU against PCIe, and on the CPU both sides would be the same "
-                        "cores; pass --cpu-experts all (or auto, which stays off there)")
+    refuse_split_off_cuda(mode, facts.device_type)
     if mode == "split" or (mode == "auto" and facts.device_type == "cuda" and facts.cpu_pays
                            and config.residency.mode != "lagged"):
         return "split"

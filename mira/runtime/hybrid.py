@@ -32,6 +32,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,27 +180,26 @@ class HybridExperts:
         return self.cuts is not None and tokens == 1
 
     def choose(self, on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
-               may_cut: bool = False, copied: list[tuple[int, int]] = ()) -> Split | None:
+               may_cut: bool = False, copied: Sequence[tuple[int, int]] = ()) -> Split | None:
         """The layer's misses divided: the cost model's split (a miss cut too, where `may_cut` and
         the kernel can), or every miss to the CPU; None without costs for the latter (no prediction).
         The device side starts with the kernels of `on_device` and the copies of `copied` (its
         experts admitted now), which cross PCIe before the misses' reads."""
         costs = self._paced(self.pace)
-        if costs is not None:
-            busy = (sum(costs.gpu(tokens) for _, tokens in on_device)
-                    + sum(costs.pcie_s(tokens, self._blob_bytes) - costs.gpu(tokens) for _, tokens in copied))
+        if costs is None:  # "all" without a calibration (a split always has costs)
+            return None
+        busy = (sum(costs.gpu(tokens) for _, tokens in on_device)
+                + sum(costs.pcie_s(tokens, self._blob_bytes) - costs.gpu(tokens) for _, tokens in copied))
         if self.split_misses:
             cut_costs = self._paced(self.cut_pace) if may_cut else None  # priced only where a cut may be made
             return split(from_host, self._blob_bytes, costs, gpu_busy_s=busy, cuts=self.cuts if may_cut else None,
                          cut_costs=cut_costs)
-        if costs is None:
-            return None
         cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
         return Split(cpu=[e for e, _ in from_host], pcie=[], cpu_s=cpu_s, gpu_s=busy)
 
     def start(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
-              copied: list[tuple[int, int]] = ()) -> CpuShare | None:
+              copied: Sequence[tuple[int, int]] = ()) -> CpuShare | None:
         """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
         from the table (the arguments after `top_k_weights`: mira.cache.cache.Settled). None when
         the CPU gets none."""
