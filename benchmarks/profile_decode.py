@@ -2,11 +2,12 @@
 
 Loads the bundled model, or a synthetic one at real shapes (`--synthetic mixtral-8x7b`), and for
 each budget and each `mira bench` configuration (mira+p, mira, lru, static, ...: the same names and
-settings, mira.bench.run.MIRA_CONFIGS) profiles two greedy `generate` calls on one prompt: the
-prompt alone (one new token), and the prompt then `--steps` decode steps. Their difference over
-`--steps` is one decode step, free of the prompt's forward, whose expert kernels are grouped GEMMs
-that cost about ten decode layers each (before this subtraction, profile-decode-mixtral-8x7b-all.json
-at 31a53f5 counted them in). A synthetic model decodes `mira bench`'s pseudo-random ids
+settings, mira.bench.run.MIRA_CONFIGS) profiles one greedy `generate` call on one prompt from the
+end of the prompt's forward on: a logits processor, called once the prompt's logits are ready,
+waits for the device and starts the profiler, so the figures are the call's own `--steps` decode
+steps: not the prompt's, whose expert kernels are grouped GEMMs that cost about ten decode layers
+each, and no difference of two calls, which a stateful policy would start from different cache
+states. A synthetic model decodes `mira bench`'s pseudo-random ids
 (mira.bench.measure.RandomContinuation), as in the bench, since its own greedy output repeats one
 token and its routing with it. Reports per decode step:
 
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
@@ -109,16 +110,40 @@ def _device_kind(name: str) -> str:
     return "other kernels"
 
 
+class _FromFirstToken(LogitsProcessor):
+    """Calls `start` once, when the prompt's logits are ready (the first processor call of a
+    `generate`); leaves the scores as they are."""
+
+    def __init__(self, start) -> None:
+        self.start = start
+        self.started = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self.started:
+            self.started = True
+            self.start()
+        return scores
+
+
 def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device) -> tuple:
-    """Profile one generate call of the prompt and `steps` decode steps: (wall s, host ms by range,
-    host ms blocked on the device, device ms by kind)."""
+    """Profile one generate call's `steps` decode steps, from the end of its prompt's forward:
+    (wall s, host ms by range, host ms blocked on the device, device ms by kind)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        _decode(model, ids, steps, forced)
+    prof = profile(activities=activities)
+    began: list[float] = []
+
+    def start() -> None:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
+            torch.cuda.synchronize(device)  # the prompt's forward stays out of the profile
+        prof.start()
+        began.append(time.perf_counter())
+
+    marker = LogitsProcessorList([_FromFirstToken(start), *(forced or [])])
+    _decode(model, ids, steps, marker)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - began[0]
+    prof.stop()
     host: dict[str, float] = {}
     device_ms: dict[str, float] = defaultdict(float)
     blocked = 0.0
@@ -134,10 +159,6 @@ def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device
     return wall, host, blocked, dict(device_ms)
 
 
-def _per_step(whole: dict[str, float], prompt: dict[str, float], steps: int) -> dict[str, float]:
-    return {key: (value - prompt.get(key, 0.0)) / steps for key, value in whole.items()}
-
-
 def _profile_config(source, name: str, budget: int, total: int, placement: Popularity, context: int,
                     ids: torch.Tensor, steps: int, device: torch.device) -> dict:
     """One configuration's figures per decode step, or {"skipped": why}."""
@@ -149,14 +170,11 @@ def _profile_config(source, name: str, budget: int, total: int, placement: Popul
         source.synthetic) else None
     _decode(model, ids, 4, forced)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
     _instrument(model)
-    prompt = _profiled(model, ids, 0, forced, device)
-    whole = _profiled(model, ids, steps, forced, device)
-    wall, blocked = ((whole[i] - prompt[i]) / steps for i in (0, 2))
-    host, device_ms = (_per_step(whole[i], prompt[i], steps) for i in (1, 3))
-    figures = {"wall_ms_per_step": round(wall * 1e3, 3),
-               "host_ms_per_step": {k: round(v, 3) for k, v in host.items()},
-               "host_blocked_on_device_ms_per_step": round(blocked, 3),
-               "device_ms_per_step": {k: round(v, 3) for k, v in device_ms.items()},
+    wall, host, blocked, device_ms = _profiled(model, ids, steps, forced, device)
+    figures = {"wall_ms_per_step": round(wall * 1e3 / steps, 3),
+               "host_ms_per_step": {k: round(v / steps, 3) for k, v in host.items()},
+               "host_blocked_on_device_ms_per_step": round(blocked / steps, 3),
+               "device_ms_per_step": {k: round(v / steps, 3) for k, v in device_ms.items()},
                "slots": model.cache.pool.num_slots, "total_experts": total,
                "residency": model.stats()["residency"],
                "decode_steps_replayed": model.decode_graphs.replays if model.decode_graphs else 0}
