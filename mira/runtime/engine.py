@@ -75,6 +75,10 @@ class MiraModel:
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
+        # On CUDA a step's settle waits for the next step's start (or the call's end): the host goes on
+        # with generate's work on the logits while the step's kernels run, instead of waiting for them.
+        self._defer_settle = self.device.type == "cuda"
+        self._unsettled: int | None = None  # tokens of the step whose settle is deferred
         hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
         hf_model.register_forward_hook(self._after_step)
         self._eager_forward = hf_model.forward
@@ -97,13 +101,27 @@ class MiraModel:
             self.hf_model.forward = self._eager_forward
 
     def _before_step(self, module, args, kwargs) -> None:
+        self.finish_step()
         inputs = step_inputs(args, kwargs)
         self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
 
     def _after_step(self, module, args, output) -> None:
+        if self._defer_settle:
+            self._unsettled = self._step_tokens
+        else:
+            self._settle_step(self._step_tokens)
+
+    def finish_step(self) -> None:
+        """Settle the last forward step if its settle is still deferred (on CUDA, until the next step
+        starts; `generate` and `stats` call this): its routing goes to the policy, as every step's does."""
+        if self._unsettled is not None:
+            tokens, self._unsettled = self._unsettled, None
+            self._settle_step(tokens)
+
+    def _settle_step(self, tokens: int) -> None:
         if self._settles:
-            self.cache.settle()  # lagged layers' routing of this step, and staging's, go to the policy
-        self.cache.end_step(self._step_tokens)
+            self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
+        self.cache.end_step(tokens)
 
     def __call__(self, *args, **kwargs):
         return self.hf_model(*args, **kwargs)
@@ -130,7 +148,10 @@ class MiraModel:
         kwargs.setdefault("disable_compile", True)
         if self._replays(input_ids, kwargs):
             kwargs["past_key_values"] = self._static_kv_cache()
-        return self.hf_model.generate(input_ids.to(self.device), **kwargs)
+        try:
+            return self.hf_model.generate(input_ids.to(self.device), **kwargs)
+        finally:
+            self.finish_step()
 
     def _replays(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
         """Whether this generate call's decode steps can be replayed from CUDA graphs: one sequence,
@@ -154,6 +175,7 @@ class MiraModel:
 
     def stats(self) -> dict:
         """Cache statistics and the setup, as plain JSON-ready values."""
+        self.finish_step()
         return {
             "device": self.config.device,
             "dtype": self.config.dtype,

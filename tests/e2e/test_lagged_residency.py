@@ -364,3 +364,36 @@ def test_an_inline_settle_names_the_admissions_it_copies_in(stores, monkeypatch)
     assert [s.copied for s in settled] == [[(1, 1), (5, 1)], [(6, 1)], [(7, 1)]]
     assert [s.on_device for s in settled] == [[(1, 1), (5, 1)], [(5, 1), (6, 1)], [(6, 1), (7, 1)]]
     assert all(s.from_host == [] for s in settled) and cache.policy.resident() == {5, 6, 7}
+
+
+@pytest.mark.parametrize("policy", ["lru", "mira"])
+def test_a_deferred_settle_decides_as_the_settle_after_each_step(stores, policy):
+    """On CUDA a step's settle waits for the next step's start or the call's end (forced here on the
+    CPU): the same accesses in the same order, so the same text, telemetry, copies and residents as
+    settling after each step; a decode step left unsettled keeps its counts on the device until then."""
+    store = stores["mixtral", "int8-row"]
+    budget = _budget(store, 9)
+    runs = {}
+    for defer in (True, False):
+        model = mira.load(store, device="cpu", vram_budget=budget, policy=policy, prefetch="off",
+                          residency="lagged", progress=False)
+        model._defer_settle = defer
+        tokens = [model.generate(_prompt(length), **GREEDY) for length in (DECODE_TOKENS + 3, 5)]
+        runs[defer] = (model, tokens)
+    (deferred, deferred_tokens), (after, after_tokens) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(deferred_tokens, after_tokens))
+    assert np.array_equal(deferred.cache.telemetry.counts, after.cache.telemetry.counts)
+    assert deferred.cache.telemetry.copies == after.cache.telemetry.copies > 9
+    assert deferred.cache.policy.resident() == after.cache.policy.resident()
+    assert deferred.cache._slot_of == after.cache._slot_of
+    _assert_tables_follow_the_slots(deferred.cache)
+
+    routed = deferred.cache.telemetry.counts[:, :, 0].sum()
+    with torch.no_grad():
+        deferred(_prompt(1))  # one decode-sized step: counted on the device, not yet settled
+    assert deferred.cache.tables.pending.sum().item() == L * K
+    assert deferred.cache.telemetry.counts[:, :, 0].sum() == routed
+    deferred.finish_step()
+    assert not deferred.cache.tables.pending.any()
+    assert deferred.cache.telemetry.counts[:, :, 0].sum() == routed + L * K
+    _assert_tables_follow_the_slots(deferred.cache)
