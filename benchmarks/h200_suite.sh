@@ -55,6 +55,9 @@
 #   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule leaves the CPU out there),
 #                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
 #                                           # run: does the CPU pay at 24 GiB once an admission's copy is priced (~6 min)
+#   bash benchmarks/h200_suite.sh settle    # the deferred settle's A/B: mira bench, OLMoE-1B-7B shape at 25% and
+#                                           # 50% of the experts, 64 in / 64 out, mira and static against
+#                                           # mira-settle-now and static-settle-now in one run (~4 min)
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
@@ -146,6 +149,10 @@ case "${1:-}" in
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \
       --configs "${CONFIGS:-mira,mira-gpu,mira-cpu-split}" --repeats 3 --out "$OUT/bench-mixtral-8x7b-hybrid-24gib.json" \
       --resume ;;
+  settle)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic olmoe-1b-7b --fixed 64x64 --budgets 25%,50% \
+      --configs mira,mira-settle-now,static,static-settle-now --repeats 3 --out "$OUT/bench-olmoe-1b-7b-settle.json" \
+      --quiet --resume ;;
   shapes)
     for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do
       timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \

@@ -40,7 +40,8 @@ def add_command(subparsers) -> None:
                     "twice), mira-eager (no CUDA graphs, also "
                     "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
                     "lru-lagged, lfu (on demand, least frequently used, inline), static (popularity placement; "
-                    "lagged, as it never admits a miss), hf-gpu "
+                    "lagged, as it never admits a miss), mira-settle-now and static-settle-now (mira and static "
+                    "with each step settled right after its launch, not at the next step's start), hf-gpu "
                     "(transformers, whole model on the GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()

@@ -130,7 +130,7 @@ def layer_times(result: dict) -> list[str]:
 # one colour each, the same in every chart (mira-cpu-auto: older results)
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
-                "mira-gpu", "mira-device-calibrated", "mira-cpu-split")
+                "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now")
 
 
 def plot(result: dict, path: str) -> None:

@@ -62,6 +62,8 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "lru-lagged": dict(policy="lru", prefetch="off", residency="lagged"),
     "lfu": dict(policy="lfu", prefetch="off", residency="inline"),
     "static": dict(policy="static", prefetch="off", residency="auto"),  # lagged: it never admits a miss
+    "mira-settle-now": dict(policy="mira", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
+    "static-settle-now": dict(policy="static", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
 }
 BASELINES = ("hf-gpu", "hf-offload")
 ALL = "all"

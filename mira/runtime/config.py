@@ -43,9 +43,13 @@ class ResidencyConfig:
     mode: "lagged" (after the step: no host sync, missed experts read from pinned memory by the
         kernel, an admitted miss crosses PCIe twice), "inline" (before each layer: one host sync,
         a miss crosses once) or "auto" (see `resolve`).
+    deferred: on CUDA a step's settle waits for the next step's start, so the host does generate's
+        work on the logits while the step's kernels run; False: right after the step's launch,
+        waiting for its kernels (an A/B for `mira bench`).
     """
 
     mode: str = "auto"
+    deferred: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class RuntimeConfig:
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
         policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode),
-        cpu_threads and device_pace for the nested ones.
+        cpu_threads, device_pace and deferred_settle for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
@@ -139,7 +143,7 @@ class RuntimeConfig:
         nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
                   "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
                   "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads"),
-                  "device_pace": ("hybrid", "device_pace")}
+                  "device_pace": ("hybrid", "device_pace"), "deferred_settle": ("residency", "deferred")}
         flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
         if unknown:

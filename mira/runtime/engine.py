@@ -75,9 +75,7 @@ class MiraModel:
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
-        # On CUDA a step's settle waits for the next step's start (or the call's end): the host goes on
-        # with generate's work on the logits while the step's kernels run, instead of waiting for them.
-        self._defer_settle = self.device.type == "cuda"
+        self._defer_settle = self.device.type == "cuda" and config.residency.deferred  # see ResidencyConfig
         self._unsettled: int | None = None  # tokens of the step whose settle is deferred
         hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
         hf_model.register_forward_hook(self._after_step)
@@ -229,7 +227,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
             or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
-            cuda_graphs, cpu_experts (auto, off, all), cpu_threads and device_pace.
+            cuda_graphs, cpu_experts (auto, off, all, split), cpu_threads, device_pace and deferred_settle.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
