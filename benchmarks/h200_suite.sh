@@ -52,9 +52,9 @@
 #                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
 #                                           # calibrated,mira-gpu adds the device's side at its calibration, an
 #                                           # A/B of the device's pace in one run (~5 min, ~7 with it)
-#   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule leaves the CPU out there),
+#   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule decides on the CPU's share),
 #                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
-#                                           # run: does the CPU pay at 24 GiB once an admission's copy is priced (~6 min)
+#                                           # run (~4 min)
 #   bash benchmarks/h200_suite.sh settle    # the deferred settle's A/B: mira bench, OLMoE-1B-7B shape at 25% and
 #                                           # 50% of the experts, 64 in / 64 out, mira and static against
 #                                           # mira-settle-now and static-settle-now in one run (~4 min)

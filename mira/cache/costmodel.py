@@ -246,13 +246,15 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
                  gpu_s=best[1])
 
 
-def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0) -> bool:
+def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0,
+             cuts: Cuts | None = None) -> bool:
     """Whether a CPU share pays where the misses could otherwise be left to the GPU without a host
     sync: in a decode layer whose `top_k` routed experts each miss with probability `miss_rate`
-    (independently; the share of experts without a slot, as under uniform routing), the split must
-    finish at least `INLINE_LAYER_S` before PCIe alone would, in expectation. Whole splits only:
-    what cuts save, priced at the calibration, did not show where only they would have paid
-    (benchmarks/results/bench-mixtral-8x7b-hybrid-cuts-counted.json at 24 GiB)."""
+    (independently; the share of experts without a slot, as under uniform routing), the split (with
+    a miss cut where `cuts` allows) must finish at least `INLINE_LAYER_S` before PCIe alone would,
+    in expectation. Cuts count since admissions' copies are priced on the device's side: at 24 GiB
+    the split then beat GPU-only decoding (benchmarks/results/bench-mixtral-8x7b-hybrid-24gib-split.json),
+    where before that pricing it had lost (bench-mixtral-8x7b-hybrid-cuts-counted.json)."""
     if not 0 <= miss_rate <= 1:
         raise ValueError(f"miss_rate is a probability, not {miss_rate}")
     saved = 0.0
@@ -260,7 +262,7 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
         misses = [(expert, 1) for expert in range(count)]
         pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
         chance = math.comb(top_k, count) * miss_rate ** count * (1 - miss_rate) ** (top_k - count)
-        saved += chance * (pcie_alone - split(misses, blob_bytes, costs).predicted_s)
+        saved += chance * (pcie_alone - split(misses, blob_bytes, costs, cuts=cuts).predicted_s)
     return saved >= INLINE_LAYER_S
 
 

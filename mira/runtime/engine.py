@@ -31,7 +31,7 @@ from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, pre
 from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.hybrid import CpuExperts, HybridExperts, machine_costs, worker_threads
+from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
@@ -289,7 +289,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and top_k is not None and cpu_pays(
-                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts)))
+                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts),
+                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None))))
     try:
         decided = resolve(config, facts)
     except MiraError:

@@ -71,7 +71,7 @@ def worker_threads(requested: int | None) -> int:
     return requested if requested is not None else max(1, torch.get_num_threads() - 1)
 
 
-def _expert_cuts(layout: ExpertLayout, granule: int | None) -> Cuts | None:
+def expert_cuts(layout: ExpertLayout, granule: int | None) -> Cuts | None:
     """How a miss of this layout may be cut, given the device kernel's cut granule (None: it cannot
     cut): whole granules of intermediate units, the CPU reading the down matrix whatever its share
     (mira.kernels.cpu_experts)."""
@@ -149,7 +149,7 @@ class HybridExperts:
                  cut_granule: int | None = None, device_pace: bool = True):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
-        self.cuts = _expert_cuts(store.layout, cut_granule) if split_misses and costs.pcie_bytes_per_s else None
+        self.cuts = expert_cuts(store.layout, cut_granule) if split_misses and costs.pcie_bytes_per_s else None
         self._granule = cut_granule
         self._intermediate = store.layout.intermediate
         self.worker = worker

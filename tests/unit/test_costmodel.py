@@ -313,6 +313,22 @@ def test_a_cpu_share_pays_by_its_expected_saving_at_the_budgets_miss_rate():
         cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=1.5)
 
 
+def test_a_cut_counts_in_what_a_cpu_share_saves():
+    """Mixtral-8x7B as above, a miss cut into 4 parts (the CPU reading only its parts): a lone miss
+    cut in half ends at max(0.2 + 3.06 / 2, 3.25 / 2) = 1.73 ms against PCIe alone's 3.25, 1.52 ms
+    sooner, where whole it stays on PCIe (3.26 ms on the CPU). At p = 0.51 one miss comes with
+    2 p (1 - p) = 0.4998: 0.4998 * 1.52 + 0.2601 * 3.24 = 1.60 ms, over INLINE_LAYER_S, where whole
+    splits alone save 0.84 ms."""
+    mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3,
+                          pcie_bytes_per_s=MB / 3.25e-3)
+    halves = Cuts(parts=4, cpu_whole=0.0)
+    lone = split(decode([0]), MB, mixtral, cuts=halves)
+    assert lone.cut == (0, 2) and lone.predicted_s == pytest.approx(0.2e-3 + 3.06e-3 / 2)
+    assert 0.4998 * (3.25e-3 - lone.predicted_s) + 0.2601 * 3.24e-3 > INLINE_LAYER_S
+    assert cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.51, cuts=halves)
+    assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.51)
+
+
 def test_experts_too_small_to_pay_on_any_link_skip_the_calibration():
     """A split saves at most PCIe alone's time. At 1 GB/s (slower than any GPU link) a layer's misses
     (int8-shared blobs) take: the bundled model's 2 x 0.197 MB, 0.39 ms, under INLINE_LAYER_S;
