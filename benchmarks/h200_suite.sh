@@ -57,7 +57,8 @@
 #                                           # run (~4 min)
 #   bash benchmarks/h200_suite.sh settle    # the deferred settle's A/B: mira bench, OLMoE-1B-7B shape at 25% and
 #                                           # 50% of the experts, 64 in / 64 out, mira and static against
-#                                           # mira-settle-now and static-settle-now in one run (~4 min)
+#                                           # mira-settle-now and static-settle-now in one run; CONFIGS=... runs
+#                                           # them in another order, to tell the deferral from the order (~2 min)
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
@@ -151,7 +152,8 @@ case "${1:-}" in
       --resume ;;
   settle)
     timeout "$LIMIT" python -m mira.cli bench --synthetic olmoe-1b-7b --fixed 64x64 --budgets 25%,50% \
-      --configs mira,mira-settle-now,static,static-settle-now --repeats 3 --out "$OUT/bench-olmoe-1b-7b-settle.json" \
+      --configs "${CONFIGS:-mira,mira-settle-now,static,static-settle-now}" --repeats 3 \
+      --out "$OUT/bench-olmoe-1b-7b-settle${CONFIGS:+-reordered}.json" \
       --quiet --resume ;;
   shapes)
     for preset in deepseek-v2-lite qwen3-30b-a3b olmoe-1b-7b; do
