@@ -367,13 +367,11 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
         return f"[{stem}]({doc}#{stem})"
 
     mixtral, dsv2, dsv2_budget = "bench-mixtral-8x7b", "bench-deepseek-v2-lite", "bench-deepseek-v2-lite-policies"
-    # 24 GiB from its own run, whose mira-cpu-split is what auto's rule (cuts counted) does there;
-    # that run's `mira` followed the earlier rule, which left the CPU out at 24 GiB
-    hybrid, hybrid_24 = "bench-mixtral-8x7b-hybrid-budgets", "bench-mixtral-8x7b-hybrid-24gib-split"
+    hybrid, hybrid_24 = "bench-mixtral-8x7b-hybrid-budgets", "bench-mixtral-8x7b-hybrid-24gib"  # 24 GiB: its own run
     hybrid_cells = [(hybrid, "8GiB"), (hybrid, "12GiB"), (hybrid_24, "24GiB")]
     names = {stem: cpu_share_configs(results[stem]) for stem in (hybrid, hybrid_24)}
     gpu_only = {stem: gpu for stem, (gpu, _) in names.items()}
-    shared = {hybrid: names[hybrid][1][0], hybrid_24: "mira-cpu-split"}
+    shared = {stem: configs[0] for stem, (_, configs) in names.items()}
     kernel = results["kernels-h200"]["shapes"]["mixtral-8x7b"]
     quality = results["eval-tiny"]["schemes"]["int8-shared"]
     coverage = results["predictor-tiny"]["coverage"]
