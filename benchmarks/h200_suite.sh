@@ -69,6 +69,9 @@
 #                                           # filled; a rerun resumes, skipping a scheme already measured (~8 min)
 #   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
+#   bash benchmarks/h200_suite.sh hybrid-tiny  # that config at 25% and 50%: mira against mira-gpu (the CPU's share
+#                                           # off, lagged) and static in one run, then where a decode step's time
+#                                           # goes at 50%, mira and mira-gpu: does the CPU's share pay there (~5 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -172,6 +175,13 @@ case "${1:-}" in
       --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
       --configs mira,lru,lru-lagged,lfu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-replay.json" --quiet \
       --resume ;;
+  hybrid-tiny)
+    timeout 300 python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
+      --configs mira,mira-gpu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-hybrid.json" --resume
+    timeout 200 python benchmarks/profile_decode.py --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --budgets 50% --configs mira,mira-gpu \
+      --out "$OUT/profile-decode-mixtral-12-layers-replay-50pct.json" ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2
