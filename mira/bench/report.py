@@ -109,7 +109,8 @@ def layer_times(result: dict) -> list[str]:
     """Per run whose CPU computed missed experts: each MoE layer's cost-model prediction per call
     (the later side, and the CPU's side) against the measured time (hand-off to the worker's partial
     sum written) and the worker's compute time within it, and where the device's side was timed, it
-    and the later side against the prediction; in milliseconds."""
+    and the later side against the prediction; then the paced decode jobs' CPU side by kind
+    (mira.cache.telemetry.HybridTelemetry); in milliseconds."""
     lines = []
     for row in result["runs"]:
         layers = [layer for layer in (row.get("cpu_experts") or {}).get("layers", []) if "predicted_ms" in layer]
@@ -124,6 +125,14 @@ def layer_times(result: dict) -> list[str]:
                   f"{_num(layer.get('cpu_compute_ms')):>14}  "
                   f"{_num(layer.get('predicted_over_measured')):>18}  {_num(layer.get('device_ms')):>9}  "
                   f"{_num(layer.get('predicted_over_served')):>16}" for layer in layers]
+        jobs = row["cpu_experts"].get("jobs", [])
+        if jobs:
+            lines += ["", f"{row['config']} at {row['budget']}: the CPU's side of the decode jobs a pace learnt from, "
+                          "calibrated against measured, by kind",
+                      "  whole experts  cut share  jobs  calibrated ms  measured ms  measured/calibrated"]
+            lines += [f"  {job['whole_experts']:>13}  {job['cut_share'] or '-':>9}  {job['jobs']:>4}  "
+                      f"{job['calibrated_ms']:>13.3f}  {job['measured_ms']:>11.3f}  "
+                      f"{job['measured_over_calibrated']:>19.3f}" for job in jobs]
     return lines
 
 

@@ -84,7 +84,14 @@ class HybridTelemetry:
     sum), the worker's own part of that (rows ready to partial sum written), and on CUDA the
     device's side (its table updates and kernel, timed on the stream) and the later of the two,
     when the layer's misses were all served. A CPU-served expert is also a miss in `Telemetry`:
-    the policy saw it miss."""
+    the policy saw it miss.
+
+    Beside the layers, the decode jobs priced by a pace (`calibrated_cpu_s`), by kind: whole experts
+    (1, 2, 3 or more) and the CPU's share of a cut in fifths, each with its calibrated and measured
+    CPU side (`jobs` in `summary`). A pace is one ratio for every job of its kind; where the ratio
+    grows as the cut's share shrinks, the calibration misses a fixed cost of small jobs."""
+
+    CUT_BINS = 5  # the CPU's share of a cut, in fifths
 
     def __init__(self, num_layers: int):
         self.calls = [0] * num_layers
@@ -104,14 +111,23 @@ class HybridTelemetry:
         self.device_calls = [0] * num_layers
         self.predicted_device_s = [0.0] * num_layers  # over the predicted calls
         self.served_with_prediction_s = [0.0] * num_layers  # the later side of the predicted calls
+        # (whole experts up to 3, the cut's fifth or -1) -> [jobs, calibrated seconds, measured seconds]
+        self.jobs: dict[tuple[int, int], list[float]] = {}
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
                predicted: tuple[float, float, float] | None, cut_share: float = 0.0,
-               device_s: float | None = None) -> None:
+               device_s: float | None = None, calibrated_cpu_s: float = 0.0) -> None:
         """One call; `measured_s`: the CPU's side; `compute_s`: the worker's part of it; `predicted`:
         (the layer's misses served, the CPU's side, the device's side) in seconds, or None;
         `cut_share`: the CPU's share of the units of one more expert it computed in part (0: none);
-        `device_s`: the device's side, or None where it was not timed."""
+        `device_s`: the device's side, or None where it was not timed; `calibrated_cpu_s`: the CPU's
+        side as calibrated, for a decode job a pace learns from (0: none)."""
+        if calibrated_cpu_s > 0:
+            kind = (min(experts, 3), min(int(cut_share * self.CUT_BINS), self.CUT_BINS - 1) if cut_share > 0 else -1)
+            job = self.jobs.setdefault(kind, [0, 0.0, 0.0])
+            job[0] += 1
+            job[1] += calibrated_cpu_s
+            job[2] += measured_s
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
         self.cuts[layer_position] += cut_share > 0
@@ -161,4 +177,16 @@ class HybridTelemetry:
                                                          / self.served_with_prediction_s[layer], 4)
             layers.append(row)
         return {"calls": sum(self.calls), "experts": sum(self.experts), "cuts": sum(self.cuts),
-                "cut_share": round(sum(self.cut_shares), 4), "tokens": sum(self.tokens), "layers": layers}
+                "cut_share": round(sum(self.cut_shares), 4), "tokens": sum(self.tokens), "layers": layers,
+                "jobs": self._jobs()}
+
+    def _jobs(self) -> list[dict]:
+        """The paced decode jobs by kind, whole experts first, then by the cut's share."""
+        rows = []
+        for (experts, fifth), (count, calibrated, measured) in sorted(self.jobs.items()):
+            cut = f"{fifth / self.CUT_BINS:.1f}-{(fifth + 1) / self.CUT_BINS:.1f}" if fifth >= 0 else None
+            rows.append({"whole_experts": f"{experts}+" if experts == 3 else str(experts), "cut_share": cut,
+                         "jobs": int(count), "calibrated_ms": round(1e3 * calibrated / count, 4),
+                         "measured_ms": round(1e3 * measured / count, 4),
+                         "measured_over_calibrated": round(measured / calibrated, 4)})
+        return rows

@@ -306,9 +306,10 @@ class HybridExperts:
         measured = job.finished - share.begin
         cut_share = 1 - share.cut[1] / self._intermediate if share.cut is not None else 0.0
         device_s = self._device_seconds()
+        paced = self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS  # prefill extrapolates the line
         self.telemetry.record(share.layer_position, len(share.experts), share.tokens, measured, job.compute_s,
-                              share.predicted, cut_share, device_s)
-        if self.pace is not None and job.hidden.shape[0] <= DECODE_TOKENS:  # prefill extrapolates the line
+                              share.predicted, cut_share, device_s, share.calibrated_cpu_s if paced else 0.0)
+        if paced:
             (self.cut_pace if share.cut is not None else self.pace).observe(measured, share.calibrated_cpu_s)
             if device_s is not None and self.device_pace is not None:
                 self.device_pace.observe(device_s, share.calibrated_device_s)

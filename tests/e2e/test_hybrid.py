@@ -172,6 +172,10 @@ def test_a_cut_teaches_the_cut_pace_and_pulls_whole_experts_pace_back(mixtral_st
     summary = hybrid.summary()
     assert (summary["cpu_pace"], summary["cpu_cut_pace"]) == (round(hybrid.pace.scale, 4),
                                                              round(hybrid.cut_pace.scale, 4))
+    (job,) = summary["jobs"]  # the cut, half the units: what the cut pace learnt from
+    assert (job["whole_experts"], job["cut_share"], job["jobs"]) == ("0", "0.4-0.6", 1)
+    assert job["calibrated_ms"] == pytest.approx(1e3 * calibrated, abs=1e-4)
+    assert job["measured_over_calibrated"] == pytest.approx(hybrid.cut_pace.scale, abs=1e-4)
 
 
 def test_the_cpus_side_is_priced_at_the_pace_decoding_measures(mixtral_store):

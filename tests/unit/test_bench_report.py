@@ -11,7 +11,11 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     row = {"config": "mira-cpu-all", "budget": "8GiB", "num_beams": 1, "slots": 10, "ttft_s": 0.1,
            "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "tokens_served": {"hot": 90, "stage": 0, "miss": 10},
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
-           "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers},
+           "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers, "jobs": [
+               {"whole_experts": "0", "cut_share": "0.0-0.2", "jobs": 3, "calibrated_ms": 1.0, "measured_ms": 2.5,
+                "measured_over_calibrated": 2.5},
+               {"whole_experts": "1", "cut_share": None, "jobs": 1, "calibrated_ms": 3.0, "measured_ms": 3.9,
+                "measured_over_calibrated": 1.3}]},
            "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25},
                        {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None,
                         "cpu_pace": 1.4412, "cpu_cut_pace": 2.2, "device_pace": 1.1749}]}
@@ -25,7 +29,12 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     at = lines.index("mira-cpu-all at 8GiB: predicted and measured ms per MoE layer call with a CPU share (over "
                      "every run of the configuration)")
     assert lines[at + 2].split() == ["0", "4", "4", "1.800", "1.500", "2.000", "1.7", "0.9", "2.4", "0.75"]
-    assert len(lines) == at + 3
+    jobs = lines.index("mira-cpu-all at 8GiB: the CPU's side of the decode jobs a pace learnt from, calibrated "
+                       "against measured, by kind")
+    assert jobs == at + 4 and lines[jobs + 1].split()[0] == "whole"
+    assert lines[jobs + 2].split() == ["0", "0.0-0.2", "3", "1.000", "2.500", "2.500"]
+    assert lines[jobs + 3].split() == ["1", "-", "1", "3.000", "3.900", "1.300"]
+    assert len(lines) == jobs + 4
     compared = lines.index("the CPU's share against GPU-only mira in the same run:")
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
