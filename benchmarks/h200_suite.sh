@@ -62,6 +62,8 @@
 #   bash benchmarks/h200_suite.sh shapes    # mira bench at 25% and 50% of the experts, synthetic routing, 64 in /
 #                                           # 64 out, mira against LRU (inline, lagged), LFU and static, 3 timed
 #                                           # repeats: DeepSeek-V2-Lite, Qwen3-30B-A3B, OLMoE-1B-7B (~8 min)
+#   bash benchmarks/h200_suite.sh shapes-mixtral  # the same for the Mixtral-8x7B shape (~9 min: a resumed
+#                                           # second call may be needed)
 #   bash benchmarks/h200_suite.sh int4      # mira bench, Mixtral-8x7B shape replaying the same recorded routing,
 #                                           # 64 in / 64 out, 12 and 24 GiB, int4 against int8-shared in one run
 #                                           # (CONFIGS, default mira,static), 3 timed repeats; the int8 store
@@ -165,6 +167,10 @@ case "${1:-}" in
       timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25%,50% \
         --configs mira,lru,lru-lagged,lfu,static --repeats 3 --out "$OUT/bench-$preset-policies.json" --quiet --resume
     done ;;
+  shapes-mixtral)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x64 --budgets 25%,50% \
+      --configs mira,static,lfu,lru,lru-lagged --repeats 3 --out "$OUT/bench-mixtral-8x7b-policies.json" --quiet \
+      --resume ;;
   int4)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
