@@ -19,7 +19,9 @@ token and its routing with it. Reports per decode step:
   (hybrid.start) and the wait for its partial sum (hybrid.finish);
 - host time blocked on the device (cudaStreamSynchronize: the per-layer read-back of routing);
 - device time by kind: the expert kernels (Triton), host-to-device copies, everything else
-  (attention, norms, router, embeddings, LM head).
+  (attention, norms, router, embeddings, LM head);
+- the device's busy time (the union of its kernels' and copies' spans, whatever the stream) and
+  its idle time, the wall time less that: the bubbles the host's work and waits leave.
 
 With `--routing TRACE.npz` every model routes as the trace did, as in `mira bench --routing`: the
 calibration prompts replay its first rows and place the static policy and the mira policy's prior,
@@ -127,7 +129,7 @@ class _FromFirstToken(LogitsProcessor):
 
 def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device) -> tuple:
     """Profile one generate call's `steps` decode steps, from the end of its prompt's forward:
-    (wall s, host ms by range, host ms blocked on the device, device ms by kind)."""
+    (wall s, host ms by range, host ms blocked on the device, device ms by kind, device busy ms)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = profile(activities=activities)
     began: list[float] = []
@@ -144,6 +146,8 @@ def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - began[0]
     prof.stop()
+    busy = _busy_ms([(event.time_range.start, event.time_range.end) for event in prof.events()
+                     if event.device_type != DeviceType.CPU and event.name not in RANGES])
     host: dict[str, float] = {}
     device_ms: dict[str, float] = defaultdict(float)
     blocked = 0.0
@@ -156,7 +160,17 @@ def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device
         elif event.key not in RANGES:  # kernels and copies; not a host op's time on the device, which counts
             # its kernels again, nor a range's span on the device's timeline
             device_ms[_device_kind(event.key)] += event.self_device_time_total / 1e3
-    return wall, host, blocked, dict(device_ms)
+    return wall, host, blocked, dict(device_ms), busy
+
+
+def _busy_ms(spans: list[tuple[float, float]]) -> float:
+    """Milliseconds covered by the union of (start, end) spans in microseconds."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
 
 
 def _profile_config(source, name: str, budget: int, total: int, placement: Popularity, context: int,
@@ -170,8 +184,11 @@ def _profile_config(source, name: str, budget: int, total: int, placement: Popul
         source.synthetic) else None
     _decode(model, ids, 4, forced)  # warm-up: kernels compiled, buffers made, cache filled, decode step captured
     _instrument(model)
-    wall, host, blocked, device_ms = _profiled(model, ids, steps, forced, device)
+    wall, host, blocked, device_ms, busy = _profiled(model, ids, steps, forced, device)
+    timed = device.type == "cuda"  # the device's spans are profiled
     figures = {"wall_ms_per_step": round(wall * 1e3 / steps, 3),
+               "device_busy_ms_per_step": round(busy / steps, 3) if timed else None,
+               "device_idle_ms_per_step": round((wall * 1e3 - busy) / steps, 3) if timed else None,
                "host_ms_per_step": {k: round(v / steps, 3) for k, v in host.items()},
                "host_blocked_on_device_ms_per_step": round(blocked / steps, 3),
                "device_ms_per_step": {k: round(v / steps, 3) for k, v in device_ms.items()},
@@ -197,6 +214,9 @@ def _print(label: str, budget: str, name: str, figures: dict) -> None:
     print(f"  host  blocked on the device        {figures['host_blocked_on_device_ms_per_step']:9.3f} ms")
     for kind, value in sorted(figures["device_ms_per_step"].items()):
         print(f"  device {kind:<27} {value:9.3f} ms")
+    if figures["device_busy_ms_per_step"] is not None:
+        print(f"  device busy (any stream)           {figures['device_busy_ms_per_step']:9.3f} ms")
+        print(f"  device idle (wall less busy)       {figures['device_idle_ms_per_step']:9.3f} ms")
 
 
 def main() -> None:
