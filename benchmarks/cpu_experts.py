@@ -9,12 +9,16 @@ weights that no CPU cache holds, and times on a CPU worker of --threads threads:
   main_busy_us     (--main-threads M) cpu_us while this thread computes experts with M threads too
   copy_us          (CUDA) the pinned-to-device copy of one blob
   together         (CUDA) cpu_us while copies stream to the device, and the copies' GB/s meanwhile
+  cuts             (--cuts N, one token) a job of one expert cut k/N of the way, for k = 1..N-1: the
+                   CPU computes its last k/N of the intermediate units and reads the down matrix whole
+                   (mira.kernels.cpu_experts), as worker_us and (CUDA) together; each against the cost
+                   model's linear price, the whole expert's time scaled by the bytes the part reads
 
 Each figure: --repeats passes (>= 3), each the mean per call over one pass through the blobs;
 median and range over the passes. Writes JSON with provenance (mira.bench.provenance).
 
-    python benchmarks/cpu_experts.py --threads 16 [--shapes mixtral-8x7b,...] [--shape 512x1024]
-        [--tokens 1,4,16] [--repeats 5] [--main-threads 1] [--out benchmarks/results/cpu-experts.json]
+    python benchmarks/cpu_experts.py --threads 16 [--shapes mixtral-8x7b,...] [--shape 512x1024] [--schemes int8-shared]
+        [--tokens 1,4,16] [--repeats 5] [--main-threads 1] [--cuts 8] [--out benchmarks/results/cpu-experts.json]
 """
 
 from __future__ import annotations
@@ -79,25 +83,29 @@ def blobs_for(config, layout: ExpertLayout, spread_bytes: float, pin: bool) -> t
     return store, blobs[: max(2, math.ceil(spread_bytes / layout.nbytes))]
 
 
-def time_pass(ffn: CpuExpertFFN, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
-    """Mean seconds per expert over one pass through distinct blobs (runs in the calling thread)."""
+def time_pass(ffn: CpuExpertFFN, blobs: list[torch.Tensor], x: torch.Tensor, first: int = 0) -> float:
+    """Mean seconds per expert (its units from `first` on) over one pass through distinct blobs (runs
+    in the calling thread)."""
     layout = ffn.layout
     calls = blobs[:MAX_CALLS]
     start = time.perf_counter()
     for blob in calls:
-        ffn.expert(x, layout.views(blob))
+        ffn.expert(x, layout.views(blob), first)
     return (time.perf_counter() - start) / len(calls)
 
 
-def worker_pass(worker: CpuExpertWorker, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
-    """Mean seconds per one-expert job, submitted and waited for from this thread."""
+def worker_pass(worker: CpuExpertWorker, blobs: list[torch.Tensor], x: torch.Tensor, first: int = 0,
+                empty: bool = False) -> float:
+    """Mean seconds per one-expert job (its units from `first` on; `empty`: a job of no expert),
+    submitted and waited for from this thread."""
     tokens = x.shape[0]
     index, weights = torch.zeros(tokens, 1, dtype=torch.int64), torch.ones(tokens, 1)
     out = torch.empty(tokens, x.shape[1])
     calls = blobs[:MAX_CALLS]
     start = time.perf_counter()
     for blob in calls:
-        worker.submit(CpuJob(0, [0], x, index, weights, [blob], out)).result()
+        worker.submit(CpuJob(0, [] if empty else [0], x, index, weights, [blob], out,
+                             cut=(0, first) if first else None)).result()
     return (time.perf_counter() - start) / len(calls)
 
 
@@ -113,9 +121,10 @@ def copy_pass(blobs: list[torch.Tensor], slot: torch.Tensor) -> float:
     return begin.elapsed_time(end) / 1e3 / len(calls)
 
 
-def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float) -> tuple[float, float]:
-    """(CPU seconds per expert, copy bytes per second) with copies streaming while the worker computes
-    a pass: enough copies, at the rate measured alone, to outlast the pass."""
+def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float, first: int = 0) -> tuple[float, float]:
+    """(CPU seconds per expert, its units from `first` on, and copy bytes per second) with copies
+    streaming while the worker computes a pass: enough copies, at the rate measured alone, to
+    outlast the pass."""
     stream = torch.cuda.Stream()
     copies = max(8, math.ceil(1.5 * cpu_s * min(len(blobs), MAX_CALLS) / copy_s))
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -124,7 +133,7 @@ def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float) -> tuple[
         for i in range(copies):
             slot.copy_(blobs[-1 - i % len(blobs)], non_blocking=True)
         end.record()
-    cpu = worker.call(time_pass, worker.ffn, blobs, x).result()
+    cpu = worker.call(time_pass, worker.ffn, blobs, x, first).result()
     end.synchronize()
     return cpu, copies * slot.numel() / (begin.elapsed_time(end) / 1e3)
 
@@ -140,6 +149,32 @@ def main_busy_pass(worker, blobs, x, main_threads: int) -> float:
         return future.result()
     finally:
         torch.set_num_threads(before)
+
+
+def cut_rows(worker, blobs, x, slot, whole: dict, args) -> dict:
+    """One-token jobs of one expert cut k/N of the way (`args.cuts` = N), each as `worker_us` and with
+    a GPU `together`, and each over its linear price as the cost model prices it: the share of the
+    expert's bytes the part reads (the down matrix whole, its rows of gate and up) times the whole
+    expert's median in the worker's thread (`whole`: cpu_us, or together's), plus, for a job, an
+    empty job's round trip (`call_us`)."""
+    layout = worker.ffn.layout
+    down = layout.sections["w2"].nbytes / layout.nbytes
+    call = statistics.median([worker_pass(worker, blobs, x, empty=True) for _ in range(args.repeats)]) * 1e6
+    rows = {"call_us": call}
+    for k in range(1, args.cuts):
+        share = k / args.cuts
+        first = round(layout.intermediate * (1 - share))
+        read = down + (1 - down) * (layout.intermediate - first) / layout.intermediate
+        alone = [worker_pass(worker, blobs, x, first) * 1e6 for _ in range(args.repeats)]
+        cut = {"first": first, "bytes_read": round(read, 4), "worker_us": summary(alone),
+               "worker_over_linear": statistics.median(alone) / (call + read * whole["cpu_us"]["median"])}
+        if slot is not None:
+            cpu_s, copy_s = whole["cpu_us"]["median"] / 1e6, whole["copy_us"]["median"] / 1e6
+            both = [together_pass(worker, blobs, x, slot, cpu_s, copy_s, first)[0] * 1e6 for _ in range(args.repeats)]
+            cut["together_cpu_us"] = summary(both)
+            cut["together_over_linear"] = statistics.median(both) / (read * whole["together"]["cpu_us"]["median"])
+        rows[f"{k}/{args.cuts}"] = cut
+    return rows
 
 
 def measure(name: str, scheme: str, args, cuda: bool) -> dict:
@@ -173,6 +208,8 @@ def measure(name: str, scheme: str, args, cuda: bool) -> dict:
                         for _ in range(args.repeats)]
                 row["together"] = {"cpu_us": summary([c * 1e6 for c, _ in both]),
                                    "copy_gb_per_s": summary([b / 1e9 for _, b in both])}
+            if args.cuts and tokens == 1:
+                row["cuts"] = cut_rows(worker, blobs, x, slot, row, args)
             result["tokens"][str(tokens)] = row
     result["page_locked"] = store.data.is_pinned()  # the store lived through the copies (its pages locked)
     return result
@@ -183,20 +220,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU worker")
     parser.add_argument("--shapes", default=",".join(PRESETS), help="comma-separated presets")
     parser.add_argument("--shape", action="append", default=[], help="an extra HxI expert shape (repeatable)")
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated quantization schemes")
     parser.add_argument("--tokens", default="1", help="comma-separated token counts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--spread-gb", type=float, default=1.0, help="distinct blob bytes cycled through")
     parser.add_argument("--main-threads", type=int, default=0, help="also time with this thread computing too")
+    parser.add_argument("--cuts", type=int, default=0,
+                        help="also time one-token jobs of an expert cut k/N of the way, k = 1..N-1 (N >= 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-experts.json")
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (median and range)")
+    unknown = set(args.schemes.split(",")) - set(SCHEMES)
+    if unknown:
+        parser.error(f"unknown scheme {', '.join(sorted(unknown))}; choose out of {', '.join(SCHEMES)}")
+    if args.cuts == 1 or args.cuts < 0:
+        parser.error("--cuts must be 0 (none) or at least 2 parts")
     args.tokens = [int(t) for t in args.tokens.split(",")]
     names = [n for n in args.shapes.split(",") if n] + args.shape
     cuda = torch.cuda.is_available()
     results = {}
     for name in names:
-        for scheme in SCHEMES:
+        for scheme in args.schemes.split(","):
             started = time.perf_counter()
             entry = measure(name, scheme, args, cuda)
             results.setdefault(name, {})[scheme] = entry
@@ -208,8 +253,17 @@ def main() -> None:
                             f"  together cpu {row['together']['cpu_us']['median']:8.1f} us " \
                             f"copy {row['together']['copy_gb_per_s']['median']:5.1f} GB/s"
                 print(line + f"  [{time.perf_counter() - started:.0f} s]", flush=True)
+                for part, cut in row.get("cuts", {}).items():
+                    if part == "call_us":
+                        continue
+                    line = f"{'':18s} {'':11s} cut {part:>5s}  worker {cut['worker_us']['median']:9.1f} us " \
+                           f"({cut['worker_over_linear']:.2f}x linear)"
+                    if cuda:
+                        line += f"  together cpu {cut['together_cpu_us']['median']:8.1f} us " \
+                                f"({cut['together_over_linear']:.2f}x linear)"
+                    print(line, flush=True)
     write_result(args.out, {"threads": args.threads, "spread_gb": args.spread_gb, "repeats": args.repeats,
-                            "results": results}, "cuda" if cuda else None)
+                            "cuts": args.cuts, "results": results}, "cuda" if cuda else None)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh hybrid-tiny  # that config at 25% and 50%: mira against mira-gpu (the CPU's share
 #                                           # off, lagged) and static in one run, then where a decode step's time
-#                                           # goes at 50%, mira and mira-gpu: does the CPU's share pay there (~5 min)
+#                                           # goes at 50%, mira and mira-gpu: does the CPU's share pay there; and
+#                                           # a Mixtral expert's cut jobs on the CPU against the cost model's
+#                                           # linear price, alone and beside copies (~6 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -187,7 +189,9 @@ case "${1:-}" in
       --configs mira,mira-gpu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-hybrid.json" --resume
     timeout 200 python benchmarks/profile_decode.py --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
       --routing benchmarks/results/traces/heldout.npz --budgets 50% --configs mira,mira-gpu \
-      --out "$OUT/profile-decode-mixtral-12-layers-replay-50pct.json" ;;
+      --out "$OUT/profile-decode-mixtral-12-layers-replay-50pct.json"
+    timeout 100 python benchmarks/cpu_experts.py --threads 15 --shapes mixtral-8x7b --schemes int8-shared --cuts 8 \
+      --out "$OUT/cpu-experts-cuts-h200.json" ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2
