@@ -20,7 +20,7 @@ class Telemetry:
     """counts[layer, expert] = (tokens routed, tokens served from HOT, from STAGE, from the host store)."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        columns = 1 + len(Tier)
+        self._columns = columns = 1 + len(Tier)  # tokens routed, then served by each tier
         self._flat = array.array("q", bytes(8 * num_layers * num_experts * columns))  # Python-speed `record`
         self._counts = np.frombuffer(self._flat, dtype=np.int64).reshape(num_layers, num_experts, columns)
         self._experts = num_experts
@@ -48,7 +48,7 @@ class Telemetry:
         self._lookups[tier] += int(np.count_nonzero(tokens))
 
     def record(self, layer_position: int, expert: int, tokens: int, tier: Tier) -> None:
-        at = (layer_position * self._experts + expert) * (1 + len(Tier))
+        at = (layer_position * self._experts + expert) * self._columns
         self._flat[at] += tokens
         self._flat[at + 1 + tier] += tokens
         self._lookups[tier] += 1
