@@ -292,6 +292,19 @@ def policies(d: Json) -> Lines:
     return out + generic(rest)
 
 
+def online_optimum(d: Json) -> Lines:
+    """Blobs moved over Belady's by the optimal policy of a fitted Markov chain, mira and the baselines."""
+    out: Lines = []
+    for case in d["cases"]:
+        names = list(case["rows"][0]["over_belady"])
+        rows = [[fmt(r["slots"])] + [fmt(r["over_belady"][n]) for n in names] for r in case["rows"]]
+        out += [f"{case['name']}: {fmt(case.get('tokens'))} tokens replayed, {fmt(case.get('calibration_tokens'))} "
+                "tokens of calibration. Blobs moved over Belady's:", ""]
+        out += table(["slots"] + names, rows)
+    rest = {k: v for k, v in d.items() if k != "cases"}
+    return out + generic(rest)
+
+
 def predictor(d: Json) -> Lines:
     """Coverage@k of each expert predictor, mean over layers, decode and prefill steps."""
     rows = []
@@ -313,6 +326,10 @@ RENDERERS: list[Renderer] = [
     ("lm-eval", lambda d: "accuracy" in d, lambda d: "lm-evaluation-harness tasks per expert scheme", lm_eval),
     ("kernels", lambda d: {"shapes", "ceilings"} <= d.keys(),
      lambda d: "fused INT8 expert kernels against torch and the ceilings", kernels),
+    ("online optimum", lambda d: isinstance(d.get("cases"), list)
+     and all("over_belady" in r for c in d["cases"] for r in c.get("rows", [{}])),
+     lambda d: "the best online policy of a first-order Markov chain against Belady, mira and the baselines",
+     online_optimum),
     ("policies", lambda d: isinstance(d.get("cases"), list) and all("rows" in c for c in d["cases"]),
      lambda d: "replaying real routing through the residency policies", policies),
     ("predictor", lambda d: "coverage" in d, lambda d: "expert prediction i -> i+2, Coverage@k", predictor),
