@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-machine runs of the open issues (#5, #7), in parts that each fit one device call (at most
+# The GPU-machine runs of the open issues, in parts that each fit one device call (at most
 # 10 minutes). Run from the repository root on the GPU machine with the repository on PYTHONPATH
 # (the machine's image has torch, triton, transformers and numpy; a numpy carried in front of its own
 # broke transformers' imports there); results land in $OUT (default benchmarks/results). The bench parts resume:
