@@ -12,7 +12,8 @@ weights that no CPU cache holds, and times on a CPU worker of --threads threads:
   cuts             (--cuts N, one token) a job of one expert cut k/N of the way, for k = 1..N-1: the
                    CPU computes its last k/N of the intermediate units and reads the down matrix whole
                    (mira.kernels.cpu_experts), as worker_us and (CUDA) together; each against the cost
-                   model's linear price, the whole expert's time scaled by the bytes the part reads
+                   model's linear price: the whole expert's time scaled by the bytes the part reads,
+                   plus, for a job through the worker, an empty job's round trip
 
 Each figure: --repeats passes (>= 3), each the mean per call over one pass through the blobs;
 median and range over the passes. Writes JSON with provenance (mira.bench.provenance).
