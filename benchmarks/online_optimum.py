@@ -9,6 +9,7 @@ that chain (relative value iteration over (cache, current set) states; after eac
 keep any c experts of its cache and the token's set) is replayed on the rest of the trace. It
 starts from the static placement of the calibration part. Each layer keeps a fixed number of slots,
 allocated from the chain's own expected costs, whereas Belady, static, LRU and mira share one pool.
+The states number C(E, K) x C(E, c) per layer, which suits the 8-expert traces here, not 64 experts.
 
 Two prices: inline, a miss's copy is its read, so an admission costs nothing more; lagged, an
 admission crosses PCIe a second time (mira.bench.simulate). Blobs moved are reported against
