@@ -1,4 +1,4 @@
-"""How close any online policy can come to Belady on real routing: the best policy that knows how routing moves from one token to the next.
+"""How close an online policy can come to Belady: the best policy of a Markov chain of routing.
 
 `mira simulate` sets each policy against Belady's optimum, which knows every future access. An online
 policy knows only the past. This bounds what the past can buy when routing is a first-order Markov
