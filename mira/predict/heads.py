@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch import nn
 from mira.errors import MiraError
 from mira.predict.baselines import GateSpeculation
 from mira.predict.features import HISTORY_WINDOW, HeadInputs, RoutingHistory
+from mira.store.files import temporary_beside
 from mira.store.manifest import Manifest
 
 PREDICTOR_DIR = "predictor"
@@ -152,7 +152,7 @@ def save_heads(heads: PredictorHeads, path: str | os.PathLike, fingerprint: str,
     metadata = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "config": asdict(heads.config),
                 "features": list(FEATURES), "parameters": heads.parameter_count(), "training": training}
     state = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in heads.state_dict().items()}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".heads-", suffix=".tmp")
+    handle, temporary = temporary_beside(path)
     os.close(handle)
     try:
         save_file(state, temporary, metadata={"mira": json.dumps(metadata)})

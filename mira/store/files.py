@@ -19,9 +19,26 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file here (read once, at import)
+
+
+def temporary_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file in `path`'s directory, to be renamed over `path`: (descriptor, name). Its
+    mode is what a file made by open() gets (mkstemp's own, owner-only, would pass on to `path`)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, FILE_MODE)
+    return fd, tmp
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON so that a reader sees either the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True)
@@ -37,7 +54,7 @@ def write_npz_atomic(path: Path, arrays: dict) -> None:
     """Write compressed numpy arrays so that a reader sees either the old file or the whole new one."""
     import numpy as np
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **arrays)
