@@ -181,7 +181,11 @@ def _check_budget(label: str) -> None:
         if not 0 < share <= 100:
             raise MiraError(f"cannot read the budget {label!r}; a share of the experts is in (0%, 100%], like 25%")
         return
-    parse_size(label)
+    try:
+        parse_size(label)
+    except MiraError:
+        raise MiraError(f"cannot read the budget {label!r}; pass a size like 24GiB, a share of the experts like "
+                        "25%, or all") from None
 
 
 def _schemes(text: str | None) -> list[str | None]:

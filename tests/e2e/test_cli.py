@@ -48,6 +48,10 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
     assert missing.stderr.startswith("mira: error: model path") and missing.stderr.count("\n") == 1
     bad_size = _mira("generate", "--prompt", "hi", "--vram-budget", "lots")
     assert bad_size.returncode == 2 and "cannot read the size 'lots'" in bad_size.stderr
+    for label in ("lots", "0G", "150%"):  # refused before any model is loaded, naming what --budgets takes
+        bad_budget = _mira("bench", "--budgets", f"25%,{label}", "--fixed", "8x4", "--configs", "mira")
+        assert bad_budget.returncode == 1 and bad_budget.stderr.count("\n") == 1
+        assert bad_budget.stderr.startswith(f"mira: error: cannot read the budget '{label}'")
 
 
 def test_help_explains_every_command():
