@@ -132,7 +132,7 @@ def test_a_share_budget_means_in_generate_what_it_means_in_bench(stores, tmp_pat
     report = json.loads(stats.read_text())
     assert report["slots"] == round(0.5 * 24) and report["policy"] == "mira"  # 3 MoE layers x 8 experts
     code, _, err = cli("bench", "--budgets", "10%,lots", "--device", "cpu", "--out", str(tmp_path / "b.json"))
-    refused(code, err, 1, "cannot read the size 'lots'")
+    refused(code, err, 1, "cannot read the budget 'lots'", "25%", "all")
     assert not (tmp_path / "b.json").exists()
 
 
