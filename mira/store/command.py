@@ -16,7 +16,8 @@ def add_command(subparsers) -> None:
         description="The stores `mira generate --model DIR` converts on first use live in $MIRA_CACHE/stores "
                     "(default ~/.cache/mira/stores), one per model directory and scheme.")
     actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")
-    ls = actions.add_parser("ls", help="list the cached stores: size, scheme, source and whether it is current",
+    ls = actions.add_parser("ls", aliases=["list"],
+                            help="list the cached stores: size, scheme, source and whether it is current",
                             description="List the cached stores with their size, scheme and source directory, and "
                                         "whether the source still holds the files each was made from.")
     ls.set_defaults(run=_ls)
@@ -26,7 +27,7 @@ def add_command(subparsers) -> None:
                                             "repairs each corrupt one.")
     verify.add_argument("stores", nargs="*", metavar="STORE", help="cached store names or store directories")
     verify.set_defaults(run=_verify)
-    rm = actions.add_parser("rm", help="remove cached stores", description="Remove cached stores.")
+    rm = actions.add_parser("rm", aliases=["remove"], help="remove cached stores", description="Remove cached stores.")
     rm.add_argument("stores", nargs="*", metavar="NAME", help="names of cached stores (as `mira store ls` prints)")
     rm.add_argument("--all", action="store_true", help="remove every cached store")
     rm.set_defaults(run=_rm)
