@@ -252,9 +252,8 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
     sync: in a decode layer whose `top_k` routed experts each miss with probability `miss_rate`
     (independently; the share of experts without a slot, as under uniform routing), the split (with
     a miss cut where `cuts` allows) must finish at least `INLINE_LAYER_S` before PCIe alone would,
-    in expectation. Cuts count since admissions' copies are priced on the device's side: at 24 GiB
-    the split then beat GPU-only decoding (benchmarks/results/bench-mixtral-8x7b-hybrid-24gib-split.json),
-    where before that pricing it had lost (bench-mixtral-8x7b-hybrid-cuts-counted.json)."""
+    in expectation. Cuts count: with admissions' copies priced on the device's side, what they save
+    is saved (docs/design.md, "Missed experts on the CPU", says how that was found)."""
     if not 0 <= miss_rate <= 1:
         raise ValueError(f"miss_rate is a probability, not {miss_rate}")
     saved = 0.0
