@@ -130,11 +130,13 @@ def time_generation(generate: Callable, prompts: list[BenchPrompt], tokenizer, v
 TIMED = ("ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s", "total_s")
 
 
-def repeated(run: Callable[[], Timing], repeats: int) -> dict:
-    """`run` once untimed, then `repeats` times: the last run's summary with each timed figure
-    replaced by the median over the repeats, its range beside it (`<figure>_range`), and every
-    repeat's figures (with its `Timing.of_run`) under `repeats`."""
+def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[], None] | None = None) -> dict:
+    """`run` once untimed (then `after_untimed`, if given), then `repeats` times: the last run's
+    summary with each timed figure replaced by the median over the repeats, its range beside it
+    (`<figure>_range`), and every repeat's figures (with its `Timing.of_run`) under `repeats`."""
     run()
+    if after_untimed is not None:
+        after_untimed()
     timings = [run() for _ in range(repeats)]
     summaries = [timing.summary() for timing in timings]
     result = dict(summaries[-1])
@@ -174,11 +176,14 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
                 timing.of_run["device_pace"] = round(model.hybrid.device_pace.scale, 4)
         return timing
 
+    # the CPU share's per-layer times cover the timed runs: the untimed one compiles kernels (a cut's
+    # variant first at its first cut), which would land in one layer's call
+    restart = model.hybrid.restart_telemetry if model.hybrid is not None else None
     if recorder is None:
-        timing = repeated(run, repeats)
+        timing = repeated(run, repeats, restart)
         return {**timing, "num_beams": num_beams, **_difference(_cache_figures(model), before)}
     with recorder:
-        timing = repeated(run, repeats)
+        timing = repeated(run, repeats, restart)
     result = {**timing, **_difference(_cache_figures(model), before)}
     trace = recorder.trace()
     figures = machine(torch.cuda.get_device_name(model.device)) if model.device.type == "cuda" else machine()

@@ -116,8 +116,10 @@ def layer_times(result: dict) -> list[str]:
         layers = [layer for layer in (row.get("cpu_experts") or {}).get("layers", []) if "predicted_ms" in layer]
         if not layers:
             continue
+        # results written before the per-layer times covered the timed runs alone cover every run
+        covers = "the timed runs" if row["cpu_experts"].get("covers") == "timed runs" else "every run"
         lines += ["", f"{row['config']} at {row['budget']}: predicted and measured ms per MoE layer call with a CPU "
-                      "share (over every run of the configuration)",
+                      f"share (over {covers} of the configuration)",
                   "  layer  calls  CPU experts  predicted ms  predicted CPU ms  measured ms  CPU compute ms  "
                   "predicted/measured  device ms  predicted/served"]
         lines += [f"  {layer['layer']:>5}  {layer['calls']:>5}  {layer['experts']:>11}  {layer['predicted_ms']:>12.3f}  "

@@ -270,6 +270,11 @@ class HybridExperts:
             share.future.result()
             self._record(share)
 
+    def restart_telemetry(self) -> None:
+        """Telemetry from now on only (the job in flight recorded first); the paces keep what they learnt."""
+        self.collect()
+        self.telemetry = HybridTelemetry(len(self.telemetry.calls))
+
     def summary(self) -> dict:
         self.collect()
         pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4)} \

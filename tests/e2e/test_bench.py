@@ -116,6 +116,10 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     assert hybrid["repeats"][-1]["cpu_experts"] == hybrid["cpu_lookups"]
     assert all(r["cpu_experts"] > 0 and r["cpu_compute_ms_per_expert"] > 0 for r in hybrid["repeats"])
     assert "cpu_experts" not in plain["repeats"][0]
+    # the per-layer table covers the timed repeats, not the untimed run before them
+    assert hybrid["cpu_experts"]["covers"] == "timed runs"
+    assert hybrid["cpu_experts"]["experts"] == sum(r["cpu_experts"] for r in hybrid["repeats"])
+    assert sum(layer["experts"] for layer in hybrid["cpu_experts"]["layers"]) == hybrid["cpu_experts"]["experts"]
     for budget in ("25%", "all"):  # mira against the fastest baseline that ran at the budget
         ran = {c: row["decode_tokens_per_s"] for (c, b), row in rows.items()
                if b == budget and c in ("static", "hf-gpu") and not row.get("skipped")}

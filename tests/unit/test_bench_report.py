@@ -35,6 +35,9 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[jobs + 2].split() == ["0", "0.0-0.2", "3", "1.000", "2.500", "2.500"]
     assert lines[jobs + 3].split() == ["1", "-", "1", "3.000", "3.900", "1.300"]
     assert len(lines) == jobs + 4
+    row["cpu_experts"]["covers"] = "timed runs"  # what mira bench writes now (run_mira)
+    assert ("mira-cpu-all at 8GiB: predicted and measured ms per MoE layer call with a CPU share (over the timed runs "
+            "of the configuration)") in format_table(result).splitlines()
     compared = lines.index("the CPU's share against GPU-only mira in the same run:")
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
