@@ -125,6 +125,15 @@ class Pace(ABC):
         self.learn, self.forget = learn, forget
         self._log = 0.0
 
+    @classmethod
+    def at(cls, scale: float) -> Pace:
+        """A pace that stands at `scale` (to price with the paces a run ended with)."""
+        if scale <= 0:
+            raise ValueError(f"a pace is a positive ratio, not {scale}")
+        pace = cls()
+        pace._log = math.log(scale)
+        return pace
+
     @property
     def scale(self) -> float:
         return math.exp(self._log)
@@ -252,17 +261,29 @@ def cpu_pays(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float =
     sync: in a decode layer whose `top_k` routed experts each miss with probability `miss_rate`
     (independently; the share of experts without a slot, as under uniform routing), the split (with
     a miss cut where `cuts` allows) must finish at least `INLINE_LAYER_S` before PCIe alone would,
-    in expectation. Cuts count: with admissions' copies priced on the device's side, what they save
-    is saved (docs/design.md, "Missed experts on the CPU", says how that was found)."""
+    in expectation (`cpu_saving`). Cuts count: with admissions' copies priced on the device's side,
+    what they save is saved (docs/design.md, "Missed experts on the CPU", says how that was found)."""
+    return cpu_saving(costs, top_k, blob_bytes, miss_rate, cuts) >= INLINE_LAYER_S
+
+
+def cpu_saving(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float = 1.0, cuts: Cuts | None = None,
+               cut_costs: HybridCosts | None = None, alone: HybridCosts | None = None) -> float:
+    """Expected seconds the split saves in a decode layer against PCIe alone, its `top_k` routed
+    experts each missing with probability `miss_rate` (independently); `cut_costs` price a split
+    with a cut (None: `costs`), `alone` the PCIe-only alternative (None: `costs`). A split that
+    leaves the CPU nothing saves nothing: the layer runs as it would without a share."""
     if not 0 <= miss_rate <= 1:
         raise ValueError(f"miss_rate is a probability, not {miss_rate}")
+    alone = alone or costs
     saved = 0.0
     for count in range(1, top_k + 1):
         misses = [(expert, 1) for expert in range(count)]
-        pcie_alone = sum(costs.pcie_s(tokens, blob_bytes) for _, tokens in misses)
+        pcie_alone = sum(alone.pcie_s(tokens, blob_bytes) for _, tokens in misses)
         chance = math.comb(top_k, count) * miss_rate ** count * (1 - miss_rate) ** (top_k - count)
-        saved += chance * (pcie_alone - split(misses, blob_bytes, costs, cuts=cuts).predicted_s)
-    return saved >= INLINE_LAYER_S
+        taken = split(misses, blob_bytes, costs, cuts=cuts, cut_costs=cut_costs)
+        if taken.cpu or taken.cut is not None:
+            saved += chance * (pcie_alone - taken.predicted_s)
+    return saved
 
 
 def cpu_may_pay(top_k: int, blob_bytes: int) -> bool:

@@ -528,6 +528,19 @@ def split_span(intermediate: int, gemv: GemvConfig) -> tuple[int, int]:
     return span, triton.cdiv(intermediate, span)
 
 
+def cut_granule(config: KernelConfig, intermediate: int) -> int | None:
+    """The unit count a cut point of an expert of `intermediate` units must be a multiple of under
+    `config`: a whole loop step of a down GEMV whose loads are unmasked, else I / CUT_PARTS (masked
+    loads stop anywhere); None where the configuration cannot cut (tensor-core decode products)."""
+    up, down = config.gate_up_gemv, config.down_gemv
+    if up.mma or down.mma:
+        return None
+    span, _ = split_span(intermediate, down)
+    if triton.cdiv(intermediate, span) * span == intermediate:  # _decode's EVEN_I
+        return down.block_cols * down.unroll
+    return triton.cdiv(intermediate, CUT_PARTS)
+
+
 class TritonMoEFFN:
     """The routed experts of one MoE layer from their INT8 blobs, on the fused Triton kernels.
 
@@ -695,16 +708,9 @@ class TritonMoEFFN:
 
     @property
     def cut_granule(self) -> int | None:
-        """The unit count an expert's cut point must be a multiple of (`forward_bases(limits=...)`):
-        a whole loop step of a down GEMV whose loads are unmasked, else I / CUT_PARTS (masked loads
-        stop anywhere); None where this configuration cannot cut (tensor-core decode products)."""
-        up, down = self.config.gate_up_gemv, self.config.down_gemv
-        if up.mma or down.mma:
-            return None
-        I = self.layout.intermediate
-        if triton.cdiv(I, self._down_span) * self._down_span == I:  # _decode's EVEN_I
-            return down.block_cols * down.unroll
-        return triton.cdiv(I, CUT_PARTS)
+        """The unit count an expert's cut point must be a multiple of (`forward_bases(limits=...)`,
+        `cut_granule`)."""
+        return cut_granule(self.config, self.layout.intermediate)
 
     def _address_table(self, blobs: Sequence[torch.Tensor | None]) -> torch.Tensor:
         nbytes, on_cuda = self.layout.nbytes, self.device.type == "cuda"

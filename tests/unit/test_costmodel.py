@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mira.cache.costmodel import (
-    INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, split,
+    INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, cpu_saving, split,
 )
 
 MB = 1 << 20
@@ -261,6 +261,14 @@ def test_the_pace_scales_the_per_call_cost_too():
     assert (paced.cpu.fixed_s, paced.cpu.per_token_s, paced.cpu_call_s) == pytest.approx((2e-3, 4e-4, 2e-4))
     with pytest.raises(ValueError, match="learn is a weight"):
         CpuPace(learn=1.5)
+    # a pace set where a run's ended prices as the learnt one does, and learns on from there
+    at = CpuPace.at(2.0)
+    set_at = at.costs(costs(cpu_per_token=2e-4, call=1e-4))
+    assert (set_at.cpu.fixed_s, set_at.cpu.per_token_s, set_at.cpu_call_s) == pytest.approx((2e-3, 4e-4, 2e-4))
+    at.passed_over()
+    assert at.scale == pytest.approx(2.0 ** 0.99)
+    with pytest.raises(ValueError, match="positive ratio"):
+        DevicePace.at(0.0)
 
 
 def test_the_device_pace_scales_copies_and_kernels_and_moves_misses_to_the_cpu():
@@ -311,6 +319,29 @@ def test_a_cpu_share_pays_by_its_expected_saving_at_the_budgets_miss_rate():
     assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.0)
     with pytest.raises(ValueError, match="probability"):
         cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=1.5)
+
+
+def test_a_cpu_share_saves_against_the_pcie_alternative_as_priced_apart():
+    """Mixtral-8x7B as above at p = 0.5. Priced alike, a lone miss stays on PCIe (3.25 ms against
+    3.26 on the CPU) and saves nothing; two (p^2 = 0.25) end at 3.26 ms against 6.5: 0.81 ms. With
+    the PCIe-only alternative at 2.5 ms a miss (the device's side faster without the CPU's memory
+    traffic beside it), two save 5.0 - 3.26 = 1.74 ms: 0.435 ms; the lone miss still saves nothing,
+    since a split that leaves the CPU nothing is no share."""
+    mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3,
+                          pcie_bytes_per_s=MB / 3.25e-3)
+    assert cpu_saving(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.5) == pytest.approx(0.25 * 3.24e-3)
+    faster = HybridCosts(blob_bytes=MB, cpu=mixtral.cpu, cpu_call_s=0.2e-3, pcie_bytes_per_s=MB / 2.5e-3)
+    assert cpu_saving(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.5, alone=faster) == pytest.approx(0.25 * 1.74e-3)
+    # cut in quarters, a lone miss is halved (1.73 ms, 1.52 saved: 0.5 * 1.52 + 0.81 = 1.57 ms); with
+    # a cut's CPU side at twice the pace, halving ends at 0.2 + 3.06 = 3.26 ms and a quarter at
+    # max(0.2 + 1.53, 0.75 * 3.25) = 2.4375 ms: 0.5 * 0.8125 + 0.81 = 1.216 ms (two misses take no cut)
+    quarters = Cuts(parts=4, cpu_whole=0.0)
+    slow = HybridCosts(blob_bytes=MB, cpu=LinearCost(2 * 3.06e-3, 0.0), cpu_call_s=0.2e-3, pcie_bytes_per_s=MB / 3.25e-3)
+    assert cpu_saving(mixtral, 2, MB, 0.5, cuts=quarters) == pytest.approx(0.5 * 1.52e-3 + 0.25 * 3.24e-3)
+    assert cpu_saving(mixtral, 2, MB, 0.5, cuts=quarters, cut_costs=slow) == pytest.approx(
+        0.5 * 0.8125e-3 + 0.25 * 3.24e-3)
+    with pytest.raises(ValueError, match="probability"):
+        cpu_saving(mixtral, top_k=2, blob_bytes=MB, miss_rate=-0.1)
 
 
 def test_a_cut_counts_in_what_a_cpu_share_saves():
