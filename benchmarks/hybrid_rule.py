@@ -17,7 +17,7 @@ expected saving per layer, for every run whose CPU took a share, four ways:
 Runs from before the runtime learnt a pace for the device's side and one for cuts are left out. Each
 is set beside what the run measured where `mira-gpu` (the same policy, GPU only, lagged) ran
 at the same budget in the same run: the decode time per MoE layer that the share saved, net of
-running inline. A rule that sets the share apart from GPU-only decoding orders these alike.
+running inline. A rule that chose well would put every run that lost below every run that gained.
 
     python benchmarks/hybrid_rule.py [RESULT.json ...]   # default: every committed bench result
 """
@@ -72,7 +72,7 @@ def rows_of(result: dict) -> list[dict]:
             continue  # no share taken, or from before the device's pace (and the cut's) were learnt
         calibrated = HybridCosts.from_json(share["calibration"])
         layout = ExpertLayout(run["quant"], config.hidden_size, spec.intermediate)
-        tuning = load_config(result.get("device") or "NVIDIA H200", layout.hidden, layout.intermediate)
+        tuning = load_config(result["device"], layout.hidden, layout.intermediate)  # the kernels the run had
         cuts = expert_cuts(layout, cut_granule(tuning, layout.intermediate))
         store = result["stores"][run["quant"]]
         total = round((store["all_experts_bytes"] - store["reserve_bytes"]) / store["blob_bytes"])  # experts
