@@ -76,6 +76,10 @@
 #                                           # goes at 50%, mira and mira-gpu: does the CPU's share pay there; and
 #                                           # a Mixtral expert's cut jobs on the CPU against the cost model's
 #                                           # linear price, alone and beside copies (~6 min)
+#   bash benchmarks/h200_suite.sh rule      # the CPU share's A/B between the budgets measured so far, for auto's
+#                                           # rule (benchmarks/hybrid_rule.py): mira against mira-gpu, the 12-layer
+#                                           # config at 35%, 40% and 45% (held-out routing), then the Mixtral-8x7B
+#                                           # shape replaying the real trace at 20 and 28 GiB (~8 min, resumed)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -192,6 +196,13 @@ case "${1:-}" in
       --out "$OUT/profile-decode-mixtral-12-layers-replay-50pct.json"
     timeout 100 python benchmarks/cpu_experts.py --threads 15 --shapes mixtral-8x7b --schemes int8-shared --cuts 8 \
       --out "$OUT/cpu-experts-cuts-h200.json" ;;
+  rule)
+    timeout 200 python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 35%,40%,45% \
+      --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-12-layers-hybrid-rule.json" --quiet --resume
+    timeout "$((LIMIT - 200))" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 20GiB,28GiB \
+      --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-8x7b-hybrid-rule.json" --quiet --resume ;;
   pair)
     [ $# -ge 3 ] || { echo "pair: name a part for GPU 0 and at least one for GPU 1" >&2; exit 2; }
     first=$2; shift 2
