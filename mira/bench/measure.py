@@ -181,10 +181,11 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
     restart = model.hybrid.restart_telemetry if model.hybrid is not None else None
     if recorder is None:
         timing = repeated(run, repeats, restart)
-        return {**timing, "num_beams": num_beams, **_difference(_cache_figures(model), before)}
+        return {**timing, "num_beams": num_beams, **_difference(_cache_figures(model), before),
+                "cpu_experts": _cpu_share_table(model)}
     with recorder:
         timing = repeated(run, repeats, restart)
-    result = {**timing, **_difference(_cache_figures(model), before)}
+    result = {**timing, **_difference(_cache_figures(model), before), "cpu_experts": _cpu_share_table(model)}
     trace = recorder.trace()
     figures = machine(torch.cuda.get_device_name(model.device)) if model.device.type == "cuda" else machine()
     costs = model.hybrid.costs if model.hybrid is not None else None
@@ -197,6 +198,15 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
     if timing.get("decode_tokens_per_s"):
         result["achieved_over_bound"] = round(1 / timing["decode_tokens_per_s"] / bound["bound_s_per_step"], 3)
     return result
+
+
+def _cpu_share_table(model: MiraModel) -> dict:
+    """The CPU's share of the misses, per layer and per kind of job, over the timed runs (`run_mira`
+    restarts its telemetry after the untimed one; `covers` says so)."""
+    table = model.stats()["cpu_experts"]
+    if model.hybrid is not None:
+        table["covers"] = "timed runs"
+    return table
 
 
 def _cpu_share(model: MiraModel) -> tuple[int, int, float] | None:

@@ -211,9 +211,6 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
                         _random_continuation(source), repeats=repeats))
     row["wall_s"] = round(time.perf_counter() - start, 2)
     row["residency"] = model.stats()["residency"]  # what "auto" chose: lagged or inline
-    row["cpu_experts"] = model.stats()["cpu_experts"]  # the CPU's share of the misses, per layer
-    if model.hybrid is not None:
-        row["cpu_experts"]["covers"] = "timed runs"  # run_mira restarts its telemetry after the untimed run
     row["decode_steps_replayed"] = model.decode_graphs.replays if model.decode_graphs is not None else 0
     del model
     free_memory(source.device)
