@@ -68,7 +68,13 @@
 #                                           # 64 in / 64 out, 12 and 24 GiB, int4 against int8-shared in one run
 #                                           # (CONFIGS, default mira,static), 3 timed repeats; the int8 store
 #                                           # (45 GB, host memory only) is freed before the int4 one (25 GB) is
-#                                           # filled; a rerun resumes, skipping a scheme already measured (~8 min)
+#                                           # filled; a rerun resumes, skipping a scheme already measured; the
+#                                           # INT4 kernels take the int4-tiles part's tuning where it ran on this
+#                                           # machine (~8 min)
+#   bash benchmarks/h200_suite.sh int4-tiles  # the tiled INT4 layout: its GPU tests, an expert on the CPU (int4
+#                                           # against int8-shared, 15 threads), then kernels_int4.py --autotune for
+#                                           # the Mixtral shape; the tuning lands in .carry/tuning (kept between
+#                                           # calls, read by the int4 part) and in $OUT (~8 min)
 #   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh hybrid-tiny  # that config at 25% and 50%: mira against mira-gpu (the CPU's share
@@ -177,7 +183,18 @@ case "${1:-}" in
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x64 --budgets 25%,50% \
       --configs mira,static,lfu,lru,lru-lagged --repeats 3 --out "$OUT/bench-mixtral-8x7b-policies.json" --quiet \
       --resume ;;
+  int4-tiles)
+    timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels/test_triton_int4.py \
+      tests/kernels/test_cpu_experts.py tests/e2e/test_int4_store.py 2>&1 | grep -v "Loading weights\|Writing model" \
+      | tee "$OUT/gpu-int4-h200.log" | tail -20
+    timeout 60 python benchmarks/cpu_experts.py --threads 15 --shapes mixtral-8x7b --schemes int8-shared,int4 \
+      --tokens 1 --repeats 5 --out "$OUT/cpu-experts-int4-h200.json"
+    mkdir -p .carry/tuning
+    timeout 300 python benchmarks/kernels_int4.py --autotune --shapes mixtral-8x7b --tuning-dir .carry/tuning \
+      --out "$OUT/kernels-int4-h200.json" 2>&1 | tail -40
+    cp .carry/tuning/*.json "$OUT/" ;;
   int4)
+    if [ -f .carry/tuning/nvidia-h200-int4.json ]; then cp .carry/tuning/nvidia-h200-int4.json mira/kernels/tuning/; fi
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
       --configs "${CONFIGS:-mira,static}" --quant int8-shared,int4 --repeats 3 \

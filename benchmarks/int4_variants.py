@@ -52,14 +52,14 @@ def fake_quantized(w13: torch.Tensor, w2: torch.Tensor, settings: dict | None) -
         layout.pack(quantize_expert(w13, w2, layout), blob)
         d13, d2 = dequantize_expert(layout.views(blob), layout)
         return d13.float(), d2.float()
-    return int4.dequantize(int4.quantize(w13, w2, **settings), torch.float32, settings["group"])
+    return int4.dequantize(int4.quantize(w13, w2, **settings), torch.float32)
 
 
 def bits_per_weight(hidden: int, intermediate: int, settings: dict | None) -> float:
     weights = 3 * hidden * intermediate
     if settings is None:
         return 8 * ExpertLayout("int8-shared", hidden, intermediate).nbytes / weights
-    sections = int4.sections(hidden, intermediate, **settings)
+    sections = int4.sections(hidden, intermediate, settings["group"])
     return 8 * sum(dtype.itemsize * torch.Size(shape).numel() for _, dtype, shape in sections) / weights
 
 

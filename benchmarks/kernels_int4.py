@@ -1,6 +1,6 @@
 """Time the fused INT4 expert kernels (mira.kernels.triton_int4) on one GPU, next to the INT8 ones.
 
-Per expert shape (default Mixtral-8x7B, 4096 x 14336; random codes, scales and offsets; bf16
+Per expert shape (default Mixtral-8x7B, 4096 x 14336; random codes, group scales and zeros; bf16
 activations):
 
 - one expert at batch 1 from HBM: the INT4 decode launches; the INT8 (int8-shared) ones on the same
@@ -9,8 +9,8 @@ activations):
 - zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
   of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth,
   beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach),
-  and of reads in the decode launches' pattern (rows of codes a tile at a time, with and without
-  their group scales and offsets), which tells the tile's reads from the scales' apart;
+  and of reads in the decode launches' pattern (a program per tile of codes, 4 lanes a group, with
+  and without the groups' scales and zeros), which tells the codes' reads from the scales' apart;
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -60,7 +60,7 @@ from mira.kernels.triton_int4 import (  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs,
 )
-from mira.store.int4 import GROUP  # noqa: E402
+from mira.store.int4 import TILE  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -70,32 +70,24 @@ EXPERTS, TOP_K, PREFILL_TOKENS = 8, 2, 512
 GOALS = {"mixtral-8x7b": {"one_expert_s": 30e-6}}  # the issue's goal for one Mixtral-shaped INT4 expert
 ZERO_COPY_GOAL = 0.90  # of the pinned copy's bandwidth
 
-GATE_UP = [  # gate/up decode launch candidates (block_cols counts weights)
-    GemvConfig(16, 512, unroll=2, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
-    GemvConfig(16, 256, unroll=2, cvt="prmt"), GemvConfig(32, 256, unroll=2, cvt="prmt"),
-    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(16, 512, unroll=2, num_warps=8, cvt="prmt"),
-    GemvConfig(16, 512, unroll=2, cvt="bits"), GemvConfig(8, 512, unroll=2, cvt="prmt", programs_per_sm=4),
-    GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
-    GemvConfig(16, 512, unroll=2, cvt="prmt-dot"), GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"),
-    GemvConfig(32, 512, unroll=1, cvt="prmt-dot"),
-    # a whole Mixtral row per loop iteration (its loads issued together): each row's group scales
-    # and offsets are asked for at once rather than 32 bytes per step, which may read better zero-copy
-    GemvConfig(8, 1024, unroll=4, cvt="prmt-dot"), GemvConfig(4, 2048, unroll=2, cvt="prmt-dot"),
-    # a whole row in one load per section: each row's scales and offsets are whole 128-byte lines
-    # (H / 64 groups of 2 bytes), and a program's rows are contiguous in both sections
-    GemvConfig(4, 4096, unroll=1, cvt="prmt-dot"), GemvConfig(2, 4096, unroll=1, cvt="prmt-dot"),
+GATE_UP = [  # gate/up decode launch candidates (INT4 meanings: mira.kernels.triton_int4)
+    GemvConfig(64, 1024, unroll=8, num_warps=4), GemvConfig(64, 1024, unroll=4, num_warps=4),
+    GemvConfig(64, 1024, unroll=16, num_warps=4), GemvConfig(64, 512, unroll=8, num_warps=2),
+    GemvConfig(64, 256, unroll=8, num_warps=1), GemvConfig(64, 2048, unroll=8, num_warps=8),
+    GemvConfig(128, 1024, unroll=4, num_warps=4), GemvConfig(64, 1024, unroll=8, num_warps=4, num_stages=3),
+    # longer-lived programs walking runs of tiles (fewer, each with more of a pinned expert to read)
+    GemvConfig(64, 512, unroll=8, num_warps=2, programs_per_sm=8),
+    GemvConfig(64, 256, unroll=16, num_warps=1, programs_per_sm=16),
 ]
-DOWN = [  # down decode launch candidates
-    GemvConfig(8, 1024, unroll=1, cvt="prmt"), GemvConfig(8, 512, unroll=2, cvt="prmt"),
-    GemvConfig(4, 1024, unroll=2, cvt="prmt"), GemvConfig(16, 512, unroll=2, cvt="prmt"),
-    GemvConfig(8, 512, unroll=2, cvt="prmt", split=2), GemvConfig(16, 512, unroll=1, cvt="prmt", split=4),
-    GemvConfig(8, 1024, unroll=1, cvt="bits"),
-    GemvConfig(8, 1024, unroll=1, cvt="prmt-fold"), GemvConfig(8, 512, unroll=2, cvt="prmt-fold"),
-    GemvConfig(8, 1024, unroll=1, cvt="prmt-dot"), GemvConfig(8, 512, unroll=2, cvt="prmt-dot"),
-    GemvConfig(8, 1024, unroll=2, cvt="prmt-fold"), GemvConfig(8, 2048, unroll=1, cvt="prmt-fold"),  # as above
-    GemvConfig(4, 2048, unroll=7, cvt="prmt-fold"),  # a whole Mixtral row (I = 14336) per loop step
+DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so most split I
+    GemvConfig(64, 1024, unroll=8, num_warps=4, split=7), GemvConfig(64, 1024, unroll=8, num_warps=4, split=14),
+    GemvConfig(64, 1024, unroll=4, num_warps=4, split=7), GemvConfig(64, 1024, unroll=16, num_warps=4, split=7),
+    GemvConfig(64, 512, unroll=8, num_warps=2, split=7), GemvConfig(64, 512, unroll=8, num_warps=2, split=14),
+    GemvConfig(64, 512, unroll=8, num_warps=2, split=28), GemvConfig(64, 256, unroll=8, num_warps=1, split=28),
+    GemvConfig(64, 2048, unroll=8, num_warps=8, split=7), GemvConfig(128, 1024, unroll=4, num_warps=4, split=7),
+    GemvConfig(64, 1024, unroll=8, num_warps=4, split=4), GemvConfig(64, 1024, unroll=8, num_warps=4),
 ]
-GEMM = [  # prefill launch candidates (a K step stays inside one group: block_k is cut to the group)
+GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),
     GemmConfig(64, 128, 64, num_warps=4, num_stages=4), GemmConfig(32, 128, 64, num_warps=4, num_stages=4),
@@ -104,45 +96,40 @@ GEMM = [  # prefill launch candidates (a K step stays inside one group: block_k 
 
 
 def random_int4_slots(layout: ExpertLayout, count: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """[count, nbytes] INT4 blobs: random codes; scales and offsets that keep activations O(1)."""
+    """[count, nbytes] INT4 blobs: random codes; group scales that keep activations O(1) and zeros
+    within a scale of 0."""
     slots = torch.randint(0, 256, (count, layout.nbytes), generator=gen, device=device, dtype=torch.uint8)
-    for name, section in layout.sections.items():
-        if section.dtype == torch.uint8:
-            continue
-        fan_in = layout.intermediate if name.endswith("2") else layout.hidden
-        scale = (torch.rand(count, *section.shape, generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
-        values = -7.5 * scale if name.startswith("offset") else scale  # offsets centre the codes on zero
-        slots[:, section.offset:section.offset + section.nbytes].copy_(values.to(torch.bfloat16).view(torch.uint8)
-                                                                        .view(count, -1))
+    for name, fan_in in (("sz13", layout.hidden), ("sz2", layout.intermediate)):
+        section = layout.sections[name]  # bf16 [N, R, 2]: (s, z) per group and row
+        s = (torch.rand(count, *section.shape[:2], generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
+        z = s * (2 * torch.rand(count, *section.shape[:2], generator=gen, device=device) - 1)
+        values = torch.stack((s, z), dim=-1).to(torch.bfloat16)
+        slots[:, section.offset:section.offset + section.nbytes].copy_(values.view(torch.uint8).view(count, -1))
     return slots
 
 
 @triton.jit
-def _read_rows_at(table_ptr, W_OFF, S_OFF, Z_OFF, R, C, sink_ptr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr, SCALES: tl.constexpr):
-    """Reads one packed matrix of the blob at table_ptr[0] as the decode launches do, without their
-    arithmetic: BLOCK_R rows per program, BLOCK_C columns per step, of codes [R, C / 2] bytes (as
-    int32 words) and, with SCALES, the steps' group scales and offsets [R, cdiv(C, GROUP)] bf16."""
+def _read_tiles_at(table_ptr, W_OFF, SZ_OFF, R, C, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr):
+    """Reads one tiled matrix of the blob at table_ptr[0] as the decode launches do, without their
+    arithmetic: a program per tile of codes ([R, C / 2] bytes, read as int32 words), LANES lanes a
+    step (4 per group, each a column a sub-step: 128 contiguous bytes per 4 lanes), and with SCALES
+    each step's (s, z) words [C / G, R] of the tile's rows."""
     base = tl.load(table_ptr)
-    words = (base + W_OFF).to(tl.pointer_type(tl.int32))
-    scales = (base + S_OFF).to(tl.pointer_type(tl.bfloat16))
-    offsets = (base + Z_OFF).to(tl.pointer_type(tl.bfloat16))
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_rows = rows < R
-    row_words, n_groups = C // 8, (C + GROUP - 1) // GROUP
-    codes = tl.zeros([BLOCK_R, BLOCK_C // 8], dtype=tl.int32)
-    values = tl.zeros([BLOCK_R, BLOCK_C // GROUP], dtype=tl.float32)
-    for start in range(0, C, BLOCK_C):
-        cols = start // 8 + tl.arange(0, BLOCK_C // 8)
-        codes += tl.load(words + rows[:, None] * row_words + cols[None, :],
-                         mask=in_rows[:, None] & (cols < row_words)[None, :], other=0, eviction_policy="evict_first")
+    tile = tl.program_id(0)
+    words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * C) + tl.arange(0, 8)[None, :]
+    sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :]
+    lane = tl.arange(0, LANES)
+    codes = tl.zeros([LANES, 8], dtype=tl.int32)
+    values = tl.zeros([LANES, 64], dtype=tl.int32)
+    for g0 in range(0, C // 64, LANES // 4):
+        group = g0 + lane // 4
+        in_cols = group < C // 64
+        for k in tl.static_range(16):  # the loads issued together, as an unrolled decode step's
+            col = group * 64 + lane % 4 + 4 * k
+            codes += tl.load(words + col[:, None] * 8, mask=in_cols[:, None], other=0, eviction_policy="evict_first")
         if SCALES:
-            groups = start // GROUP + tl.arange(0, BLOCK_C // GROUP)
-            at = rows[:, None] * n_groups + groups[None, :]
-            mask = in_rows[:, None] & (groups < n_groups)[None, :]
-            values += tl.load(scales + at, mask=mask, other=0.0).to(tl.float32)
-            values += tl.load(offsets + at, mask=mask, other=0.0).to(tl.float32)
-    tl.store(sink_ptr + tl.program_id(0), tl.sum(codes).to(tl.float32) + tl.sum(values))
+            values += tl.load(sz + group[:, None] * R, mask=in_cols[:, None], other=0)
+    tl.store(sink_ptr + tile, (tl.sum(codes) + tl.sum(values)).to(tl.float32))
 
 
 def addresses(rows, device) -> torch.Tensor:
@@ -207,21 +194,18 @@ class Workload:
         return self.timer.graph(lambda r: _read_words_at[(programs,)](host_tables[r], n_words, sink, BLOCK=4096,
                                                                       num_warps=4), len(host_tables))
 
-    def zero_copy_row_read(self, smoke: bool, scales: bool, block_rows: int = 8, block_cols: int = 1024) -> float:
-        """`_read_rows_at` over a pinned blob, zero-copy: w13 then w2, in two launches as the decode's."""
+    def zero_copy_tile_read(self, smoke: bool, scales: bool, lanes: int = 64) -> float:
+        """`_read_tiles_at` over a pinned blob, zero-copy: w13 then w2, in two launches as the decode's."""
         _, host_tables = self.pinned(smoke)
-        sections = self.layout.sections
-        parts = [(sections["w13"].offset, sections["scale13"].offset, sections["offset13"].offset,
-                  2 * self.layout.intermediate, self.layout.hidden),
-                 (sections["w2"].offset, sections["scale2"].offset, sections["offset2"].offset,
-                  self.layout.hidden, self.layout.intermediate)]
-        sink = torch.empty(max(triton.cdiv(rows, block_rows) for _, _, _, rows, _ in parts), dtype=torch.float32,
-                           device=self.slots.device)
+        sections, H, I = self.layout.sections, self.layout.hidden, self.layout.intermediate
+        parts = [(sections["w13"].offset, sections["sz13"].offset, 2 * I, H),
+                 (sections["w2"].offset, sections["sz2"].offset, H, I)]
+        sink = torch.empty(max(2 * I, H) // TILE, dtype=torch.float32, device=self.slots.device)
 
         def read(r):
-            for w, s, z, rows, cols in parts:
-                _read_rows_at[(triton.cdiv(rows, block_rows),)](host_tables[r], w, s, z, rows, cols, sink, GROUP=GROUP,
-                                                                BLOCK_R=block_rows, BLOCK_C=block_cols, SCALES=scales)
+            for w, sz, rows, cols in parts:
+                _read_tiles_at[(rows // TILE,)](host_tables[r], w, sz, rows, cols, sink, LANES=lanes, SCALES=scales,
+                                                num_warps=lanes // 16)
         return self.timer.graph(read, len(host_tables))
 
     def _read_grid(self) -> tuple[int, torch.Tensor]:
@@ -344,7 +328,7 @@ def main() -> None:
         "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
         "software": {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0]},
         "setup": {"activations": str(dtype).removeprefix("torch."), "experts_per_layer": EXPERTS, "top_k": TOP_K,
-                  "prefill_tokens": PREFILL_TOKENS, "weights": "random codes, scales and offsets (not a checkpoint)",
+                  "prefill_tokens": PREFILL_TOKENS, "weights": "random codes, group scales and zeros (not a checkpoint)",
                   "timing": f"{repeats} repeats, each the median of {timer.replays} CUDA-graph replays over rotating "
                             "inputs; per-call seconds"},
         "shapes": {},
@@ -410,10 +394,10 @@ def main() -> None:
                 [copy / read for (copy, _, _), read in zip(misses, read_zero)])
             codes_bytes = layout4.sections["w13"].nbytes + layout4.sections["w2"].nbytes
             for key, scales, nbytes in (("codes", False, codes_bytes), ("codes_and_scales", True, layout4.nbytes)):
-                rows_read = [work4.zero_copy_row_read(args.smoke, scales) for _ in range(repeats)]
-                figures[f"zero_copy_row_read_{key}_s"] = spread(rows_read)
-                figures[f"zero_copy_row_read_{key}_fraction_of_copy_bandwidth"] = spread(
-                    [nbytes / read / (layout4.nbytes / copy) for (copy, _, _), read in zip(misses, rows_read)])
+                tiles_read = [work4.zero_copy_tile_read(args.smoke, scales) for _ in range(repeats)]
+                figures[f"zero_copy_tile_read_{key}_s"] = spread(tiles_read)
+                figures[f"zero_copy_tile_read_{key}_fraction_of_copy_bandwidth"] = spread(
+                    [nbytes / read / (layout4.nbytes / copy) for (copy, _, _), read in zip(misses, tiles_read)])
         zero_copy = statistics.median(fraction)
         goals = {"zero_copy_fraction_of_copy_bandwidth": {"goal": ZERO_COPY_GOAL, "measured": zero_copy,
                                                           "met": zero_copy >= ZERO_COPY_GOAL}}
@@ -432,9 +416,9 @@ def main() -> None:
             log(f"{name}: a plain zero-copy read of the INT4 blob: {plain['median']:.3f} of the copy "
                 f"({plain['min']:.3f}-{plain['max']:.3f})")
             for key in ("codes", "codes_and_scales"):
-                rows_read = figures[f"zero_copy_row_read_{key}_fraction_of_copy_bandwidth"]
+                tiles_read = figures[f"zero_copy_tile_read_{key}_fraction_of_copy_bandwidth"]
                 log(f"{name}: zero-copy reads in the decode's pattern, {key.replace('_', ' ')}: "
-                    f"{rows_read['median']:.3f} of the copy ({rows_read['min']:.3f}-{rows_read['max']:.3f})")
+                    f"{tiles_read['median']:.3f} of the copy ({tiles_read['min']:.3f}-{tiles_read['max']:.3f})")
         del work4, work8, slots4, slots8, ffn, ffn8
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+from tiny_models import FAMILIES, INT4_SIZES, make_checkpoint  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +28,13 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {family: make_checkpoint(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def int4_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The same families with experts of whole int4 tiles and groups."""
+    root = tmp_path_factory.mktemp("int4-checkpoints")
+    return {family: make_checkpoint(family, root / family, **INT4_SIZES) for family in FAMILIES}
 
 
 @pytest.fixture(scope="session")

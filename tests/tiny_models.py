@@ -36,6 +36,7 @@ CONFIGS = {
     "olmoe": lambda: OlmoeConfig(num_experts=8, eos_token_id=1, pad_token_id=0, **COMMON),
 }
 FAMILIES = sorted(CONFIGS)
+INT4_SIZES = dict(intermediate_size=128, moe_intermediate_size=64)  # experts of whole int4 tiles (mira.store.int4)
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny tokenizer",
         "mixture of experts models route each token to a few experts", "def sort(xs): return sorted(xs)"] * 20
@@ -52,10 +53,13 @@ def write_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
-    """Write a tiny random `family` checkpoint (float32) with a tokenizer into `directory`."""
+def make_checkpoint(family: str, directory: Path, seed: int = 0, **sizes) -> Path:
+    """Write a tiny random `family` checkpoint (float32) with a tokenizer into `directory`; `sizes`
+    override config fields (INT4_SIZES)."""
     torch.manual_seed(seed)
     config = CONFIGS[family]()
+    for name, value in sizes.items():
+        setattr(config, name, value)
     config.eos_token_id, config.pad_token_id = 1, 0
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

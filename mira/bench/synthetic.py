@@ -12,8 +12,8 @@ uniform in [-127, 127] with a scale of 0.02 / 73 (73 ~ the standard deviation of
 i.e. the dequantized weights have the 0.02 standard deviation of transformers' own initialisation.
 An `int4` store quantizes the same weights: each layer's draw, read as one expert's matrices, is
 quantized once (mira.store.int4, on the device given, as it is the slow step), and every expert of
-the layer is that expert with its rows rotated by an offset of its own (a row holds whole groups,
-so each group keeps its scale and offset).
+the layer is that expert with its codes XORed with a byte of its own: the codes keep their spread,
+each group its scale and zero.
 
 Attention that normalizes its queries and keys (Qwen3-MoE's and OLMoE's q_norm / k_norm) gets those
 norms' gains multiplied by `QK_NORM_GAIN`. With transformers' unit gains every attention logit is
@@ -195,21 +195,22 @@ def _fill_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Gene
 def _fill_int4_layer(layer: torch.Tensor, layout: ExpertLayout, generator: torch.Generator,
                      device: torch.device) -> None:
     """The layer's INT8 draw at WEIGHT_STD as one expert's w13 [2I, H] and w2 [H, I], quantized to
-    int4 once, and every blob of the layer [E, B] that expert with its rows rotated."""
+    int4 once, and every blob of the layer [E, B] that expert with its codes XORed with a byte of
+    its own (codes stay in 0..15 and spread as before; the group scales and zeros are shared)."""
     rows13, rows2 = layout.sections["w13"].shape[0], layout.sections["w2"].shape[0]
     H, I = layout.hidden, layout.intermediate
     draw = _draw([rows13 * H, rows2 * I], generator).to(device)  # [P]
     weights = draw.float() * (WEIGHT_STD / _UNIFORM_INT8_STD)
     quantized = int4.quantize(weights[: rows13 * H].view(rows13, H), weights[rows13 * H:].view(rows2, I))
     base = {name: tensor.cpu() for name, tensor in quantized.items()}
-    rotations = {"13": _rotations(rows13, layer.shape[0], generator), "2": _rotations(rows2, layer.shape[0], generator)}
+    keys = _distinct(256, layer.shape[0], generator)  # [E] distinct bytes (while E <= 256)
     for expert, blob in enumerate(layer):
-        for name, view in layout.views(blob).items():
-            if name not in base:  # biases, where the family has them, stay zero
-                continue
-            source = base[name]  # [R, X]: rows of w13 or of w2, or their groups' scales or offsets
-            shift = int(rotations["13" if name.endswith("13") else "2"][expert])
-            _copy_cyclic(source.view(-1), shift * source.shape[1], view.view(-1))
+        views = layout.views(blob)
+        for name, tensor in base.items():
+            if name.startswith("w"):
+                torch.bitwise_xor(tensor, int(keys[expert]), out=views[name])
+            else:
+                views[name].copy_(tensor)
 
 
 def _draw(sizes: list[int], generator: torch.Generator) -> torch.Tensor:
@@ -217,9 +218,9 @@ def _draw(sizes: list[int], generator: torch.Generator) -> torch.Tensor:
     return torch.randint(-127, 128, (sum(sizes),), dtype=torch.int8, generator=generator)
 
 
-def _rotations(rows: int, experts: int, generator: torch.Generator) -> torch.Tensor:
-    """A row offset per expert [E]: distinct while there are as many rows as experts."""
-    return torch.randperm(max(rows, experts), generator=generator)[:experts] % rows
+def _distinct(count: int, experts: int, generator: torch.Generator) -> torch.Tensor:
+    """A value in [0, count) per expert [E]: distinct while there are as many values as experts."""
+    return torch.randperm(max(count, experts), generator=generator)[:experts] % count
 
 
 def _copy_cyclic(source: torch.Tensor, start: int, out: torch.Tensor) -> None:

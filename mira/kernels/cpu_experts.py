@@ -21,8 +21,8 @@ The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
   W2 [H, I] is scaled per output channel, W2 = diag(s) W2q, so W2 h = s * (W2q h): s is the
   down product's per-row scale.
 
-`int4` dequantizes a block of rows at a time into a small per-thread buffer and multiplies in
-float32 (mira.kernels.cpu_int4, which says why not torch's INT4 matmul). `none` multiplies in the
+`int4` goes through torch's INT4 weight-only matmul, which reads the blob's tiled codes as they are
+on an AVX-512 CPU (mira.kernels.cpu_int4, with its fallback elsewhere). `none` multiplies in the
 weights' own dtype (views, no conversion of the weights).
 
 Every layout the experts interface declares is served, as mira.kernels.reference.expert_ffn
@@ -84,12 +84,11 @@ class CpuExpertFFN:
             dtype = views["w13"].dtype
             gate_up = _joined([F.linear(x.to(dtype), w) for w in w13])  # [T, 2I']
             y = F.linear(self._hidden(gate_up, views, ranges, first).to(dtype), views["w2"])  # [T, H]
-        elif scheme == "int4":
-            xf = x.float()
-            parts = zip(w13, _rows(views["scale13"], ranges), _rows(views["offset13"], ranges))
-            gate_up = _joined([self._int4_mm(xf, *part) for part in parts])  # [T, 2I'] float32
-            y = self._int4_mm(self._hidden(gate_up, views, ranges, first), views["w2"], views["scale2"],
-                              views["offset2"])  # [T, H]
+        elif scheme == "int4":  # whole experts only: the INT4 kernels cut none (no cut granule)
+            if first:
+                raise ValueError("int4 experts are computed whole; the device cuts none")
+            gate_up = self._int4_mm(x, views["w13"], views["sz13"])  # [T, 2I]
+            y = self._int4_mm(self._hidden(gate_up, views, None, 0), views["w2"], views["sz2"])  # [T, H] float32
         elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
             xs = _as(x, COMPUTE_DTYPE) * scale

@@ -1,72 +1,86 @@
 """Group-wise INT4 products on the CPU, straight from an `int4` blob's sections (mira.store.int4).
 
-A block of weight rows at a time is dequantized (w = s * q + m per group) into a small float32
-buffer owned by the calling thread and multiplied there by float32 activations; the block fits in
-the core's cache, so the weights leave host memory once, as packed codes, and no copy of the store
-is ever made. This was chosen over torch's INT4 weight-only matmul (`_weight_int4pack_mm_for_cpu`):
-its packed layout differs from the blob's, so it would have to be rebuilt from the blob on every
-call (a repacked copy made at load time would be a second store in host memory), which made it the
-slower of the two per expert when both were timed on an AVX-512 CPU; and it takes no short last
-group.
+The blob's codes are laid out as torch's INT4 weight-only matmul takes them on an AVX-512 CPU, so
+`torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, G, sz)` multiplies a blob in place: bf16
+activations, codes converted in registers, no copy of the store. Torch picks its layout by the
+vector width of the CPU it runs on (tiles of 64 rows with AVX-512, narrower ones without), so
+`torch_reads_blobs` packs a probe once and compares. Where the layouts differ, `Int4Matmul`
+dequantizes a few tiles of rows at a time into a float32 buffer of the calling thread (it fits in
+the core's cache, so the weights still leave host memory once, as codes) and multiplies there.
 
-T tokens, R weight rows (outputs), C columns (the reduction), G group, N = C / G groups (rounded up).
+T tokens, R weight rows (outputs), C columns (the reduction), G group, N = C / G groups.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 
 from mira.store import int4
 
-BLOCK_ELEMENTS = 1 << 19  # weights dequantized at a time: 2 MiB of float32, within a core's L2
+COMPUTE_DTYPE = torch.bfloat16  # activations of torch's INT4 product (its scales are the blob's bf16)
+BLOCK_ELEMENTS = 1 << 19  # weights dequantized at a time by the fallback: 2 MiB of float32, within L2
+
+
+@functools.cache
+def torch_reads_blobs() -> bool:
+    """Whether torch's INT4 matmul on this CPU takes the blob's tiled codes as they are."""
+    pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if pack is None:
+        return False
+    rows, cols = 2 * int4.TILE, 2 * int4.GROUP
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    codes = (r * 7 + c * 3 + r // 5) % 16  # every row and column distinct from its neighbours
+    return torch.equal(pack(codes.to(torch.int32), 2), int4.pack_tiles(codes.to(torch.uint8)))
 
 
 class Int4Matmul:
-    """x [T, C] float32 @ W^T -> [T, R] float32 for W [R, C] stored as packed codes, group scales and
-    offsets. Each thread that calls it gets its own dequantization buffer (kept between calls)."""
+    """x [T, C] @ W^T -> [T, R] (in x's dtype) for W [R, C] stored as tiled codes [R, C/2] and group
+    scales and zeros [N, R, 2].
 
-    def __init__(self) -> None:
+    Args:
+        fast: use torch's INT4 matmul (default: where `torch_reads_blobs` says it reads the blob).
+    """
+
+    def __init__(self, fast: bool | None = None) -> None:
+        self.fast = torch_reads_blobs() if fast is None else fast
         self._local = threading.local()
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-                 ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            group = 2 * packed.shape[1] // sz.shape[0]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE_DTYPE).contiguous(), packed, group, sz)
+            return y.to(x.dtype)
+        return self._dequantized_product(x.float(), packed, sz).to(x.dtype)
+
+    def _dequantized_product(self, x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        """The fallback: a few tiles of rows at a time, dequantized into this thread's buffer."""
         R, C = packed.shape[0], 2 * packed.shape[1]
-        rows = max(1, BLOCK_ELEMENTS // C)
-        codes, weights = self._buffers(min(rows, R) * C)
+        rows = int4.TILE * max(1, BLOCK_ELEMENTS // (int4.TILE * C))
+        weights = self._buffer(min(rows, R) * C)
         out = torch.empty(x.shape[0], R, dtype=torch.float32)  # [T, R]
         for start in range(0, R, rows):
             block = slice(start, min(start + rows, R))
-            n = block.stop - block.start
-            w = _dequantize(packed[block], scale[block], offset[block], codes[: n * C], weights[: n * C])  # [n, C]
+            w = _dequantize(packed[block], sz[:, block], weights[: (block.stop - start) * C])  # [n, C]
             torch.matmul(x, w.T, out=out[:, block])
         return out
 
-    def _buffers(self, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This thread's uint8 code and float32 weight buffers of at least `elements` each."""
-        held = getattr(self._local, "buffers", None)
-        if held is None or held[0].numel() < elements:
-            held = (torch.empty(elements, dtype=torch.uint8), torch.empty(elements, dtype=torch.float32))
-            self._local.buffers = held
+    def _buffer(self, elements: int) -> torch.Tensor:
+        """This thread's float32 weight buffer of at least `elements`."""
+        held = getattr(self._local, "weights", None)
+        if held is None or held.numel() < elements:
+            held = torch.empty(elements, dtype=torch.float32)
+            self._local.weights = held
         return held
 
 
-def _dequantize(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, codes: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-    """Rows [n, C] float32, in `weights`, from packed codes [n, C/2] and bf16 scales and offsets [n, N]."""
+def _dequantize(packed: torch.Tensor, sz: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows [n, C] float32, in `weights`, from tiled codes [n, C/2] and scales and zeros [N, n, 2]."""
     n, C = packed.shape[0], 2 * packed.shape[1]
-    pairs = codes.view(n, C // 2, 2)  # column 2j in the low nibble of byte j
-    torch.bitwise_and(packed, 0xF, out=pairs[..., 0])
-    torch.bitwise_right_shift(packed, 4, out=pairs[..., 1])
-    w = weights.view(n, C)
-    w.copy_(codes.view(n, C))
-    G = int4.GROUP
-    full = C // G  # whole groups; a shorter last group is scaled on its own
-    s, m = scale.float(), offset.float()  # [n, N]
-    if full:
-        grouped = w[:, : full * G].view(n, full, G)
-        grouped.mul_(s[:, :full, None]).add_(m[:, :full, None])
-    if C % G:
-        w[:, full * G:].mul_(s[:, full:]).add_(m[:, full:])
-    return w
+    N = sz.shape[0]
+    w = weights.view(n, N, C // N)
+    w.view(n, C).copy_(int4.unpack_tiles(packed))
+    s, z = (sz[..., k].T.float()[..., None] for k in (0, 1))  # [n, N, 1] each
+    return w.sub_(int4.MID).mul_(s).add_(z).view(n, C)

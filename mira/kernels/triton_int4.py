@@ -4,34 +4,46 @@ structure of the INT8 kernels (mira.kernels.triton_ffn; paper IV-F, DESIGN.md 2.
 The kernels read the same address table (one int64 base per expert: a device slot row or the
 expert's pinned host blob, read over PCIe: zero-copy), use the same workspaces, routed-pair
 grouping and launch shapes as the INT8 ones; only the weight loads and their dequantization
-differ. Codes are unpacked in registers: a byte holds columns 2j (low nibble) and 2j + 1, so the
-low codes meet the even columns of the token and the high codes the odd ones. A weight is
-s q + m (the scheme's zero-point form, int4.ZERO_POINTS), so a group's products sum to
-s sum(q x) + m sum(x): scale and offset are applied once per group, not per weight.
+differ. Codes come in tiles of TILE rows (torch's CPU INT4 layout): a tile's column is 32
+contiguous bytes, byte j holding row j in its low nibble and row HALF + j in its high one. A code
+becomes an exact fp32 by integer logic (the nibble put into the mantissa of 2**23, then one fma),
+and a weight is s (q - 8) + z, so a group's products sum to s sum(q x) + (z - 8 s) sum(x): the
+group's scale and zero are applied once per group and row, not per weight.
 
-decode: the two GEMV launches on the CUDA cores (gate/up with runs of row blocks, down with an
-    optionally split reduction and a deterministic sum). A thread's 16-byte load is 32 adjacent
-    weights of one group (groups are whole multiples of 32 weights): the thread sums their
-    products, then scales that partial and adds the offset times the token's sum over the same
-    32 columns. The "-dot" conversions read the rows as 32-bit words of 8 codes against a vector
-    prepared once per call (the tokens in fp32 with their sums over 32-column chunks; the act
-    rows' chunk sums): a word's codes go into 1/2's mantissa by byte permutes and its 8 products
-    into one chain of fmas, and the chunk sums come from that vector instead of the loop.
+decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole tiles and walks
+    their columns a step of several groups at a time: each step is LANES lanes, 4 per group, and
+    per sub-step a lane reads one column of every tile (4 adjacent lanes: 128 contiguous bytes
+    of a tile), GROUP / 4 sub-steps per group. A lane sums its codes times x over its columns of
+    the group (one fma per code, no exchange between threads) before the group's scale and zero
+    apply; the lanes are added once, at the end of the program.
+    1. gate/up, grid (P, unit tiles / tiles per program): a program's gate tiles, then the up
+       tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I].
+    2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
+       routing weights; with `split` the reduction over I is shared by several programs, whose
+       partial sums the last to arrive adds in a fixed order (`_store_down_rows`).
 prefill: the two grouped GEMMs; a K step stays inside one group (block_k <= GROUP), so the codes
     go into the tensor-core product as exact small integers, and each step's product is scaled
-    per weight row and offset by the tokens' column sums afterwards.
+    per weight row and offset by the tokens' column sums afterwards. A block of block_n rows is
+    whole tiles: its rows' low codes, then their high codes.
 
-Launch configurations are the INT8 ones' dataclasses (block_cols counts weights, not bytes),
-stored per device in `<device>-int4.json` beside the INT8 tuning (mira.kernels.tuning;
-`benchmarks/kernels_int4.py --autotune` writes it); the tensor-core GEMV variants (mma) are not
-implemented for INT4.
+Launch configurations are the INT8 ones' dataclasses (mira.kernels.tuning), with these meanings
+for the INT4 GEMVs:
+    block_rows: rows per program, whole tiles (a multiple of TILE); for gate/up, units (each with
+        its gate and up row).
+    block_cols: columns per step, a power of two and whole groups: LANES = block_cols / 16 lanes;
+        at least 256 x num_warps keeps every thread on lanes of its own (16 lanes a warp).
+    unroll: sub-steps whose loads a loop iteration issues together (a divisor of GROUP / 4).
+    cvt: "bits" (the only conversion); mma: not implemented; programs_per_sm and split as for INT8.
+They are stored per device in `<device>-int4.json` beside the INT8 tuning
+(`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
 
 T tokens, E experts in the layer, K routed per token, P = T*K routed pairs, H hidden,
-I expert intermediate, G weights per group.
+I expert intermediate, G = GROUP weights per group, NT tiles of a program.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -39,338 +51,208 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.triton_ffn import _ROW, TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert
+from mira.kernels.triton_ffn import TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
 )
+from mira.models.spec import GluForm
 from mira.store import int4
 from mira.store.layout import ExpertLayout
 
-CHUNK = 32  # adjacent weights (16 bytes) a decode thread sums before scaling them
-CONVERSIONS = ("native", "bits", "prmt", "bits-fold", "prmt-fold", "bits-dot", "prmt-dot")  # the GEMVs' unpackings
-DOT_CONVERSIONS = ("bits-dot", "prmt-dot")  # word by word against a prepared token (`_words_step`)
-CHUNK_W: tl.constexpr = tl.constexpr(CHUNK)  # the same, for the kernels
-SUMS_BLOCK = 1024  # columns per program of `_chunk_sums`
-
-
-def _split_codes(magic: int, word: str) -> list[str]:
-    """PTX lines: the low codes of the 32-bit `word`'s 4 bytes into lo4, the high codes into hi4
-    (one per byte), the magic word into mag."""
-    return [".reg .b32 lo4, hi4, mag;", f"mov.b32 mag, {magic:#010x};", f"and.b32 lo4, {word}, 0x0F0F0F0F;",
-            f"shr.b32 hi4, {word}, 4;", "and.b32 hi4, hi4, 0x0F0F0F0F;"]
-
-
-def _prmt_asm(magic: int, selectors: tuple[int, ...]) -> str:
-    """Inline PTX: a 32-bit word's 4 low codes, then its 4 high codes, each byte-permuted into
-    `magic` by its selector (one per byte position), as 8 fp32 outputs."""
-    permutes = [f"prmt.b32 ${4 * half + k}, {codes}, mag, {selector:#06x};"
-                for half, codes in enumerate(("lo4", "hi4")) for k, selector in enumerate(selectors)]
-    return "\n".join(["{", *_split_codes(magic, "$8"), *permutes, "}"])
-
-
-def _prmt_dot_asm(magic: int, selectors: tuple[int, ...]) -> str:
-    """Inline PTX: a 32-bit word's 8 codes in column order (nibble k of the word is column k: the
-    low, then the high code of each byte) byte-permuted into `magic`, times the 8 fp32 values
-    $2..$9 and summed (one mul, seven fmas), as one fp32 output."""
-    permutes = [f"prmt.b32 v{k}, {('lo4', 'hi4')[k % 2]}, mag, {selectors[k // 2]:#06x};" for k in range(8)]
-    products = ["mul.f32 $0, v0, $2;", *(f"fma.rn.f32 $0, v{k}, ${k + 2}, $0;" for k in range(1, 8))]
-    return "\n".join(["{", *_split_codes(magic, "$1"), ".reg .f32 v<8>;", *permutes, *products, "}"])
-
-
-# a code into the low byte of 2**23's mantissa (2**23 + q), or the third byte of 1/2's (1/2 + q/256)
-FOLD_MAGIC, FOLD_SELECTORS = 0x3F000000, (0x7054, 0x7154, 0x7254, 0x7354)
-PRMT_ASM: tl.constexpr = tl.constexpr(_prmt_asm(0x4B000000, (0x7650, 0x7651, 0x7652, 0x7653)))
-PRMT_FOLD_ASM: tl.constexpr = tl.constexpr(_prmt_asm(FOLD_MAGIC, FOLD_SELECTORS))
-PRMT_DOT_ASM: tl.constexpr = tl.constexpr(_prmt_dot_asm(FOLD_MAGIC, FOLD_SELECTORS))
+TILE, HALF, GROUP = int4.TILE, int4.HALF, int4.GROUP
+LANES_PER_GROUP = 4  # adjacent columns read together: 4 x 32 bytes of a tile
+SUB_STEPS = GROUP // LANES_PER_GROUP  # columns of a group each decode lane reads
+MAGIC = 0x4B000000  # the bits of 2**23, a kernel argument (`_codes`)
+DESIGN_SMS = 132  # the H200's SMs, which the untuned configuration fills
+TILE_W: tl.constexpr = tl.constexpr(TILE)  # the same, for the kernels
+HALF_W: tl.constexpr = tl.constexpr(HALF)
+GROUP_W: tl.constexpr = tl.constexpr(GROUP)
+LPG_W: tl.constexpr = tl.constexpr(LANES_PER_GROUP)
 
 
 @triton.jit
-def _permuted(w, ASM: tl.constexpr):
-    """Bytes -> (low codes, high codes) in fp32 by the byte permutes of ASM (compiled GPUs only)."""
-    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w],
-                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+def _codes(w, magic, lo_unit, hi_unit):
+    """uint32 words [NT, LANES, HALF / 4] of tile bytes -> (low codes, high codes) [NT, LANES, HALF] as
+    exact fp32 (byte j is byte j % 4 of word j / 4). Each nibble is masked in place, at bit p (bytes
+    2 and 3 of a word after one shift, so that no nibble lies above bit 19), and put into the
+    mantissa of 2**23 by one mask-and-or: 2**23 + q 2**p; one fma with the units 2**-p
+    (`_code_units`) then gives q. `magic` is 2**23's bits, passed at run time so that the compiler
+    keeps it in a register and encodes each mask in its instruction."""
+    w16 = w >> 16
+    lo = tl.join(tl.join(w & 0xF, w & 0xF0000), tl.join(w & 0xF00, w16 & 0xF00))  # [.., 2, 2]: byte 2 i + j
+    hi = tl.join(tl.join(w & 0xF0, w16 & 0xF0), tl.join(w & 0xF000, w16 & 0xF000))
+    lo = (tl.reshape(lo, [w.shape[0], w.shape[1], 4 * w.shape[2]]) | magic).to(tl.float32, bitcast=True)
+    hi = (tl.reshape(hi, [w.shape[0], w.shape[1], 4 * w.shape[2]]) | magic).to(tl.float32, bitcast=True)
+    return lo * lo_unit - 8388608.0 * lo_unit, hi * hi_unit - 8388608.0 * hi_unit
 
 
 @triton.jit
-def _nibbles(w, CVT: tl.constexpr):
-    """uint8 bytes -> (low codes, high codes) in fp32, exactly.
-    "native": the int-to-float unit; "bits": the code placed in the mantissa of 2**23 by integer
-    logic, then one add; "prmt": the same with one byte-permute per code, four bytes at a time
-    (inline PTX: compiled GPUs only). The "-fold" forms skip the add: they give 1/2 + q/256 (the
-    code in the mantissa of 1/2), which `_chunk_dots` corrects with the group's scale and offset."""
-    if CVT == "prmt":
-        lo, hi = _permuted(w, PRMT_ASM)
-        return lo - 8388608.0, hi - 8388608.0
-    elif CVT == "prmt-fold":
-        return _permuted(w, PRMT_FOLD_ASM)
-    elif CVT == "bits":
-        b = w.to(tl.uint32)
-        lo = ((b & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return lo, hi
-    elif CVT == "bits-fold":
-        b = w.to(tl.uint32)
-        return (((b & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True), \
-            (((b >> 4) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
-    else:
-        b = w.to(tl.int32)
-        return (b & 15).to(tl.float32), (b >> 4).to(tl.float32)
+def _code_units(j):
+    """2**-p of `_codes` for the codes of bytes j [..] (j % 4 of a word): (low nibbles at bits 0, 8,
+    16, 8; high ones at bits 4, 12, 4, 12)."""
+    n = j % 4
+    lo = tl.where(n == 0, 1.0, tl.where(n == 2, 1.0 / 65536, 1.0 / 256))
+    hi = tl.where(n % 2 == 0, 1.0 / 16, 1.0 / 4096)
+    return lo, hi
 
 
 @triton.jit
-def _chunk_dots(w, x_even, x_odd, s, z, ROWS: tl.constexpr, BYTES: tl.constexpr, CVT: tl.constexpr):
-    """Bytes w [ROWS, BYTES] against the fp32 token's even and odd columns [BYTES] -> [ROWS, BYTES / 16]:
-    per chunk of 32 weights, the dequantized products summed, sum (s q + z) x = s sum q x + z sum x
-    (s, z [ROWS, BYTES / 16]: each chunk's group scale and offset). With codes v = 1/2 + q/256 (the
-    "-fold" conversions), sum q x = 256 sum v x - 128 sum x, so s and z become 256 s and z - 128 s."""
-    lo, hi = _nibbles(w, CVT)
-    p = lo * x_even[None, :] + hi * x_odd[None, :]  # [ROWS, BYTES]
-    p = tl.sum(tl.reshape(p, [ROWS, BYTES // 16, 16]), axis=2)  # [ROWS, chunks]
-    sx = tl.sum(tl.reshape(x_even + x_odd, [BYTES // 16, 16]), axis=1)  # the token's sum over each chunk
-    if CVT == "prmt-fold" or CVT == "bits-fold":
-        return p * (256.0 * s) + (z - 128.0 * s) * sx[None, :]
-    return p * s + z * sx[None, :]
+def _group_scales(w):
+    """Group (s, z) words of a scale section read as uint32 -> (s, z - 8 s) in fp32: a weight is
+    s q + (z - 8 s)."""
+    s = (w << 16).to(tl.float32, bitcast=True)
+    z = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return s, z - 8.0 * s
 
 
 @triton.jit
-def _bytes_step(w_rows, x_row, s_rows, z_rows, start, end, row_mask,
-                GROUP: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, EVEN: tl.constexpr,
-                CVT: tl.constexpr):
-    """One loop step of the byte conversions: columns [start, start + COLS) (masked at `end`
-    unless EVEN) of the rows at w_rows (bytes) against the vector at x_row -> [ROWS, COLS / 32]
-    folded chunk dots (`_chunk_dots`)."""
-    offs_even = start + 2 * tl.arange(0, COLS // 2)  # the vector's columns meeting the low codes
-    offs_b = tl.max_contiguous(tl.multiple_of(start // 2 + tl.arange(0, COLS // 2), COLS // 2), COLS // 2)
-    chunk_start = start + tl.arange(0, COLS // 32) * CHUNK_W  # [chunks]
-    if EVEN:
-        x_even = tl.load(x_row + offs_even).to(tl.float32)
-        x_odd = tl.load(x_row + offs_even + 1).to(tl.float32)
-        w_mask = row_mask[:, None]
-        s_mask = row_mask[:, None]
-    else:
-        x_even = tl.load(x_row + offs_even, mask=offs_even < end, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + offs_even + 1, mask=offs_even < end, other=0.0).to(tl.float32)
-        w_mask = row_mask[:, None] & (offs_b < end // 2)[None, :]
-        s_mask = row_mask[:, None] & (chunk_start < end)[None, :]
-    w = tl.load(w_rows + offs_b[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    s = tl.load(s_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_rows + (chunk_start // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-    return _chunk_dots(w, x_even, x_odd, s, z, ROWS, COLS // 2, CVT)
+def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
+               LANES: tl.constexpr, UNROLL: tl.constexpr):
+    """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
+    sz_words) against the vector at x_row over groups [group_start, group_end) -> (lo, hi) [NT, HALF]
+    fp32: rows TILE t + j and TILE t + HALF + j of each tile t (tiles past R give rows of the last).
+    A step covers LANES / 4 groups; lanes past group_end read the last group against zeros.
+    magic: see `_codes`."""
+    lane = tl.arange(0, LANES)
+    j = tl.arange(0, HALF_W)[None, None, :]
+    lo_unit, hi_unit = _code_units(j)
+    tiles = tl.minimum(tiles, R // TILE_W - 1)[:, None, None]  # [NT, 1, 1]
+    tile_words = codes.to(tl.pointer_type(tl.uint32)) + tiles * (HALF_W // 4 * C) \
+        + tl.arange(0, HALF_W // 4)[None, None, :]  # [NT, 1, HALF / 4]
+    lo_rows = tiles * TILE_W + j  # [NT, 1, HALF]
+    acc_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+    acc_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+    for g0 in range(group_start, group_end, LANES // LPG_W):
+        group = g0 + lane // LPG_W  # [LANES]
+        in_cols = group < group_end
+        group = tl.minimum(group, group_end - 1)
+        col0 = group * GROUP_W + lane % LPG_W
+        p_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+        p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+        x_sum = tl.zeros([LANES], dtype=tl.float32)
+        for k0 in range(0, GROUP_W // LPG_W, UNROLL):
+            for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
+                col = col0 + (k0 + u) * LPG_W
+                x = tl.load(x_row + col, mask=in_cols, other=0.0).to(tl.float32)
+                w = tl.load(tile_words + col[None, :, None] * (HALF_W // 4),
+                            eviction_policy="evict_first")  # [NT, LANES, HALF / 4]
+                lo, hi = _codes(w, magic, lo_unit, hi_unit)
+                p_lo += lo * x[None, :, None]
+                p_hi += hi * x[None, :, None]
+                x_sum += x
+        at = group[None, :, None] * R + lo_rows
+        s, zz = _group_scales(tl.load(sz_words + at))
+        acc_lo += p_lo * s
+        acc_lo += x_sum[None, :, None] * zz
+        s, zz = _group_scales(tl.load(sz_words + at + HALF_W))
+        acc_hi += p_hi * s
+        acc_hi += x_sum[None, :, None] * zz
+    return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
 
 
 @triton.jit
-def _word_columns(x):
-    """The vector's values [WORDS, 8] (word j's columns 8j .. 8j + 7) -> 8 tensors [1, WORDS], the
-    k-th holding column 8j + k of every word."""
-    WORDS: tl.constexpr = x.shape[0]
-    even, odd = tl.split(tl.reshape(x, [1, WORDS, 4, 2]))  # columns 2i and 2i + 1 of each word
-    c04, c26 = tl.split(tl.reshape(even, [1, WORDS, 2, 2]))
-    c15, c37 = tl.split(tl.reshape(odd, [1, WORDS, 2, 2]))
-    c0, c4 = tl.split(c04)
-    c2, c6 = tl.split(c26)
-    c1, c5 = tl.split(c15)
-    c3, c7 = tl.split(c37)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
-def _word_dots(w, x, CVT: tl.constexpr):
-    """uint32 words w [ROWS, WORDS] of 8 codes (nibble k of word j: column 8j + k) against the
-    vector's values x [WORDS, 8] -> [ROWS, WORDS], each word's sum of v x with its codes as
-    v = 1/2 + q/256. "prmt-dot": byte permutes and one chain of fmas per word (inline PTX:
-    compiled GPUs only); "bits-dot": the same values by integer logic (the interpreter's form)."""
-    c = _word_columns(x)
-    if CVT == "prmt-dot":
-        return tl.inline_asm_elementwise(asm=PRMT_DOT_ASM, constraints="=f,r,f,f,f,f,f,f,f,f",
-                                         args=[w, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    d = tl.zeros(w.shape, dtype=tl.float32)
-    for k in tl.static_range(8):
-        v = ((((w >> (4 * k)) & 15) << 16) | 0x3F000000).to(tl.float32, bitcast=True)
-        d += v * c[k]
-    return d
-
-
-@triton.jit
-def _words_step(w_words, x_row, sums_row, s_rows, z_rows, start, end, row_mask,
-                GROUP: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, EVEN: tl.constexpr,
-                CVT: tl.constexpr):
-    """One loop step of the "-dot" conversions: columns [start, start + COLS) (masked at `end`
-    unless EVEN) of the rows at w_words (uint32 words) against the prepared vector (fp32 values at
-    x_row, sums over 32-column chunks at sums_row) -> [ROWS, COLS / 32], each chunk's dequantized
-    products summed, folded as in `_chunk_dots`: sum (s q + z) x = s (256 sum v x - 128 sum x) + z sum x."""
-    WORDS: tl.constexpr = COLS // 8
-    words = tl.max_contiguous(tl.multiple_of(start // 8 + tl.arange(0, WORDS), WORDS), WORDS)
-    cols = 8 * words[:, None] + tl.arange(0, 8)[None, :]  # [WORDS, 8]
-    chunks = start // CHUNK_W + tl.arange(0, COLS // CHUNK_W)
-    if EVEN:
-        w_mask = row_mask[:, None]
-        s_mask = row_mask[:, None]
-        x = tl.load(x_row + cols)
-        sx = tl.load(sums_row + chunks)
-    else:
-        w_mask = row_mask[:, None] & (words < end // 8)[None, :]
-        s_mask = row_mask[:, None] & (chunks * CHUNK_W < end)[None, :]
-        x = tl.load(x_row + cols, mask=cols < end, other=0.0)  # zero past the end: the masked codes meet zeros
-        sx = tl.load(sums_row + chunks, mask=chunks * CHUNK_W < end, other=0.0)
-    w = tl.load(w_words + words[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-    s = tl.load(s_rows + (chunks * CHUNK_W // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_rows + (chunks * CHUNK_W // GROUP)[None, :], mask=s_mask, other=0.0).to(tl.float32)
-    d = _word_dots(w, x, CVT)  # [ROWS, WORDS]
-    d = tl.sum(tl.reshape(d, [ROWS, COLS // CHUNK_W, CHUNK_W // 8]), axis=2)  # [ROWS, chunks]
-    return s * (256.0 * d - 128.0 * sx[None, :]) + z * sx[None, :]
+def _tile_rows(lo, hi):
+    """(lo, hi) [NT, HALF] halves of tiles -> [NT * TILE] in row order."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [lo.shape[0] * TILE_W])
 
 
 @triton.jit
 def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    sums_ptr,  # [T, cdiv(H, 32)] fp32: the token's chunk sums (read by the "-dot" conversions only)
-    H, I, K, S_IN_OFF, Z_IN_OFF, B13_OFF, ROWS,
-    GROUP: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-    UNROLL: tl.constexpr, EVEN_H: tl.constexpr, CVT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    H, I, K, SZ13_OFF, B13_OFF, TILES, MAGIC,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
-    """Decode launch 1: program (pair, g) -> act[pair, rows] for the ROWS rows from g * ROWS."""
+    """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
+    BLOCK_T at a time: their gate tiles, then their up tiles."""
     pair = tl.program_id(0)
-    row_start = tl.program_id(1) * ROWS
+    tile_start = tl.program_id(1) * TILES
+    tile_end = tl.minimum(tile_start + TILES, I // TILE_W)
     token = pair // K
     base = tl.load(bases_ptr + tl.load(index_ptr + pair))
     present = base != 0  # an expert routed without a blob yields NaN (or zero), not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
-    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-    z_in = tl.multiple_of((base + Z_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-    row_end = tl.minimum(row_start + ROWS, I)
+    sz13 = tl.multiple_of((base + SZ13_OFF).to(tl.pointer_type(tl.uint32)), 16)
+    groups = tl.where(present, H // GROUP_W, 0)  # an absent expert's loops do not run
     x_row = hidden_ptr + token * stride_ht
-    sums_row = sums_ptr + token * ((H + CHUNK_W - 1) // CHUNK_W)
-    for i0 in range(row_start, row_end, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        in_rows = offs_i < row_end
-        row_mask = offs_i < tl.where(present, row_end, 0)  # (a scalar-bool & tensor-bool is int32 in the interpreter)
-        g = _rows_dot(x_row, sums_row, w13, s_in, z_in, offs_i, row_mask, H, 0, H, GROUP, BLOCK_I, BLOCK_H, UNROLL,
-                      EVEN_H, CVT)
-        u = _rows_dot(x_row, sums_row, w13, s_in, z_in, offs_i + I, row_mask, H, 0, H, GROUP, BLOCK_I, BLOCK_H, UNROLL,
-                      EVEN_H, CVT)
-        g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
-        u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+    unit_end = tl.where(present, tile_end * TILE_W, 0)  # the units whose biases are read
+    for t0 in range(tile_start, tile_end, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL)
+        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL)
+        units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
+        g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
+        u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
         act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
-        tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
-
-
-@triton.jit
-def _rows_dot(
-    x_row, sums_row, w_ptr, s_ptr, z_ptr, rows, row_mask, COLS, col_start, col_end,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    UNROLL: tl.constexpr, EVEN: tl.constexpr, CVT: tl.constexpr,
-):
-    """[BLOCK_R] dot products over columns [col_start, col_end) of the given rows of a packed
-    matrix ([R, COLS / 2] bytes, group scales and offsets [R, cdiv(COLS, GROUP)]) with the
-    fp32-convertible vector x_row [COLS] (fp32, with its chunk sums at sums_row, for the "-dot"
-    conversions). The range is whole loop steps of BLOCK_C x UNROLL columns but for a last one
-    masked at col_end (EVEN: none)."""
-    n_groups = (COLS + GROUP - 1) // GROUP
-    if CVT == "prmt-dot" or CVT == "bits-dot":
-        w_rows = _row_words(w_ptr, rows, COLS, EVEN)
-    else:
-        w_rows = w_ptr + rows[:, None] * (COLS // 2)  # [BLOCK_R, 1]
-    s_rows = s_ptr + rows[:, None] * n_groups
-    z_rows = z_ptr + rows[:, None] * n_groups
-    acc = tl.zeros([BLOCK_R, BLOCK_C // 32], dtype=tl.float32)
-    for c0 in range(col_start, col_end, BLOCK_C * UNROLL):
-        for u in tl.static_range(UNROLL):  # unrolled: the compiler issues all the loads up front
-            start = c0 + u * BLOCK_C
-            if CVT == "prmt-dot" or CVT == "bits-dot":
-                acc += _words_step(w_rows, x_row, sums_row, s_rows, z_rows, start, col_end, row_mask,
-                                   GROUP, BLOCK_R, BLOCK_C, EVEN, CVT)
-            else:
-                acc += _bytes_step(w_rows, x_row, s_rows, z_rows, start, col_end, row_mask,
-                                   GROUP, BLOCK_R, BLOCK_C, EVEN, CVT)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _row_words(w_ptr, rows, COLS, EVEN: tl.constexpr):
-    """uint32 pointers [len(rows), 1] to the given rows of a packed matrix of COLS columns (a
-    multiple of 8: whole words per row). With EVEN (COLS a multiple of 32) every row starts on 16
-    bytes, which the compiler is told so that the word loads can be 16-byte vectors."""
-    row_words = COLS // 8
-    if EVEN:
-        row_words = tl.multiple_of(row_words, 4)
-    return w_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None] * row_words
+        tl.store(act_ptr + pair * I + units, act, mask=units < tile_end * TILE_W)
 
 
 @triton.jit
 def _down_gemv4(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
-    sums_ptr,  # [P, cdiv(I, 32)] fp32: the act rows' chunk sums (read by the "-dot" conversions only)
-    H, I, K, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF, SPAN,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    UNROLL: tl.constexpr, SPLIT: tl.constexpr, EVEN_I: tl.constexpr, CVT: tl.constexpr,
+    H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
-    """Decode launch 2: program (token, block of H rows, s) -> the token's K experts summed over
-    columns [s * SPAN, (s + 1) * SPAN) of I; split sums are added by the last program of a row
-    block to arrive, in split order (as the INT8 `_down_gemv`)."""
+    """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
+    summed over columns [s SPAN, (s + 1) SPAN) of I; split sums are added by the last program of a
+    row block to arrive, in split order (as the INT8 `_down_gemv`)."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
-    offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_rows = offs_h < H
-    col_start = split * SPAN
-    col_end = tl.minimum(col_start + SPAN, I)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    tiles = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = block * BLOCK_T * TILE_W + tl.arange(0, BLOCK_T * TILE_W)
+    group_start = split * (SPAN // GROUP_W)
+    group_end = tl.minimum(group_start + SPAN // GROUP_W, I // GROUP_W)
+    total = tl.zeros([BLOCK_T * TILE_W], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         base = tl.load(bases_ptr + tl.load(index_ptr + pair))
         present = base != 0
         w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.uint8)), 16)
-        s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-        z_out = tl.multiple_of((base + Z_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-        row_mask = offs_h < tl.where(present, H, 0)
-        act_row = act_ptr + pair * I
-        sums_row = sums_ptr + pair * ((I + CHUNK_W - 1) // CHUNK_W)
-        y = _rows_dot(act_row, sums_row, w2, s_out, z_out, offs_h, row_mask, I, col_start, col_end, GROUP, BLOCK_H,
-                      BLOCK_I, UNROLL, EVEN_I, CVT)
-        y += _bias(base, B2_OFF, offs_h, offs_h < tl.where(present & (split == 0), H, 0),
-                   HAS_BIAS)  # the bias once per row: in split 0's sum
+        sz2 = tl.multiple_of((base + SZ2_OFF).to(tl.pointer_type(tl.uint32)), 16)
+        lo, hi = _tiles_dot(act_ptr + pair * I, w2, sz2, tiles, H, I, group_start,
+                            tl.where(present, group_end, group_start), MAGIC, LANES, UNROLL)
+        y = _tile_rows(lo, hi)
+        y += _bias(base, B2_OFF, rows, rows < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
-    _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
-                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
+    _store_down_rows(out_ptr + token * stride_ot + rows, total, rows < H, partial_ptr, count_ptr,
+                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_T * TILE_W)
 
 
 @triton.jit
-def _chunk_sums(x_ptr, stride_x, copy_ptr, sums_ptr, N, COPY: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, b) -> the sums of row `row` of x [rows, N] over the 32-column chunks of its
-    columns [b * BLOCK, (b + 1) * BLOCK), into sums [rows, cdiv(N, 32)] fp32, and with COPY those
-    columns in fp32 into copy [rows, N]: the prepared vectors of the "-dot" conversions."""
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)
-    if COPY:
-        tl.store(copy_ptr + row * N + offs, x, mask=offs < N)
-    n_chunks = (N + CHUNK_W - 1) // CHUNK_W
-    chunks = tl.program_id(1) * (BLOCK // CHUNK_W) + tl.arange(0, BLOCK // CHUNK_W)
-    tl.store(sums_ptr + row * n_chunks + chunks, tl.sum(tl.reshape(x, [BLOCK // CHUNK_W, CHUNK_W]), axis=1),
-             mask=chunks < n_chunks)
+def _block_rows(n0, BLOCK_N: tl.constexpr):
+    """The rows a GEMM block from row n0 (whole tiles) holds, in its order: the tiles' low rows,
+    then their high rows -> [BLOCK_N]."""
+    i = tl.arange(0, BLOCK_N)
+    c = i % (BLOCK_N // 2)
+    return n0 + c // HALF_W * TILE_W + i // (BLOCK_N // 2) * HALF_W + c % HALF_W
 
 
 @triton.jit
-def _codes_tile(w_ptrs, mask, ROWS: tl.constexpr, COLS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Bytes [ROWS, COLS / 2] at w_ptrs -> the codes [ROWS, COLS], exact in DOT_DTYPE."""
-    w = tl.load(w_ptrs, mask=mask, other=0)
-    lo, hi = _nibbles(w, "bits")
-    return tl.reshape(tl.join(lo, hi), [ROWS, COLS]).to(DOT_DTYPE)  # byte j -> columns 2j, 2j + 1
+def _block_codes(codes, n0, row_end, k0, C, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """Codes [BLOCK_N, BLOCK_K] of the rows `_block_rows(n0)` below row_end at columns [k0, k0 +
+    BLOCK_K) of a tiled matrix of C columns, exact in DOT_DTYPE (zero past row_end)."""
+    c = tl.arange(0, BLOCK_N // 2)
+    tile = n0 // TILE_W + c // HALF_W  # [BN / 2]: the tile of each byte row, and its j
+    k = k0 + tl.arange(0, BLOCK_K)
+    b = tl.load(codes + (tile * (HALF_W * C) + c % HALF_W)[:, None] + k[None, :] * HALF_W,
+                mask=(tile * TILE_W < row_end)[:, None], other=0)  # [BN / 2, BK]
+    q = tl.join(b & 0xF, b >> 4)  # [BN / 2, BK, 2]: the low and the high row of each byte
+    return tl.reshape(tl.permute(q, (2, 0, 1)), [BLOCK_N, BLOCK_K]).to(DOT_DTYPE)
 
 
 @triton.jit
 def _gate_up_gemm4(
     x_ptr, stride_xt, sorted_pair_ptr, block_expert_ptr, bases_ptr, act_ptr,  # act [P, I]
-    P, H, I, K, S_IN_OFF, Z_IN_OFF, B13_OFF,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    P, H, I, K, SZ13_OFF, B13_OFF,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. A K
     step lies in one group: its codes' product with the tokens is scaled per row afterwards."""
@@ -381,57 +263,46 @@ def _gate_up_gemm4(
     base = tl.load(bases_ptr + expert)
     present = base != 0
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
-    s_in = tl.multiple_of((base + S_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-    z_in = tl.multiple_of((base + Z_IN_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    sz13 = tl.multiple_of((base + SZ13_OFF).to(tl.pointer_type(tl.uint32)), 16)
     pairs = tl.load(sorted_pair_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
     valid = pairs < P
     tokens = pairs // K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = offs_n < I
-    row_mask = offs_n < tl.where(present, I, 0)
-    n_groups = (H + GROUP - 1) // GROUP
+    n0 = tl.program_id(1) * BLOCK_N
+    rows = _block_rows(n0, BLOCK_N)  # [BN] units
+    in_rows = rows < I
+    row_mask = rows < tl.where(present, I, 0)
     x_cols = x_ptr + tokens[None, :] * stride_xt  # [1, BM]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        if EVEN_K:
-            x_mask = valid[None, :]
-            w_mask = row_mask[:, None]
-        else:
-            x_mask = valid[None, :] & (offs_k < H)[:, None]
-            w_mask = row_mask[:, None] & (offs_kb < H // 2)[None, :]
-        x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)  # [BK, BM]
+        x_t = tl.load(x_cols + offs_k[:, None], mask=valid[None, :], other=0.0)  # [BK, BM]
         x_sum = tl.sum(x_t.to(tl.float32), axis=0)[None, :]  # [1, BM]: the step's columns, once for both halves
         x_t = x_t.to(DOT_DTYPE)
-        group = k0 // GROUP
+        group = k0 // GROUP_W
         for half in tl.static_range(2):  # gate rows, then up rows
-            rows = offs_n + half * I
-            w_ptrs = w13 + rows[:, None] * (H // 2) + offs_kb[None, :]
-            q = _codes_tile(w_ptrs, w_mask, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
+            q = _block_codes(w13, n0 + half * I, tl.where(present, (half + 1) * I, 0), k0, H, BLOCK_N, BLOCK_K,
+                             DOT_DTYPE)  # [BN, BK]
             part = tl.dot(q, x_t, input_precision=PRECISION)  # [BN, BM]
-            s = tl.load(s_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(z_in + rows * n_groups + group, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            s, zz = _group_scales(tl.load(sz13 + group * 2 * I + rows + half * I, mask=row_mask, other=0))
             if half == 0:  # two fmas per element
-                acc_g = acc_g + part * s + z * x_sum
+                acc_g = acc_g + part * s[:, None] + zz[:, None] * x_sum
             else:
-                acc_u = acc_u + part * s + z * x_sum
+                acc_u = acc_u + part * s[:, None] + zz[:, None] * x_sum
     if HAS_BIAS:
-        acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
-        acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
+        acc_g += _bias(base, B13_OFF, rows, row_mask, HAS_BIAS)[:, None]
+        acc_u += _bias(base, B13_OFF, rows + I, row_mask, HAS_BIAS)[:, None]
     act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
-    tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
+    tl.store(act_ptr + pairs[None, :] * I + rows[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
 
 @triton.jit
 def _down_gemm4(
     act_ptr, sorted_pair_ptr, block_expert_ptr, bases_ptr, weights_ptr, y_ptr,  # act [P, I], y [P, H]
-    P, H, I, W2_OFF, S_OUT_OFF, Z_OUT_OFF, B2_OFF,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    P, H, I, W2_OFF, SZ2_OFF, B2_OFF,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 2: program (block of one expert's pairs, block of H rows) -> y rows,
     weighted (one row per pair; the launcher sums each token's K rows)."""
@@ -442,37 +313,27 @@ def _down_gemm4(
     base = tl.load(bases_ptr + expert)
     present = base != 0
     w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.uint8)), 16)
-    s_out = tl.multiple_of((base + S_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
-    z_out = tl.multiple_of((base + Z_OUT_OFF).to(tl.pointer_type(tl.bfloat16)), 8)
+    sz2 = tl.multiple_of((base + SZ2_OFF).to(tl.pointer_type(tl.uint32)), 16)
     pairs = tl.load(sorted_pair_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pairs < P
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_rows = offs_n < H
-    row_mask = offs_n < tl.where(present, H, 0)
-    n_groups = (I + GROUP - 1) // GROUP
+    n0 = tl.program_id(1) * BLOCK_N
+    rows = _block_rows(n0, BLOCK_N)  # [BN]
+    in_rows = rows < H
+    row_mask = rows < tl.where(present, H, 0)
     a_cols = act_ptr + pairs[None, :] * I  # [1, BM]
-    w_rows = w2 + offs_n[:, None] * (I // 2)  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        if EVEN_K:
-            a_mask = valid[None, :]
-            w_mask = row_mask[:, None]
-        else:
-            a_mask = valid[None, :] & (offs_k < I)[:, None]
-            w_mask = row_mask[:, None] & (offs_kb < I // 2)[None, :]
-        a_t = tl.load(a_cols + offs_k[:, None], mask=a_mask, other=0.0)  # [BK, BM]
-        q = _codes_tile(w_rows + offs_kb[None, :], w_mask, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
+        a_t = tl.load(a_cols + offs_k[:, None], mask=valid[None, :], other=0.0)  # [BK, BM]
+        q = _block_codes(w2, n0, tl.where(present, H, 0), k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
         part = tl.dot(q, a_t.to(DOT_DTYPE), input_precision=PRECISION)
-        s = tl.load(s_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_out + offs_n * n_groups + k0 // GROUP, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        acc = acc + part * s + z * tl.sum(a_t.to(tl.float32), axis=0)[None, :]  # two fmas per element
+        s, zz = _group_scales(tl.load(sz2 + k0 // GROUP_W * H + rows, mask=row_mask, other=0))
+        acc = acc + part * s[:, None] + zz[:, None] * tl.sum(a_t.to(tl.float32), axis=0)[None, :]  # two fmas
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        acc += _bias(base, B2_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
+        acc += _bias(base, B2_OFF, rows, row_mask, HAS_BIAS)[:, None]
     y = _absent(acc * weight[None, :], present, NAN_ABSENT)
-    tl.store(y_ptr + pairs[None, :] * H + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + pairs[None, :] * H + rows[:, None], y.to(y_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
 
@@ -483,16 +344,21 @@ def tuning_name(device_name: str) -> str:
 
 
 def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
-    """An untuned configuration: rows of up to 512 weights per step, more programs for small
-    experts, the integer-logic conversion (the tuning picks the byte-permute one where it is faster)."""
-    rows = 16 if intermediate >= 8192 else 4
-    cols = min(512, max(CHUNK, triton.next_power_of_2(hidden)))
-    return KernelConfig(
-        gate_up_gemv=GemvConfig(block_rows=rows, block_cols=cols, unroll=2, cvt="bits"),
-        down_gemv=GemvConfig(block_rows=8, block_cols=min(1024, max(CHUNK, triton.next_power_of_2(intermediate))),
-                             unroll=1, cvt="bits"),
-        gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
-    )
+    """An untuned configuration for the H200: one tile (of units or of H rows) per program, steps of
+    4 to 16 groups on 1 to 4 warps by the length of the rows, and the down reduction split so that
+    a token's down launch has about 4 programs per SM (Mixtral's H has only 64 tiles)."""
+    up, down = _gemv(hidden), _gemv(intermediate)
+    steps = triton.cdiv(intermediate, down.block_cols)
+    split = max(1, min(steps, triton.cdiv(4 * DESIGN_SMS, hidden // TILE)))
+    return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split),
+                        gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3))
+
+
+def _gemv(columns: int) -> GemvConfig:
+    """One tile per program and steps of 16 groups on 4 warps over rows of `columns`, fewer for
+    shorter rows (at least 4 steps a row where it has them)."""
+    block_cols = 1024 if columns >= 4096 else 512 if columns >= 2048 else 256
+    return GemvConfig(block_rows=TILE, block_cols=block_cols, unroll=8, num_warps=block_cols // 256)
 
 
 def load_int4_config(device_name: str, hidden: int, intermediate: int, directory: Path = TUNING_DIR) -> KernelConfig:
@@ -504,57 +370,72 @@ def load_int4_config(device_name: str, hidden: int, intermediate: int, directory
     return default_int4_config(hidden, intermediate)
 
 
+def down_span(intermediate: int, gemv: GemvConfig) -> int:
+    """Columns of I per program of a (split) down launch: whole steps of block_cols."""
+    return triton.cdiv(triton.cdiv(intermediate, gemv.split), gemv.block_cols) * gemv.block_cols
+
+
 class TritonInt4MoEFFN(TritonMoEFFN):
     """The routed experts of one MoE layer from their INT4 blobs (same interface, workspaces and
     allocation rules as `TritonMoEFFN`)."""
 
-    schemes = {"int4": _ROW}  # scales in sections named as int8-row's: scale13, scale2
-
     def __init__(self, layout: ExpertLayout, device: torch.device | str, *, config: KernelConfig | None = None,
-                 **options) -> None:
+                 num_experts: int | None = None, max_tokens: int | None = None, top_k: int | None = None,
+                 dtype: torch.dtype | None = None, glu: GluForm = GluForm(), absent_zero: bool = False) -> None:
         """
         Args:
             layout: an `int4` blob layout.
             device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
             config: launch configuration; default: the stored INT4 tuning for this device and shape.
-            **options: num_experts, max_tokens, top_k, dtype, as for `TritonMoEFFN`.
+            num_experts, max_tokens, top_k, dtype, glu, absent_zero: as for `TritonMoEFFN`.
 
         Raises:
             ValueError: not an int4 layout, or a configuration these kernels cannot run.
         """
-        device = torch.device(device)
-        if config is None and layout.scheme == "int4":
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        if layout.scheme != "int4":
+            raise ValueError(f"these fused kernels read int4 blobs, not {layout.scheme!r}; use "
+                             "mira.kernels.make_moe_ffn, which picks the kernels of each scheme")
+        if layout.nbytes >= 2**31:
+            raise ValueError(f"an expert blob of {layout.nbytes} bytes needs 64-bit offsets, which these kernels "
+                             "do not use")
+        self.layout = layout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if config is None:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
             config = load_int4_config(name, layout.hidden, layout.intermediate)
-        if config is not None:
-            _check_config(config, layout)
-        super().__init__(layout, device, config=config, **options)
-        self._z_in_off = layout.sections["offset13"].offset
-        self._z_out_off = layout.sections["offset2"].offset
-        # the "-dot" conversions' prepared vectors: the tokens in fp32 (when they come in another
-        # dtype) with their sums over 32-column chunks; the act rows' chunk sums
-        H, I, pairs = layout.hidden, layout.intermediate, self.config.decode_max_pairs
-        dot_up, dot_down = (gemv.cvt in DOT_CONVERSIONS for gemv in (self.config.gate_up_gemv, self.config.down_gemv))
-        self._x_copy = torch.empty(pairs if dot_up else 0, H, dtype=torch.float32, device=self.device)
-        self._x_sums = torch.empty(pairs if dot_up else 0, triton.cdiv(H, CHUNK), dtype=torch.float32,
-                                   device=self.device)
-        self._act_sums = torch.empty(pairs if dot_down else 0, triton.cdiv(I, CHUNK), dtype=torch.float32,
-                                     device=self.device)
+        _check_config(config, layout)
+        self.config = config
+        sections = layout.sections
+        self._w2_off, self._sz13_off, self._sz2_off = (sections[name].offset for name in ("w2", "sz13", "sz2"))
+        self._b13_off = sections["b13"].offset if layout.bias else 0
+        self._b2_off = sections["b2"].offset if layout.bias else 0
+        # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
+        self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
+                              UP_OFFSET=float(glu.up_offset), NAN_ABSENT=not absent_zero)
+        self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
+        self._allocate_decode(num_experts)
+        self._prefill: dict[str, torch.Tensor] = {}
+        if max_tokens is not None and top_k is not None:
+            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            self._prefill_buffers(max_tokens * top_k, dtype)
 
-    def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
-        """Device bytes of the workspaces one call of this size uses (for the memory budget)."""
-        prepared = self._x_copy.numel() + self._x_sums.numel() + self._act_sums.numel()
-        return super().workspace_bytes(tokens, top_k, dtype) + 4 * prepared
-
-    def _cvt(self, gemv: GemvConfig) -> str:
-        """"prmt" ("prmt-fold") unpacks 4 bytes per instruction group: it needs a multiple of 4 bytes
-        per thread and compiled code; otherwise "bits" ("bits-fold"). "prmt-dot" takes whole 32-bit
-        words: it needs compiled code only ("bits-dot" in the interpreter)."""
-        per_thread = gemv.block_rows * gemv.block_cols // 2 // (32 * gemv.num_warps)
-        whole_words = gemv.cvt == "prmt-dot" or per_thread % 4 == 0
-        if gemv.cvt.startswith("prmt") and (self.device.type != "cuda" or not whole_words):
-            return gemv.cvt.replace("prmt", "bits")
-        return gemv.cvt
+    def _allocate_decode(self, num_experts: int | None) -> None:
+        """The decode workspaces, as `TritonMoEFFN` makes them: act [decode_max_pairs, I] fp32, a split
+        down launch's partial sums and arrival counts (back at zero after every call), the address table."""
+        H, I, config = self.layout.hidden, self.layout.intermediate, self.config
+        self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_cuda else 4
+        down = config.down_gemv
+        self._down_span = down_span(I, down)
+        splits = triton.cdiv(I, self._down_span)
+        row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
+        self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32,
+                                           device=self.device)
+        self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
+        self._bases = None if num_experts is None else torch.zeros(num_experts, dtype=torch.int64, device=self.device)
 
     @property
     def cut_granule(self) -> None:
@@ -565,69 +446,66 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         T, H = hidden.shape
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
-        up_cvt, down_cvt = self._cvt(up), self._cvt(down)
-        common = dict(GROUP=int4.GROUP)
-        x = hidden  # [T, H]
-        if up_cvt in DOT_CONVERSIONS:  # each token prepared once for its K pairs
-            x = hidden if hidden.dtype == torch.float32 else self._x_copy[:T]
-            _chunk_sums[(T, triton.cdiv(H, SUMS_BLOCK))](hidden, hidden.stride(0), x, self._x_sums, H,
-                                                          COPY=x is not hidden, BLOCK=SUMS_BLOCK)
-        rows = self._rows_per_program(T * K, up)
-        _gate_up_gemv4[(T * K, triton.cdiv(I, rows))](
-            x, x.stride(0), index, bases, self._decode_act, self._x_sums, H, I, K, self._s_in_off, self._z_in_off,
-            self._b13_off, rows, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols, UNROLL=up.unroll,
-            EVEN_H=H % (up.block_cols * up.unroll) == 0, CVT=up_cvt, **common,
-            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
+        tiles = self._rows_per_program(T * K, up) // TILE
+        _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
+            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._sz13_off, self._b13_off, tiles,
+            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, num_warps=up.num_warps,
+            num_stages=up.num_stages, **self._after_up,
         )
-        if down_cvt in DOT_CONVERSIONS:  # the act rows are fp32 already: their chunk sums only
-            _chunk_sums[(T * K, triton.cdiv(I, SUMS_BLOCK))](self._decode_act, I, self._decode_act, self._act_sums, I,
-                                                              COPY=False, BLOCK=SUMS_BLOCK)
         span = self._down_span
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
-            self._act_sums, H, I, K, self._w2_off, self._s_out_off, self._z_out_off, self._b2_off, span,
-            BLOCK_H=down.block_rows, BLOCK_I=down.block_cols, UNROLL=down.unroll, SPLIT=splits,
-            EVEN_I=splits * span == I, CVT=down_cvt, **common,
-            num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down,
+            H, I, K, self._w2_off, self._sz2_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
+            LANES=_lanes(down), UNROLL=down.unroll, SPLIT=splits, num_warps=down.num_warps,
+            num_stages=down.num_stages, **self._after_down,
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:
         T, H = hidden.shape
         I, g = self.layout.intermediate, self.config.gemm
         P = T * K
-        block_k = min(g.block_k, int4.GROUP)  # a K step inside one group
         sorted_pair, block_expert = group_by_expert(index, bases.numel(), g.block_m)
         act, y = self._prefill_buffers(P, hidden.dtype)
         dot_dtype, precision = self._dot_types(hidden.dtype)
         n_blocks = block_expert.numel()
-        common = dict(GROUP=int4.GROUP, BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=block_k,
-                      DOT_DTYPE=dot_dtype, PRECISION=precision, num_warps=g.num_warps,
-                      num_stages=g.num_stages)
+        common = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=min(g.block_k, GROUP), DOT_DTYPE=dot_dtype,
+                      PRECISION=precision, num_warps=g.num_warps, num_stages=g.num_stages)
         _gate_up_gemm4[(n_blocks, triton.cdiv(I, g.block_n))](
-            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act, P, H, I, K, self._s_in_off,
-            self._z_in_off, self._b13_off, EVEN_K=H % block_k == 0, **common, **self._after_up,
+            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act, P, H, I, K, self._sz13_off,
+            self._b13_off, **common, **self._after_up,
         )
         _down_gemm4[(n_blocks, triton.cdiv(H, g.block_n))](
-            act, sorted_pair, block_expert, bases, weights, y, P, H, I, self._w2_off, self._s_out_off,
-            self._z_out_off, self._b2_off, EVEN_K=I % block_k == 0, **common, **self._after_down,
+            act, sorted_pair, block_expert, bases, weights, y, P, H, I, self._w2_off, self._sz2_off, self._b2_off,
+            **common, **self._after_down,
         )
         torch.sum(y.view(T, K, H), dim=1, out=out)  # each token's K weighted expert outputs
 
 
+def _lanes(gemv: GemvConfig) -> int:
+    """Decode lanes of a GEMV launch: 4 per group of a step's block_cols columns."""
+    return gemv.block_cols // GROUP * LANES_PER_GROUP
+
+
 def _check_config(config: KernelConfig, layout: ExpertLayout) -> None:
-    """Raise ValueError for a launch configuration the INT4 kernels cannot run on this layout."""
-    for name, gemv, row in (("gate_up_gemv", config.gate_up_gemv, layout.hidden),
-                            ("down_gemv", config.down_gemv, layout.intermediate)):
+    """Raise ValueError for a launch configuration the INT4 kernels cannot run."""
+    for name, gemv in (("gate_up_gemv", config.gate_up_gemv), ("down_gemv", config.down_gemv)):
         if gemv.mma:
             raise ValueError(f"{name}: the INT4 kernels have no tensor-core GEMV (mma); use a CUDA-core configuration")
-        if gemv.cvt not in CONVERSIONS:
-            raise ValueError(f"{name}: cvt must be one of {', '.join(CONVERSIONS)} for INT4, not {gemv.cvt!r}")
-        if gemv.block_cols % CHUNK:
-            raise ValueError(f"{name}: block_cols must be a multiple of {CHUNK} weights for INT4, "
-                             f"not {gemv.block_cols}")
-        if gemv.cvt in DOT_CONVERSIONS and row % 8:
-            raise ValueError(f"{name}: cvt {gemv.cvt!r} reads rows as 32-bit words of 8 weights, and these rows "
-                             f"have {row}; use {gemv.cvt.replace('dot', 'fold')!r}")
-    if int4.GROUP % CHUNK:
-        raise ValueError(f"INT4 groups of {int4.GROUP} weights are not whole chunks of {CHUNK}")
+        if gemv.cvt != "bits":
+            raise ValueError(f"{name}: the INT4 GEMVs convert codes by integer logic only: cvt must be 'bits', "
+                             f"not {gemv.cvt!r}")
+        if gemv.block_rows < TILE or gemv.block_rows % TILE or gemv.block_rows & (gemv.block_rows - 1):
+            raise ValueError(f"{name}: block_rows must be whole tiles of {TILE} rows, a power of two, "
+                             f"not {gemv.block_rows}; use {TILE} or {2 * TILE}")
+        if gemv.block_cols < GROUP or gemv.block_cols & (gemv.block_cols - 1):
+            raise ValueError(f"{name}: block_cols must be whole groups of {GROUP} columns, a power of two, "
+                             f"not {gemv.block_cols}; use {256 * gemv.num_warps} for {gemv.num_warps} warps")
+        if gemv.unroll < 1 or SUB_STEPS % gemv.unroll:
+            raise ValueError(f"{name}: unroll must divide the {SUB_STEPS} sub-steps of a group, not {gemv.unroll}")
+    gemm = config.gemm
+    if gemm.block_n < TILE or gemm.block_n % TILE or gemm.block_n & (gemm.block_n - 1):
+        raise ValueError(f"gemm: block_n must be whole tiles of {TILE} rows, a power of two, not {gemm.block_n}; "
+                         f"use {2 * TILE}")
+    if gemm.block_k < 16 or gemm.block_k & (gemm.block_k - 1):
+        raise ValueError(f"gemm: block_k must be a power of two of at least 16 (the tensor-core K), not {gemm.block_k}")

@@ -5,7 +5,7 @@ store into a GPU slot or from disk into the store. A blob is a sequence of align
 
     int8-shared   w13 int8 [2I, H] | w2 int8 [H, I] | scale bf16 [H]
     int8-row      w13 int8 [2I, H] | w2 int8 [H, I] | scale13 bf16 [2I] | scale2 bf16 [H]
-    int4          w13 uint8 [2I, H/2] | w2 uint8 [H, I/2] | group scales    (mira.store.int4)
+    int4          w13 uint8 [2I, H/2] | w2 uint8 [H, I/2] | group scales, zeros   (mira.store.int4)
     none          w13 dtype [2I, H] | w2 dtype [H, I]          (dtype: the checkpoint's own)
 
 w13 holds the gate rows first, then the up rows (transformers' `gate_up_proj` order); experts

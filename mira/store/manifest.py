@@ -22,13 +22,16 @@ from mira.store.layout import ExpertLayout
 
 FORMAT_VERSION = 1  # a store whose blob layout has no biases and gated experts
 EXTENDED_FORMAT_VERSION = 2  # blob layouts with biases or ungated experts (mira.store.layout)
-READABLE_VERSIONS = (FORMAT_VERSION, EXTENDED_FORMAT_VERSION)
+INT4_FORMAT_VERSION = 3  # int4 blobs with tiled codes (mira.store.int4); int4 stores of before are not read
+READABLE_VERSIONS = (FORMAT_VERSION, EXTENDED_FORMAT_VERSION, INT4_FORMAT_VERSION)
 MANIFEST = "manifest.json"
 
 
 def format_version(layout: ExpertLayout) -> int:
     """The lowest format version that holds `layout`: a store without the extended fields stays
     readable by a Mira that knows version 1 only."""
+    if layout.scheme == "int4":
+        return INT4_FORMAT_VERSION
     return EXTENDED_FORMAT_VERSION if layout.extended else FORMAT_VERSION
 
 
@@ -83,6 +86,9 @@ class Manifest:
                             f"{_again(store_dir, data.get('source'))}")
         try:
             manifest = cls(**data)
+            if manifest.scheme == "int4" and manifest.format_version != INT4_FORMAT_VERSION:
+                raise MiraError(f"store {store_dir} holds int4 experts in an older blob layout, which this Mira no "
+                                f"longer reads; {_again(store_dir, data.get('source'))}")
             layout = ExpertLayout.from_json(manifest.layout)  # a layout this version reads
             if manifest.format_version != format_version(layout):
                 raise ValueError(f"format version {manifest.format_version} with a layout of version "

@@ -20,7 +20,7 @@ LAYERS, EXPERTS, TOP_K, H, I = 3, 8, 2, 64, 512
 # one blob, section by section, each section starting on a 128-byte boundary (mira.store.layout):
 INT8_SHARED_BLOB = 2 * I * H + H * I + 2 * H  # w13 int8 [2I, H], w2 int8 [H, I], scale bf16 [H]
 INT4_BLOB = (2 * I * H // 2 + H * I // 2  # w13 and w2 at two codes per byte
-             + 2 * (2 * I * 2 + H * (I // 64) * 2))  # scales and offsets, bf16: one per row of w13, I/64 per row of w2
+             + 2 * 2 * (2 * I + H * (I // 64)))  # scale and zero, bf16: one group per row of w13, I/64 per row of w2
 BUDGET = "1.5MiB"
 
 

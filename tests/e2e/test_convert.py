@@ -11,8 +11,9 @@ from mira.store.store import ExpertStore
 
 
 @pytest.mark.parametrize("scheme", ["int8-shared", "int4"])
-def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, checkpoints, monkeypatch, scheme):
-    checkpoint = checkpoints["qwen2_moe"]
+def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, checkpoints, int4_checkpoints,
+                                                                 monkeypatch, scheme):
+    checkpoint = (int4_checkpoints if scheme == "int4" else checkpoints)["qwen2_moe"]
     reference = convert(checkpoint, tmp_path / "reference", scheme, progress=False)
 
     real_pack, packed = convert_module.ExpertLayout.pack, []

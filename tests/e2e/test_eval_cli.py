@@ -32,8 +32,8 @@ def _transformers_nll(checkpoint, ids, context, stride):
     return total / (len(ids) - 1)
 
 
-def test_ppl_reference_matches_transformers_and_int8_stays_close(checkpoints, text_file, tmp_path, capsys):
-    checkpoint = checkpoints["mixtral"]
+def test_ppl_reference_matches_transformers_and_int8_stays_close(int4_checkpoints, text_file, tmp_path, capsys):
+    checkpoint = int4_checkpoints["mixtral"]  # every scheme, int4's whole tiles included
     out = tmp_path / "eval.json"
     argv = ["eval", "ppl", "--model", str(checkpoint), "--data", str(text_file), "--context", "32", "--stride", "12",
             "--max-tokens", "150", "--device", "cpu", "--quiet", "--json", "--out", str(out)]
@@ -83,14 +83,14 @@ def test_ppl_table_and_scheme_subset(checkpoints, text_file, capsys):
                                                r"int4, none"),
     ("short", ["--context", "8", "--stride", "8"], r"--stride 8 must be at least 1 and less than the context of 8"),
 ])
-def test_ppl_bad_input_gets_one_line(checkpoints, tmp_path, capsys, setup, extra, message):
+def test_ppl_bad_input_gets_one_line(int4_checkpoints, tmp_path, capsys, setup, extra, message):
     files = {"missing": tmp_path / "nowhere.txt", "empty": tmp_path / "empty.txt", "blank-jsonl": tmp_path / "blank.jsonl",
              "bad-jsonl": tmp_path / "bad.jsonl", "short": tmp_path / "short.txt"}
     files["empty"].write_text("  \n")
     files["blank-jsonl"].write_text('{"text": ""}\n\n{"text": " "}\n')
     files["bad-jsonl"].write_text('{"text": "fine"}\n{"prompt": "no text"}\n')
     files["short"].write_text("the quick brown fox jumps over the lazy dog")
-    argv = ["eval", "ppl", "--model", str(checkpoints["mixtral"]), "--data", str(files[setup]), "--device", "cpu",
+    argv = ["eval", "ppl", "--model", str(int4_checkpoints["mixtral"]), "--data", str(files[setup]), "--device", "cpu",
             "--quiet", *extra]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -16,9 +16,9 @@ GREEDY = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
-def int4_stores(tmp_path_factory, checkpoints):
+def int4_stores(tmp_path_factory, int4_checkpoints):
     root = tmp_path_factory.mktemp("int4-stores")
-    return {family: convert(checkpoints[family], root / family, "int4", progress=False) and root / family
+    return {family: convert(int4_checkpoints[family], root / family, "int4", progress=False) and root / family
             for family in FAMILIES}
 
 
@@ -41,9 +41,9 @@ def _dequantized_reference(checkpoint, store_dir):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int4_store_computes_exactly_the_dequantized_model(family, checkpoints, int4_stores):
-    reference = _dequantized_reference(checkpoints[family], int4_stores[family])
-    original = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32).eval()
+def test_int4_store_computes_exactly_the_dequantized_model(family, int4_checkpoints, int4_stores):
+    reference = _dequantized_reference(int4_checkpoints[family], int4_stores[family])
+    original = AutoModelForCausalLM.from_pretrained(int4_checkpoints[family], dtype=torch.float32).eval()
     model = mira.load(int4_stores[family], device="cpu", progress=False)
     assert model.stats()["quant"] == "int4"
     ids = _prompt()
@@ -55,13 +55,15 @@ def test_int4_store_computes_exactly_the_dequantized_model(family, checkpoints, 
     assert torch.equal(model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY, disable_compile=True))
 
 
-def test_a_budget_holds_more_int4_experts_than_int8(stores, int4_stores):
-    int8 = mira.load(stores["mixtral", "int8-shared"], device="cpu", vram_budget=1 << 30, progress=False)
+def test_a_budget_holds_more_int4_experts_than_int8(tmp_path, int4_checkpoints, int4_stores):
+    int8_store = tmp_path / "int8"  # the same model's experts in int8-shared
+    convert(int4_checkpoints["mixtral"], int8_store, "int8-shared", progress=False)
+    int8 = mira.load(int8_store, device="cpu", vram_budget=1 << 30, progress=False)
     four = mira.load(int4_stores["mixtral"], device="cpu", vram_budget=1 << 30, progress=False)
     budget = int8.plan.reserve_bytes + 9 * int8.store.blob_bytes  # 9 int8 experts of 24
     four_blob = four.store.blob_bytes
     assert four_blob < 0.7 * int8.store.blob_bytes  # tiny experts: group scales weigh more than at real sizes
-    limited8 = mira.load(stores["mixtral", "int8-shared"], device="cpu", vram_budget=budget, progress=False)
+    limited8 = mira.load(int8_store, device="cpu", vram_budget=budget, progress=False)
     limited4 = mira.load(int4_stores["mixtral"], device="cpu", vram_budget=budget, policy="lru", progress=False)
     assert limited8.cache.pool.num_slots == 9
     assert limited4.cache.pool.num_slots == (budget - limited4.plan.reserve_bytes) // four_blob > 9
@@ -71,9 +73,9 @@ def test_a_budget_holds_more_int4_experts_than_int8(stores, int4_stores):
     assert stats["bytes_to_device"] == stats["copies"] * four_blob > 0
 
 
-def test_convert_cli_writes_an_int4_store_that_verifies(checkpoints, tmp_path, capsys):
+def test_convert_cli_writes_an_int4_store_that_verifies(int4_checkpoints, tmp_path, capsys):
     out = tmp_path / "store"
-    assert main(["convert", str(checkpoints["olmoe"]), "--out", str(out), "--quant", "int4", "--quiet"]) == 0
+    assert main(["convert", str(int4_checkpoints["olmoe"]), "--out", str(out), "--quant", "int4", "--quiet"]) == 0
     assert "int4" in capsys.readouterr().out
     assert main(["store", "verify", str(out)]) == 0
     assert ExpertStore.open(out, progress=False).manifest.scheme == "int4"

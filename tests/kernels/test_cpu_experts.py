@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mira.kernels import cpu_int4
 from mira.kernels.cpu_experts import COMPUTE_DTYPE, CpuExpertFFN
@@ -33,8 +34,13 @@ def clamped_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def shapes_of(scheme: str) -> list[tuple[int, int]]:
-    """int4 packs two weights per byte: its sizes are even (96 and 40 leave a short last group of 64)."""
-    return [s for s in SHAPES if not (s[0] % 2 or s[1] % 2)] + [(130, 70)] if scheme == "int4" else SHAPES
+    """int4 stores whole tiles of 64 rows and groups of 64 columns (one or several)."""
+    return [(64, 64), (128, 192), (192, 64)] if scheme == "int4" else SHAPES
+
+
+def sized(scheme: str, H: int, I: int) -> tuple[int, int]:
+    """(H, I), each rounded up to whole tiles and groups of 64 for int4."""
+    return (-(-H // 64) * 64, -(-I // 64) * 64) if scheme == "int4" else (H, I)
 
 
 def make_blobs(layout: ExpertLayout, experts: int, seed: int) -> list[torch.Tensor]:
@@ -60,16 +66,19 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def compute_dtype(layout: ExpertLayout, views: dict) -> torch.dtype:
-    """The dtype the executor's products take: the weights' own (none), float32 (int4), else bf16."""
+    """The dtype the executor's products take: the weights' own (none), float32 (int4 where torch's
+    INT4 matmul cannot read the blob), else bf16."""
     if layout.scheme == "none":
         return views["w13"].dtype
-    return torch.float32 if layout.scheme == "int4" else COMPUTE_DTYPE
+    if layout.scheme == "int4" and not cpu_int4.torch_reads_blobs():
+        return torch.float32
+    return COMPUTE_DTYPE
 
 
 def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) -> torch.Tensor:
     """A first-order bound [T, H] on |executor - exact| for one expert, from where the executor
     rounds: activations to the compute dtype (and, int8-shared, x * s once more), int4's weights
-    dequantized in float32, the gate/up outputs, the bias added in float32, the activation evaluated
+    dequantized in float32 (times s, plus z), the gate/up outputs, the bias added in float32, the activation evaluated
     in float32 and rounded to the compute dtype, the down outputs, each within one unit roundoff u of
     its dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms."""
     w13, w2 = dequantize_expert(views, layout)  # float64, exact
@@ -77,7 +86,7 @@ def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) 
     u = unit_roundoff(compute)
     xd = x.double()
     H, I = layout.hidden, layout.intermediate
-    weight_roundings = 1 if layout.scheme == "int4" else 0
+    weight_roundings = 2 if layout.scheme == "int4" else 0
     input_roundings = (0 if torch.finfo(compute).eps <= torch.finfo(x.dtype).eps else 1) + (
         1 if layout.scheme == "int8-shared" else 0)
     gate_up = xd @ w13.T  # [T, 2I]
@@ -150,7 +159,7 @@ VARIANTS = {"bias": (True, True, None), "ungated": (False, False, None), "ungate
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, weight_dtype, variant, shape, x_dtype):
     gated, bias, gate = VARIANTS[variant]
-    H, I = shape
+    H, I = sized(scheme, *shape)
     layout = ExpertLayout(scheme, H, I, weight_dtype, gated=gated, bias=bias)
     views = layout.views(make_blobs(layout, 1, seed=H + I)[0])
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(I)).to(x_dtype)
@@ -160,7 +169,7 @@ def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, w
 
 
 @pytest.mark.parametrize("scheme,weight_dtype,variant", [
-    (*s, v) for s in SCHEMES for v in ("plain", *VARIANTS) if not (s[0] == "int4" and v.startswith("ungated"))])
+    (*s, v) for s in SCHEMES for v in ("plain", *VARIANTS) if s[0] != "int4"])  # int4 experts are not cut
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype, variant, tokens):
     """From a cut point on, the executor computes those intermediate units only (the down bias is
@@ -188,9 +197,17 @@ def test_a_cut_point_outside_the_intermediate_units_is_refused():
         CpuExpertFFN(layout, F.silu).expert(torch.randn(1, 64), views, 32)
 
 
+def test_an_int4_cut_is_refused():
+    """The INT4 kernels cut no expert, so a cut int4 expert is a caller's error, not a part computed."""
+    layout = ExpertLayout("int4", 64, 64)
+    views = layout.views(make_blobs(layout, 1, seed=3)[0])
+    with pytest.raises(ValueError, match="computed whole"):
+        CpuExpertFFN(layout, F.silu).expert(torch.randn(1, 64), views, 16)
+
+
 def test_the_checks_catch_a_gate_or_a_bias_left_out():
     """The executor without the family's gate, or reading a layout without its biases, is caught."""
-    H, I = 64, 32
+    H, I = 64, 64
     layout = ExpertLayout("int4", H, I, bias=True)
     views = layout.views(make_blobs(layout, 1, seed=7)[0])
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(7))
@@ -226,14 +243,14 @@ def test_the_checks_catch_a_scale_on_the_wrong_side():
         assert_matches_reference(y, x, views, layout)
 
 
-@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+@pytest.mark.parametrize("scheme,weight_dtype,cut", [(*s, cut) for s in SCHEMES for cut in (False, True)
+                                                     if not (s[0] == "int4" and cut)])  # int4 experts are not cut
 @pytest.mark.parametrize("tokens", [1, 5, 33])
-@pytest.mark.parametrize("cut", [False, True])
 def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens, cut):
     """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer;
     with a cut, the CPU's first expert from unit 10 on only, and the reference's layer call with that
     expert's limit at 10 computes the rest of it."""
-    H, I, E, K = 72, 30 if scheme == "int4" else 29, 6, 2
+    (H, I), E, K = sized(scheme, 72, 29), 6, 2
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=tokens)
     g = torch.Generator().manual_seed(tokens)
@@ -313,45 +330,72 @@ def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
     assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
 
 
-class _RecordInt4(TorchFunctionMode):
-    """Records the packed codes int4 unpacks and the weights of every float32 product."""
+class _RecordInt4Products(TorchDispatchMode):
+    """Records the codes of every product torch's INT4 matmul makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.codes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._weight_int4pack_mm_for_cpu.default:
+            self.codes.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not cpu_int4.torch_reads_blobs(), reason="torch's INT4 matmul on this CPU takes another layout")
+def test_int4_products_read_the_blobs_codes_in_place():
+    """No second copy of the weights: torch's INT4 matmul takes each section of the blob as it is."""
+    H, I = 128, 192
+    layout = ExpertLayout("int4", H, I)
+    blob = make_blobs(layout, 1, seed=2)[0]
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    with _RecordInt4Products() as recorded:
+        CpuExpertFFN(layout, F.silu).expert(x, layout.views(blob))
+    base = blob.data_ptr()
+    assert [c.data_ptr() for c in recorded.codes] == [base + layout.sections[n].offset for n in ("w13", "w2")]
+
+
+class _RecordUnpacked(TorchFunctionMode):
+    """Records the codes the fallback unpacks and the weights of every float32 product."""
 
     def __init__(self):
         super().__init__()
         self.codes, self.weights = [], []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.bitwise_and:
+        if func is torch.Tensor.__and__:
             self.codes.append(args[0])
         if func is torch.matmul:
             self.weights.append(args[1])
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("block_rows", [3, 64])
-def test_int4_reads_its_codes_in_place_and_dequantizes_a_block_of_rows_at_a_time(monkeypatch, block_rows):
-    """No second copy of the weights: the codes unpacked are row blocks of the blob's own sections,
-    and every product's weight is one block of at most BLOCK_ELEMENTS; blocks that split the rows
-    (and a last shorter block) still give the reference's output."""
-    H, I = 96, 40
-    monkeypatch.setattr(cpu_int4, "BLOCK_ELEMENTS", block_rows * H)
+@pytest.mark.parametrize("block_tiles", [1, 2])
+def test_int4_fallback_reads_its_codes_in_place_and_dequantizes_tiles_at_a_time(monkeypatch, block_tiles):
+    """Where torch's INT4 matmul reads another layout: no second copy of the weights either, the codes
+    unpacked are blocks of whole tiles of the blob's own sections, and every product's weight is one
+    block of at most BLOCK_ELEMENTS; blocks that split the rows (and a last shorter block) still give
+    the reference's output."""
+    H, I = 128, 192
+    monkeypatch.setattr(cpu_int4, "torch_reads_blobs", lambda: False)
+    monkeypatch.setattr(cpu_int4, "BLOCK_ELEMENTS", block_tiles * 64 * I)
     layout = ExpertLayout("int4", H, I)
     blob = make_blobs(layout, 1, seed=2)[0]
     views = layout.views(blob)
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
-    with _RecordInt4() as recorded:
+    with _RecordUnpacked() as recorded:
         y = CpuExpertFFN(layout, F.silu).expert(x, views)
     assert_matches_reference(y, x, views, layout)
     base, storage = blob.data_ptr(), blob.untyped_storage().data_ptr()
     for name, rows, columns in (("w13", 2 * I, H), ("w2", H, I)):
         section = base + layout.sections[name].offset
-        step = max(1, block_rows * H // columns)
+        step = 64 * max(1, block_tiles * I // columns)  # whole tiles of rows per block
         expected = [section + start * columns // 2 for start in range(0, rows, step)]
         assert [c.data_ptr() for c in recorded.codes if section <= c.data_ptr() < section + rows * columns // 2] \
             == expected
     assert all(c.untyped_storage().data_ptr() == storage for c in recorded.codes)
-    assert len(recorded.codes) == math.ceil(2 * I / max(1, block_rows)) + math.ceil(H / max(1, block_rows * H // I))
-    assert max(w.numel() for w in recorded.weights) <= block_rows * H
+    assert max(w.numel() for w in recorded.weights) <= block_tiles * 64 * I
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +446,7 @@ def test_views_are_made_once_per_blob_and_follow_a_new_blob():
 def test_a_one_token_call_sums_what_a_many_token_call_does(scheme, weight_dtype):
     """Decode calls (one token) take a path of fewer operations; each of its rows is what the
     general path gives for the same token (summed in fp32 in another order: within fp32 rounding)."""
-    H, I, E, K = 72, 30, 6, 3
+    (H, I), E, K = sized(scheme, 72, 30), 6, 3
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=11)
     g = torch.Generator().manual_seed(11)

@@ -54,7 +54,23 @@ CONFIGS = {
                         down_gemv=GemvConfig(16, 16, mma=True, num_stages=2)),
     "gemm": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
 }
+INT4_CONFIGS = {  # whole tiles of 64 rows; "gemv-split" splits I = 128 in two spans of one group each
+    "gemv": KernelConfig(gate_up_gemv=GemvConfig(64, 64, unroll=1), down_gemv=GemvConfig(64, 128, unroll=1)),
+    "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(64, 64, unroll=1),
+                               down_gemv=GemvConfig(64, 64, unroll=1, split=2)),
+    "gemm": KernelConfig(decode_max_pairs=0, gate_up_gemv=GemvConfig(64, 64), down_gemv=GemvConfig(64, 64),
+                         gemm=GemmConfig(16, 64, 32, num_warps=4, num_stages=2)),
+}
 CASES = [(scheme, config) for scheme in SCHEMES for config in CONFIGS if not (scheme == "int4" and config == "mma")]
+
+
+def sizes(scheme: str) -> tuple[int, int]:
+    """(H, I) of the tests' experts: int4's are whole tiles and groups of 64."""
+    return (128, 128) if scheme == "int4" else (H, I)
+
+
+def config_of(scheme: str, name: str) -> KernelConfig:
+    return (INT4_CONFIGS if scheme == "int4" else CONFIGS)[name]
 
 
 def gpt_oss_gate(hidden: int = H, intermediate: int = I, experts: int = E):
@@ -88,7 +104,7 @@ def gate():
 
 @pytest.fixture(scope="module", params=SCHEMES)
 def store(request):
-    layout = ExpertLayout(request.param, H, I, bias=True)
+    layout = ExpertLayout(request.param, *sizes(request.param), bias=True)
     return layout, biased_blobs(layout, E, seed=3)
 
 
@@ -101,11 +117,11 @@ def test_gpt_oss_gating_is_recognised_in_closed_form(gate):
 @pytest.mark.parametrize(("scheme", "config"), CASES)
 @pytest.mark.parametrize("tokens", [1, 3, 37])
 def test_biases_and_clamped_swiglu_match_the_familys_own_gating(gate, scheme, config, tokens):
-    layout = ExpertLayout(scheme, H, I, bias=True)
+    layout = ExpertLayout(scheme, *sizes(scheme), bias=True)
     blobs = biased_blobs(layout, E, seed=5)
-    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, layout.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     index, weights = routing(tokens, E, K, seed=tokens)
-    ffn = KERNELS[scheme](layout, DEVICE, config=CONFIGS[config], glu=gate.form)
+    ffn = KERNELS[scheme](layout, DEVICE, config=config_of(scheme, config), glu=gate.form)
     out = ffn(hidden, index, weights, blobs)
     ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
     assert relative_error(out, ref) < FP32_TOL
@@ -114,7 +130,7 @@ def test_biases_and_clamped_swiglu_match_the_familys_own_gating(gate, scheme, co
 def test_the_clamp_is_reached(gate, store):
     """The hidden scale above really drives gate and up values past the limit on both sides."""
     layout, blobs = store
-    hidden = HIDDEN_GAIN * torch.randn(37, H, generator=torch.Generator().manual_seed(37)).to(DEVICE)
+    hidden = HIDDEN_GAIN * torch.randn(37, layout.hidden, generator=torch.Generator().manual_seed(37)).to(DEVICE)
     captured = []
     expert_ffn(hidden.double(), layout.views(blobs[0]), layout, None, lambda gu: captured.append(gu) or gate(gu))
     values = captured[0]
@@ -125,17 +141,18 @@ def test_the_clamp_is_reached(gate, store):
 def test_absent_experts_add_zero_when_asked(gate, scheme, config):
     """With absent_zero, an expert whose address is 0 adds nothing (the CPU computes it), biases
     and up offset included: the result equals the reference over the present experts only."""
-    layout = ExpertLayout(scheme, H, I, bias=True)
+    layout = ExpertLayout(scheme, *sizes(scheme), bias=True)
     blobs = biased_blobs(layout, E, seed=7)
     blobs[2] = blobs[4] = None
     tokens = 5
-    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, layout.hidden, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     index = torch.tensor([[0, 2], [2, 4], [4, 1], [3, 5], [2, 1]], device=DEVICE)  # token 1: both absent
     weights = torch.rand(tokens, K, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="triton", absent_zero=True, config=CONFIGS[config])
+    ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="triton", absent_zero=True,
+                       config=config_of(scheme, config))
     out = ffn(hidden, index, weights, blobs)
     ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate, absent="zero")
-    assert torch.equal(out[1], torch.zeros(H, device=DEVICE))
+    assert torch.equal(out[1], torch.zeros(layout.hidden, device=DEVICE))
     assert relative_error(out, ref) < FP32_TOL
     with pytest.raises(ValueError, match="no blob"):
         moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
@@ -145,7 +162,7 @@ def test_reference_backend_skips_absent_experts_too(gate, store):
     layout, blobs = store
     blobs = list(blobs)
     blobs[1] = None
-    hidden = torch.randn(2, H, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    hidden = torch.randn(2, layout.hidden, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     index = torch.tensor([[0, 1], [1, 3]], device=DEVICE)
     weights = torch.full((2, K), 0.5, device=DEVICE)
     ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="reference", absent_zero=True)

@@ -1,10 +1,11 @@
 """The fused INT4 Triton kernels against the PyTorch reference (DESIGN.md 2.8; STYLE.md habit 4).
 
 Without CUDA the kernels run in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set in
-tests/conftest.py before triton is imported) at small odd sizes: H 96 is one whole group of 64 and a
-short one, I 40 one short group and not a whole number of 32-weight chunks. On a GPU the same tests
-run compiled, and the tests marked `gpu` add every real expert shape, a zero-copy read of a pinned
-host blob, the no-allocation / no-sync check of a decode step and graph replays.
+tests/conftest.py before triton is imported) at small sizes of whole tiles and groups: H 128 is two
+tiles and two groups, I 192 three of each, so that steps, tile blocks and split spans come out
+ragged. On a GPU the same tests run compiled, and the tests marked `gpu` add every real expert
+shape, a zero-copy read of a pinned host blob, the no-allocation / no-sync check of a decode step
+and graph replays.
 
 Every output and workspace is filled with NaN first, so an element a kernel fails to write fails
 the comparison. Tolerances as in test_triton_ffn.py: fp32 hidden states match the fp32 reference to
@@ -15,6 +16,7 @@ T tokens, E experts, K routed per token, H hidden, I expert intermediate.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -35,39 +37,33 @@ from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
 from routing_cases import DEVICE, relative_error, routing  # noqa: E402
-H, I, E, K = 96, 40, 6, 2
+H, I, E, K = 128, 192, 6, 2
 FP32_TOL = 1e-5
-# codes as 1/2 + q/256 ("-fold", "-dot" conversions): each product's code part lies 7 bits below
-# its leading 1/2, which fp32 sums round off; errors reach about 1e-5 at these sizes
-FOLD_TOL = 2e-5
 BF16_TOL = 1e-2 if DEVICE == "cuda" else 2.5e-2
 
+
+def prefill_only(gemm: GemmConfig) -> KernelConfig:
+    """The untuned configuration with this GEMM and every call sent to it (decode_max_pairs 0)."""
+    return dataclasses.replace(default_int4_config(H, I), decode_max_pairs=0, gemm=gemm)
+
+
 DECODE_CONFIGS = {
-    # ragged H and I steps (masked loads); two conversions
-    "gemv-masked": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits"),
-                                down_gemv=GemvConfig(8, 32, unroll=1, cvt="native")),
-    # gate/up steps x unroll cover H exactly (unmasked loads); "prmt" runs as "bits" in the interpreter
-    "gemv-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="prmt", num_warps=1),
-                              down_gemv=GemvConfig(16, 64, unroll=1, cvt="bits", num_warps=1)),
-    # gate/up: runs of row blocks per program; down: the reduction split in 2 (spans of 32, the
-    # second ragged), the last program to arrive adding the partials
-    "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="bits"),
-                               down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="bits")),
-    # codes as 1/2 + q/256, corrected by each group's scale and offset; "prmt-fold" runs as
-    # "bits-fold" in the interpreter
-    "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="bits-fold"),
-                              down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="prmt-fold")),
-    # 32-bit words of 8 codes against the prepared token and the act rows' chunk sums; gate/up
-    # ragged (masked loads), down split in 2; "prmt-dot" runs as "bits-dot" in the interpreter
-    "gemv-dot": KernelConfig(gate_up_gemv=GemvConfig(16, 64, unroll=1, cvt="prmt-dot"),
-                             down_gemv=GemvConfig(16, 32, unroll=1, split=2, cvt="prmt-dot")),
-    # the same with whole gate/up steps (unmasked loads), one warp, and one down program per row
-    "gemv-dot-even": KernelConfig(gate_up_gemv=GemvConfig(8, 32, unroll=3, cvt="bits-dot", num_warps=1),
-                                  down_gemv=GemvConfig(8, 64, unroll=1, cvt="prmt-dot", num_warps=1)),
+    # gate/up: a step of 4 groups over H's 2 (half the lanes masked), two unit tiles per program
+    # (the second program's second tile past I); down: the reduction split in 2 (spans of 2 groups
+    # and 1), each span one step, the last program to arrive adding the partials
+    "gemv-ragged": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1),
+                                down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1)),
+    # gate/up: runs of tiles per program (programs_per_sm), a step of H's 2 groups (unmasked);
+    # down: both H tiles in one program
+    "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
+                              down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
+    "default": default_int4_config(H, I),
 }
-PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
-    "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
-    "gemm-m32": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(32, 16, 128, num_warps=4, num_stages=2)),
+PREFILL_CONFIGS = {
+    # a K step of half a group; three row blocks of one tile
+    "gemm-m16": prefill_only(GemmConfig(16, 64, 32, num_warps=4, num_stages=2)),
+    # row blocks of two tiles (the second gate/up block half past I); block_k cut to the group
+    "gemm-m32": prefill_only(GemmConfig(32, 128, 128, num_warps=4, num_stages=2)),
 }
 CONFIGS = {**DECODE_CONFIGS, **PREFILL_CONFIGS}
 
@@ -86,26 +82,25 @@ def quantized_blobs(layout: ExpertLayout, experts: int, seed: int, device: str =
 
 
 def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> list[torch.Tensor]:
-    """`experts` blobs of random codes and scales, made on the device (real shapes: fast); the
-    weights' spread is about 1 / sqrt(fan-in), so activations stay O(1)."""
+    """`experts` blobs of random codes, scales and zeros, made on the device (real shapes: fast):
+    scales of about 1 / (4.6 sqrt(fan-in)), so that a weight's spread is about 1 / sqrt(fan-in) and
+    activations stay O(1); zeros within a scale of 0."""
     gen = torch.Generator(device=device).manual_seed(seed)
     slots = torch.randint(0, 256, (experts, layout.nbytes), generator=gen, device=device, dtype=torch.uint8)
     for blob in slots:
-        for name, view in layout.views(blob).items():
-            if view.dtype == torch.uint8:
-                continue
-            fan_in = layout.intermediate if name.endswith("2") else layout.hidden
-            scale = (torch.rand(view.shape, generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
-            view.copy_(-7.5 * scale if name.startswith("offset") else scale)  # offsets centre the codes
+        views = layout.views(blob)
+        for name, fan_in in (("sz13", layout.hidden), ("sz2", layout.intermediate)):
+            sz = views[name]  # [N, R, 2]: (s, z) per group and row
+            s = (torch.rand(sz.shape[:2], generator=gen, device=device) + 0.5) / (4.6 * fan_in**0.5)
+            sz[..., 0] = s
+            sz[..., 1] = s * (2 * torch.rand(sz.shape[:2], generator=gen, device=device) - 1)
     return list(slots)
 
 
 def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonInt4MoEFFN:
     """A kernel object whose workspaces are all NaN."""
     ffn = TritonInt4MoEFFN(layout, DEVICE, config=config, num_experts=E, max_tokens=tokens, top_k=K, dtype=dtype)
-    for buffer in (ffn._decode_act, ffn._split_partials, ffn._x_copy, ffn._x_sums, ffn._act_sums):
-        buffer.fill_(float("nan"))
-    for buffer in ffn._prefill.values():
+    for buffer in (ffn._decode_act, ffn._split_partials, *ffn._prefill.values()):
         buffer.fill_(float("nan"))
     return ffn
 
@@ -144,8 +139,7 @@ def test_prefill_matches_reference_fp32(small, tokens, config):
     assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
 
 
-@pytest.mark.parametrize(("config", "tokens"),
-                         [("gemv-masked", 3), ("gemv-split", 2), ("gemv-dot", 3), ("gemm-m16", 19)])
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-ragged", 3), ("gemm-m16", 19)])
 def test_bf16_hidden_matches_float64_reference(small, config, tokens):
     layout, blobs = small
     hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
@@ -157,7 +151,7 @@ def test_bf16_hidden_matches_float64_reference(small, config, tokens):
     assert relative_error(out, truth) < BF16_TOL
 
 
-@pytest.mark.parametrize(("config", "tokens"), [("gemv-even", 4), ("gemm-m16", 19)])
+@pytest.mark.parametrize(("config", "tokens"), [("gemv-runs", 2), ("gemm-m16", 19)])
 def test_repeated_experts(small, config, tokens):
     """Every token routed to experts 3 and 5 (in either order); in the GEMM one expert's 19 pairs
     span two blocks."""
@@ -173,7 +167,7 @@ def test_split_down_resets_its_counts(small):
     """A split down launch's arrival counts are back at zero after a call, so the next call is
     summed again, in the same order: equal to a fresh object's result."""
     layout, blobs = small
-    config = DECODE_CONFIGS["gemv-split"]
+    config = DECODE_CONFIGS["gemv-ragged"]
     ffn = poisoned_ffn(layout, config, 2, torch.float32)
     first = torch.randn(2, H, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     second = torch.randn(1, H, generator=torch.Generator().manual_seed(12)).to(DEVICE)
@@ -185,7 +179,7 @@ def test_split_down_resets_its_counts(small):
     assert torch.equal(again, fresh)
 
 
-@pytest.mark.parametrize("config", ["gemv-masked", "gemm-m16"])
+@pytest.mark.parametrize("config", ["gemv-ragged", "gemm-m16"])
 def test_routed_expert_without_blob_yields_nan_rows(small, config):
     layout, blobs = small
     blobs = list(blobs)
@@ -201,10 +195,10 @@ def test_routed_expert_without_blob_yields_nan_rows(small, config):
 
 def test_forward_bases_matches_the_blob_list(small):
     layout, blobs = small
-    ffn = TritonInt4MoEFFN(layout, DEVICE, config=DECODE_CONFIGS["gemv-masked"])
+    ffn = TritonInt4MoEFFN(layout, DEVICE, config=DECODE_CONFIGS["gemv-runs"])
     bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device=DEVICE)
-    hidden = torch.randn(2, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    index, weights = routing(2, E, K, seed=4)
+    hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    index, weights = routing(1, E, K, seed=4)
     assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), ffn(hidden, index, weights, blobs))
 
 
@@ -212,52 +206,42 @@ def test_factory_picks_the_int4_kernels_and_the_reference_on_cpu(small):
     layout, blobs = small
     assert isinstance(make_moe_ffn("cpu", layout, F.silu), ReferenceMoEFFN)
     assert isinstance(make_moe_ffn("cuda", layout, F.gelu), ReferenceMoEFFN)
-    fused = make_moe_ffn(DEVICE, layout, "silu", backend="triton", config=DECODE_CONFIGS["gemv-masked"])
-    assert isinstance(fused, TritonInt4MoEFFN)
+    fused = make_moe_ffn(DEVICE, layout, "silu", backend="triton", config=DECODE_CONFIGS["gemv-ragged"])
+    assert isinstance(fused, TritonInt4MoEFFN) and fused.cut_granule is None
     hidden = torch.randn(1, H, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     index, weights = routing(1, E, K, seed=9)
     plain = make_moe_ffn(DEVICE, layout, "silu", backend="reference")
     assert relative_error(fused(hidden, index, weights, blobs), plain(hidden, index, weights, blobs)) < FP32_TOL
 
 
-def test_int8_layouts_and_tensor_core_configs_are_refused():
+def with_gemv(**fields) -> KernelConfig:
+    """The untuned configuration with these fields of its down GEMV changed."""
+    config = default_int4_config(H, I)
+    return dataclasses.replace(config, down_gemv=dataclasses.replace(config.down_gemv, **fields))
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (with_gemv(mma=True), "down_gemv: the INT4 kernels have no tensor-core GEMV"),
+    (with_gemv(cvt="prmt"), "down_gemv: the INT4 GEMVs convert codes by integer logic only"),
+    (with_gemv(block_rows=32), "down_gemv: block_rows must be whole tiles of 64 rows"),
+    (with_gemv(block_rows=192), "down_gemv: block_rows must be whole tiles of 64 rows, a power of two"),
+    (with_gemv(block_cols=32), "down_gemv: block_cols must be whole groups of 64 columns"),
+    (with_gemv(unroll=3), "down_gemv: unroll must divide the 16 sub-steps of a group"),
+    (prefill_only(GemmConfig(16, 32, 32)), "gemm: block_n must be whole tiles of 64 rows"),
+    (prefill_only(GemmConfig(16, 64, 8)), "gemm: block_k must be a power of two of at least 16"),
+])
+def test_configurations_the_kernels_cannot_run_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=config)
+
+
+def test_int8_layouts_are_refused():
     with pytest.raises(ValueError, match="read int4 blobs, not 'int8-shared'"):
         TritonInt4MoEFFN(ExpertLayout("int8-shared", H, I), DEVICE, config=default_int4_config(H, I))
-    mma = KernelConfig(gate_up_gemv=GemvConfig(16, 64, mma=True))
-    with pytest.raises(ValueError, match="no tensor-core GEMV"):
-        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=mma)
-    with pytest.raises(ValueError, match="multiple of 32 weights"):
-        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 16)))
-    with pytest.raises(ValueError, match="cvt must be one of"):
-        TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=KernelConfig(down_gemv=GemvConfig(8, 32, cvt="ptx")))
-
-
-def test_dot_conversions_read_ragged_rows_of_whole_words():
-    """"-dot" at sizes that are multiples of 8 only: H 104 (a short group of 40 and a last chunk of
-    one word) and I 24 (one short group and chunk)."""
-    layout = ExpertLayout("int4", 104, 24)
-    blobs = quantized_blobs(layout, E, seed=5)
-    hidden = torch.randn(2, 104, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    index, weights = routing(2, E, K, seed=5)
-    ffn = poisoned_ffn(layout, DECODE_CONFIGS["gemv-dot"], 2, torch.float32)
-    out = run_poisoned(ffn, hidden, index, weights, blobs)
-    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FOLD_TOL
-
-
-def test_dot_conversions_refuse_rows_of_part_words():
-    """A hidden (gate/up) or intermediate (down) size that is not whole 32-bit words of 8 codes is
-    refused, naming the "-fold" form instead; the other launch's size does not matter."""
-    dot = GemvConfig(16, 64, cvt="prmt-dot")
-    with pytest.raises(ValueError, match="gate_up_gemv: cvt 'prmt-dot' reads rows as 32-bit words.*'prmt-fold'"):
-        TritonInt4MoEFFN(ExpertLayout("int4", 100, I), DEVICE, config=KernelConfig(gate_up_gemv=dot))
-    with pytest.raises(ValueError, match="down_gemv: cvt 'bits-dot' .* 'bits-fold'"):
-        TritonInt4MoEFFN(ExpertLayout("int4", H, 36), DEVICE,
-                         config=KernelConfig(down_gemv=GemvConfig(16, 64, cvt="bits-dot")))
-    TritonInt4MoEFFN(ExpertLayout("int4", H, 36), DEVICE, config=KernelConfig(gate_up_gemv=dot))
 
 
 def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
-    tuned = KernelConfig(decode_max_pairs=8, gate_up_gemv=GemvConfig(8, 256, unroll=4, cvt="prmt"))
+    tuned = KernelConfig(decode_max_pairs=8, gate_up_gemv=GemvConfig(128, 512, unroll=4, num_warps=2))
     path = save_configs(tuning_name("NVIDIA H200"), {(H, I): tuned}, {"written_by": "test"}, directory=tmp_path)
     assert path.name == "nvidia-h200-int4.json"
     assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
@@ -270,6 +254,15 @@ def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REAL_SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
                "olmoe-1b-7b": (2048, 1024)}
+REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4
+    "two-tiles": KernelConfig(gate_up_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4),
+                              down_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4, split=4)),
+    "eight-warps": KernelConfig(gate_up_gemv=GemvConfig(64, 2048, unroll=16, num_warps=8),
+                                down_gemv=GemvConfig(64, 2048, unroll=2, num_warps=8, split=2)),
+    "one-warp": KernelConfig(gate_up_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, programs_per_sm=8),
+                             down_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, split=4),
+                             gemm=GemmConfig(32, 64, 32, num_warps=4, num_stages=2)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -304,19 +297,19 @@ def test_real_shape_bf16_matches_fp32_reference(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("cvt", ["prmt-fold", "prmt-dot"])
+@pytest.mark.parametrize("config", REAL_CONFIGS)
 @pytest.mark.parametrize("shape", REAL_SHAPES)
-def test_real_shape_folded_conversion_matches_fp32_reference(real_blobs, shape, cvt):
-    """The decode GEMVs with codes as 1/2 + q/256 in their inline-PTX forms at real shapes: "prmt-fold"
-    (bytes), "prmt-dot" (words against the prepared token and act rows)."""
+def test_real_shape_launch_shapes_match_fp32_reference(real_blobs, shape, config):
+    """Decode (2 routed pairs) and prefill (64) at real shapes under launch shapes the stored
+    tuning may not use."""
     layout, blobs = real_blobs(shape)
-    fold = GemvConfig(8, 1024, unroll=1, cvt=cvt)
-    ffn = TritonInt4MoEFFN(layout, "cuda", config=KernelConfig(gate_up_gemv=fold, down_gemv=fold))
-    hidden = torch.randn(2, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    index, weights = routing(2, 8, K, seed=3, device="cuda")
-    out = ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs)
-    truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
-    assert relative_error(out, truth) < 1e-2
+    ffn = TritonInt4MoEFFN(layout, "cuda", config=REAL_CONFIGS[config])
+    for tokens in (1, 32):
+        hidden = torch.randn(tokens, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+        index, weights = routing(tokens, 8, K, seed=3, device="cuda")
+        out = ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs)
+        truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
+        assert relative_error(out, truth) < 1e-2
 
 
 @pytest.mark.gpu
@@ -337,13 +330,10 @@ def test_zero_copy_pinned_blob_gives_the_slot_result(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config", [None, "prmt-dot"])  # the stored tuning; the prepared token and act sums
+@pytest.mark.parametrize("config", [None, "one-warp"])  # the stored tuning; split down, runs of gate/up tiles
 def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, config):
     layout, blobs = real_blobs("qwen3-30b-a3b")
-    if config is not None:
-        dot = GemvConfig(8, 512, unroll=1, cvt=config)
-        config = KernelConfig(gate_up_gemv=dot, down_gemv=dot)
-    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8, config=config)
+    ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8, config=REAL_CONFIGS.get(config))
     bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
     hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
     index, weights = routing(1, 8, K, seed=0, device="cuda")
@@ -365,8 +355,8 @@ def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, config):
 @gpu
 def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs):
     layout, blobs = real_blobs("deepseek-v2-lite")
-    config = KernelConfig(gate_up_gemv=GemvConfig(8, 512, unroll=2, programs_per_sm=4, cvt="prmt"),
-                          down_gemv=GemvConfig(8, 512, unroll=1, split=3, cvt="prmt"))
+    config = KernelConfig(gate_up_gemv=GemvConfig(64, 512, unroll=4, num_warps=2, programs_per_sm=4),
+                          down_gemv=GemvConfig(64, 512, unroll=4, num_warps=2, split=3))
     ffn = TritonInt4MoEFFN(layout, "cuda", config=config, num_experts=8)
     bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
     hidden = torch.randn(2, layout.hidden, device="cuda", dtype=torch.bfloat16)
@@ -391,4 +381,3 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
         graph.replay()
         assert torch.equal(out, first)
     assert int(ffn._split_counts.count_nonzero()) == 0
-

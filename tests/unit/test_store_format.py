@@ -1,5 +1,6 @@
 """Store format versions: layouts without biases or ungated experts stay version 1 (read by any
-Mira), those with them are version 2, and a manifest whose version does not fit its layout is refused."""
+Mira), those with them are version 2, int4 stores (tiled codes) version 3, and a manifest whose
+version does not fit its layout is refused."""
 
 import json
 
@@ -41,6 +42,14 @@ def test_biases_and_ungated_experts_are_version_2_and_read_back(tmp_path, fields
 def test_a_version_1_manifest_with_a_version_2_layout_is_refused(tmp_path):
     with pytest.raises(MiraError, match="malformed.*format version 1 with a layout of version 2"):
         _manifest(tmp_path, ExpertLayout("none", H, I, torch.bfloat16, bias=True), 1)
+
+
+def test_int4_stores_are_version_3_and_older_int4_stores_are_refused_with_the_fix(tmp_path):
+    layout = ExpertLayout("int4", H, H)
+    assert format_version(layout) == 3
+    assert _manifest(tmp_path, layout, 3).expert_layout == layout
+    with pytest.raises(MiraError, match="int4 experts in an older blob layout.*mira convert src"):
+        _manifest(tmp_path, layout, 1)
 
 
 def test_a_blob_with_biases_packs_and_views_every_section():
