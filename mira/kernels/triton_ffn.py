@@ -567,8 +567,8 @@ class TritonMoEFFN:
     ) -> None:
         """
         Args:
-            layout: the blob layout of the store; its scheme must be int8-shared or int8-row, its
-                experts gated (biases are read when it has them).
+            layout: the blob layout of the store; its scheme one these kernels read (`schemes`:
+                int8-shared or int8-row here), its experts gated (biases are read when it has them).
             device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
             config: launch configuration; default: the stored tuning for this device and shape
                 (`mira.kernels.tuning.load_config`).
@@ -580,8 +580,8 @@ class TritonMoEFFN:
                 executor computes it).
 
         Raises:
-            ValueError: the scheme has no INT8 kernel, the experts are ungated, or a blob would need
-                offsets beyond int32.
+            ValueError: the scheme has no kernel here, the experts are ungated, a blob would need
+                offsets beyond int32, or the configuration cannot run (`_validate`).
         """
         if layout.scheme not in self.schemes:
             raise ValueError(
@@ -600,13 +600,13 @@ class TritonMoEFFN:
         H, I = layout.hidden, layout.intermediate
         if config is None:
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            config = load_config(name, H, I)
+            config = self._stored_config(name, H, I)
+        self._validate(config)
         self.config = config
         self._scheme = self.schemes[layout.scheme]
         sections = layout.sections
         self._w2_off = sections["w2"].offset
-        self._s_in_off = sections["scale" if self._scheme == _SHARED else "scale13"].offset
-        self._s_out_off = sections["scale" if self._scheme == _SHARED else "scale2"].offset
+        self._s_in_off, self._s_out_off = self._scale_offsets(sections)
         self._b13_off = sections["b13"].offset if layout.bias else 0
         self._b2_off = sections["b2"].offset if layout.bias else 0
         # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
@@ -617,7 +617,7 @@ class TritonMoEFFN:
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
         down = config.down_gemv
-        self._down_span, splits = (I, 1) if down.mma else split_span(I, down)
+        self._down_span, splits = self._down_split(I, down)
         row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
         self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32, device=self.device)
         self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
@@ -626,6 +626,24 @@ class TritonMoEFFN:
         if max_tokens is not None and top_k is not None:
             dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
             self._prefill_buffers(max_tokens * top_k, dtype)
+
+    # what a scheme's kernels read their own way (mira.kernels.triton_int4 overrides these)
+
+    def _stored_config(self, device_name: str, hidden: int, intermediate: int) -> KernelConfig:
+        """The stored tuning of this device and shape (`mira.kernels.tuning.load_config`)."""
+        return load_config(device_name, hidden, intermediate)
+
+    def _validate(self, config: KernelConfig) -> None:
+        """Raise ValueError for a configuration these kernels cannot run (the INT8 ones run any)."""
+
+    def _scale_offsets(self, sections: dict) -> tuple[int, int]:
+        """Blob offsets of the scales the gate/up and the down products read."""
+        shared = self._scheme == _SHARED
+        return sections["scale" if shared else "scale13"].offset, sections["scale" if shared else "scale2"].offset
+
+    def _down_split(self, intermediate: int, down: GemvConfig) -> tuple[int, int]:
+        """Columns of I per program of the down launch, and the programs sharing a row."""
+        return (intermediate, 1) if down.mma else split_span(intermediate, down)
 
     def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
         """Device bytes of the workspaces one call of this size uses (for the memory budget)."""

@@ -55,7 +55,6 @@ from mira.kernels.triton_ffn import TritonMoEFFN, _absent, _bias, _gated, _store
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
 )
-from mira.models.spec import GluForm
 from mira.store import int4
 from mira.store.layout import ExpertLayout
 
@@ -379,63 +378,22 @@ class TritonInt4MoEFFN(TritonMoEFFN):
     """The routed experts of one MoE layer from their INT4 blobs (same interface, workspaces and
     allocation rules as `TritonMoEFFN`)."""
 
-    def __init__(self, layout: ExpertLayout, device: torch.device | str, *, config: KernelConfig | None = None,
-                 num_experts: int | None = None, max_tokens: int | None = None, top_k: int | None = None,
-                 dtype: torch.dtype | None = None, glu: GluForm = GluForm(), absent_zero: bool = False) -> None:
-        """
-        Args:
-            layout: an `int4` blob layout.
-            device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
-            config: launch configuration; default: the stored INT4 tuning for this device and shape.
-            num_experts, max_tokens, top_k, dtype, glu, absent_zero: as for `TritonMoEFFN`.
+    schemes = {"int4": None}  # one scheme, whose scales are the sz sections
 
-        Raises:
-            ValueError: not an int4 layout, or a configuration these kernels cannot run.
-        """
-        if layout.scheme != "int4":
-            raise ValueError(f"these fused kernels read int4 blobs, not {layout.scheme!r}; use "
-                             "mira.kernels.make_moe_ffn, which picks the kernels of each scheme")
-        if layout.nbytes >= 2**31:
-            raise ValueError(f"an expert blob of {layout.nbytes} bytes needs 64-bit offsets, which these kernels "
-                             "do not use")
-        self.layout = layout
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        if config is None:
-            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-            config = load_int4_config(name, layout.hidden, layout.intermediate)
-        _check_config(config, layout)
-        self.config = config
-        sections = layout.sections
-        self._w2_off, self._sz13_off, self._sz2_off = (sections[name].offset for name in ("w2", "sz13", "sz2"))
-        self._b13_off = sections["b13"].offset if layout.bias else 0
-        self._b2_off = sections["b2"].offset if layout.bias else 0
-        # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
-        self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
-                              UP_OFFSET=float(glu.up_offset), NAN_ABSENT=not absent_zero)
-        self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
-        self._allocate_decode(num_experts)
-        self._prefill: dict[str, torch.Tensor] = {}
-        if max_tokens is not None and top_k is not None:
-            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-            self._prefill_buffers(max_tokens * top_k, dtype)
+    def _stored_config(self, device_name: str, hidden: int, intermediate: int) -> KernelConfig:
+        """The stored INT4 tuning of this device and shape, else `default_int4_config`."""
+        return load_int4_config(device_name, hidden, intermediate)
 
-    def _allocate_decode(self, num_experts: int | None) -> None:
-        """The decode workspaces, as `TritonMoEFFN` makes them: act [decode_max_pairs, I] fp32, a split
-        down launch's partial sums and arrival counts (back at zero after every call), the address table."""
-        H, I, config = self.layout.hidden, self.layout.intermediate, self.config
-        self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
-        on_cuda = self.device.type == "cuda"
-        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_cuda else 4
-        down = config.down_gemv
-        self._down_span = down_span(I, down)
-        splits = triton.cdiv(I, self._down_span)
-        row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
-        self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32,
-                                           device=self.device)
-        self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
-        self._bases = None if num_experts is None else torch.zeros(num_experts, dtype=torch.int64, device=self.device)
+    def _validate(self, config: KernelConfig) -> None:
+        _check_config(config, self.layout)
+
+    def _scale_offsets(self, sections: dict) -> tuple[int, int]:
+        """The (s, z) sections of w13 and of w2."""
+        return sections["sz13"].offset, sections["sz2"].offset
+
+    def _down_split(self, intermediate: int, down: GemvConfig) -> tuple[int, int]:
+        span = down_span(intermediate, down)
+        return span, triton.cdiv(intermediate, span)
 
     @property
     def cut_granule(self) -> None:
@@ -448,7 +406,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         up, down = cfg.gate_up_gemv, cfg.down_gemv
         tiles = self._rows_per_program(T * K, up) // TILE
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
-            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._sz13_off, self._b13_off, tiles,
+            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, num_warps=up.num_warps,
             num_stages=up.num_stages, **self._after_up,
         )
@@ -456,7 +414,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
-            H, I, K, self._w2_off, self._sz2_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
+            H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
             LANES=_lanes(down), UNROLL=down.unroll, SPLIT=splits, num_warps=down.num_warps,
             num_stages=down.num_stages, **self._after_down,
         )
@@ -472,11 +430,11 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         common = dict(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=min(g.block_k, GROUP), DOT_DTYPE=dot_dtype,
                       PRECISION=precision, num_warps=g.num_warps, num_stages=g.num_stages)
         _gate_up_gemm4[(n_blocks, triton.cdiv(I, g.block_n))](
-            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act, P, H, I, K, self._sz13_off,
+            hidden, hidden.stride(0), sorted_pair, block_expert, bases, act, P, H, I, K, self._s_in_off,
             self._b13_off, **common, **self._after_up,
         )
         _down_gemm4[(n_blocks, triton.cdiv(H, g.block_n))](
-            act, sorted_pair, block_expert, bases, weights, y, P, H, I, self._w2_off, self._sz2_off, self._b2_off,
+            act, sorted_pair, block_expert, bases, weights, y, P, H, I, self._w2_off, self._s_out_off, self._b2_off,
             **common, **self._after_down,
         )
         torch.sum(y.view(T, K, H), dim=1, out=out)  # each token's K weighted expert outputs
