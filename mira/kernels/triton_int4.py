@@ -51,7 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.triton_ffn import TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert
+from mira.kernels.triton_ffn import (
+    TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert, split_span,
+)
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
 )
@@ -369,11 +371,6 @@ def load_int4_config(device_name: str, hidden: int, intermediate: int, directory
     return default_int4_config(hidden, intermediate)
 
 
-def down_span(intermediate: int, gemv: GemvConfig) -> int:
-    """Columns of I per program of a (split) down launch: whole steps of block_cols."""
-    return triton.cdiv(triton.cdiv(intermediate, gemv.split), gemv.block_cols) * gemv.block_cols
-
-
 class TritonInt4MoEFFN(TritonMoEFFN):
     """The routed experts of one MoE layer from their INT4 blobs (same interface, workspaces and
     allocation rules as `TritonMoEFFN`)."""
@@ -392,8 +389,8 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         return sections["sz13"].offset, sections["sz2"].offset
 
     def _down_split(self, intermediate: int, down: GemvConfig) -> tuple[int, int]:
-        span = down_span(intermediate, down)
-        return span, triton.cdiv(intermediate, span)
+        """Spans of whole steps of block_cols (here unroll counts sub-steps inside a group)."""
+        return split_span(intermediate, dataclasses.replace(down, unroll=1))
 
     @property
     def cut_granule(self) -> None:
