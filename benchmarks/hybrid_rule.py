@@ -12,7 +12,8 @@ expected saving per layer, for every run whose CPU took a share, four ways:
              cut's and the device's), the PCIe-only alternative at the device's pace too (as the
              runtime's splits price it)
   apart      as paced, but the PCIe-only alternative at its calibration: GPU-only decoding has no
-             CPU memory traffic beside its copies
+             CPU memory traffic beside its copies (mira.cache.costmodel.paced_saving, which auto's
+             second judgement applies after its first decode steps, at their own miss rate)
 
 Runs from before the runtime learnt a pace for the device's side and one for cuts are left out. Each
 is set beside what the run measured where `mira-gpu` (the same policy, GPU only, lagged) ran
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from mira.bench.provenance import result_header
 from mira.bench.synthetic import synthetic_config
-from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, DevicePace, HybridCosts, cpu_saving
+from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, DevicePace, HybridCosts, cpu_saving, paced_saving
 from mira.kernels.triton_ffn import cut_granule
 from mira.kernels.tuning import load_config
 from mira.models.loader import routed_per_token
@@ -86,7 +87,8 @@ def rows_of(result: dict) -> list[dict]:
             "rule": cpu_saving(calibrated, top_k, blob, uniform, cuts),
             "measured": cpu_saving(calibrated, top_k, blob, measured, cuts),
             "paced": cpu_saving(cpu, top_k, blob, measured, cuts, cut_costs=cut),
-            "apart": cpu_saving(cpu, top_k, blob, measured, cuts, cut_costs=cut, alone=calibrated),
+            "apart": paced_saving(calibrated, CpuPace.at(share["cpu_pace"]), CpuPace.at(share["cpu_cut_pace"]),
+                                  DevicePace.at(share["device_pace"]), top_k, blob, measured, cuts),
         }
         row = {"file": None, "config": run["config"], "budget": run["budget"], "quant": run["quant"],
                "miss_rate_budget": round(uniform, 3), "miss_rate_run": round(measured, 3),

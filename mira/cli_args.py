@@ -205,7 +205,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
                              "(the default: on CUDA under a budget, a cost model calibrated once per machine splits "
                              "each layer's misses, and stays off where that would save a decode layer less than "
-                             "running layers inline costs; off on the CPU), split (that split wherever there are "
+                             "running layers inline costs, or is dropped once the first decode steps measure it "
+                             "not paying; off on the CPU), split (that split wherever there are "
                              "misses, CUDA only), all (every miss the policy leaves in host memory) or off. On, MoE "
                              "layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",

@@ -13,8 +13,9 @@ side idle, one miss may be cut between the two (`Cuts`): the GPU computes its fi
 units, the CPU the rest.
 
 `cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
-layer's misses before its kernel), and `CpuPace` and `DevicePace` keep each side's costs at the pace
-decoding measures.
+layer's misses before its kernel), before decoding; `CpuPace` and `DevicePace` keep each side's costs
+at the pace decoding measures, and `share_keeps` judges the share again at those paces once decoding
+has measured them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ INLINE_LAYER_S = 1e-3  # what a CPU share must save per decode layer to pay for 
 # (a host sync and eager launches per layer, no CUDA graph): on the H200 inline mira decoded the
 # Qwen3-30B-A3B shape at 8.43 tokens/s where lagged mira did 65.8, 2.2 ms more per layer
 # (benchmarks/results/bench-qwen3-30b-a3b-lagged.json); Mixtral-8x7B's 3 ms misses hide most of it
+KEEP_LAYER_S = 0.85e-3  # what a share priced at its learnt paces (`paced_saving`) must save per decode
+# layer to stay on: in every committed A/B against GPU-only mira the share lost where that saving was
+# 0.77 ms and under and gained where it was 0.91 ms and over (benchmarks/results/hybrid-rule.md, "apart")
 SLOWEST_PCIE_BYTES_PER_S = 1e9  # below any GPU link in use (PCIe 3.0 x4 carries about 3.9 GB/s)
 
 
@@ -284,6 +288,22 @@ def cpu_saving(costs: HybridCosts, top_k: int, blob_bytes: int, miss_rate: float
         if taken.cpu or taken.cut is not None:
             saved += chance * (pcie_alone - taken.predicted_s)
     return saved
+
+
+def paced_saving(calibrated: HybridCosts, cpu: Pace, cut: Pace, device: Pace | None, top_k: int, blob_bytes: int,
+                 miss_rate: float, cuts: Cuts | None = None) -> float:
+    """`cpu_saving` with the split priced at the paces decoding measured (the CPU's for whole experts,
+    `cut`'s for a split with a cut, the device's for its side; None: its calibration) and PCIe alone at
+    its calibration: without a share the GPU's copies have no CPU memory traffic beside them."""
+    def at(pace: Pace) -> HybridCosts:
+        costs = pace.costs(calibrated)
+        return device.costs(costs) if device is not None else costs
+    return cpu_saving(at(cpu), top_k, blob_bytes, miss_rate, cuts, cut_costs=at(cut), alone=calibrated)
+
+
+def share_keeps(saving_s: float) -> bool:
+    """Whether a CPU share whose `paced_saving` is `saving_s` per decode layer stays on (`KEEP_LAYER_S`)."""
+    return saving_s >= KEEP_LAYER_S
 
 
 def cpu_may_pay(top_k: int, blob_bytes: int) -> bool:

@@ -58,8 +58,9 @@ class HybridConfig:
 
     mode: "auto" (the default: on CUDA under a budget, the calibrated cost model splits each
         layer's misses between the CPU and PCIe, and turns itself off where that would not pay for
-        running layers inline (mira.cache.costmodel.cpu_pays); on the CPU, off: both sides would be
-        the same cores), "split" (auto's split on CUDA wherever there are misses, even where the
+        running layers inline (mira.cache.costmodel.cpu_pays), or once the first decode steps have
+        measured it not paying (mira.cache.costmodel.share_keeps); on the CPU, off: both sides would
+        be the same cores), "split" (auto's split on CUDA wherever there are misses, even where the
         rule judges it does not pay), "all" (every miss the policy leaves in host memory goes to
         the CPU) or "off".
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
@@ -230,6 +231,9 @@ class Decisions:
     predictor: "trained", "gate", or None for no staging.
     policy_slots: slots the policy manages (staging keeps STAGING_ROWS of the capacity).
     cpu_experts: which misses the CPU computes: "all", "split" (by the cost model) or None (none).
+    share_review: auto's split, where lagged residency could run without it: decoding judges the
+        share again at the paces it measures, and drops it for lagged residency where it does not pay
+        (mira.runtime.engine.MiraModel).
     """
 
     policy: str
@@ -237,6 +241,7 @@ class Decisions:
     predictor: str | None
     policy_slots: int
     cpu_experts: str | None = None
+    share_review: bool = False
 
 
 def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
@@ -254,6 +259,7 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     the calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know
     its misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
     "auto" prefetching does not stage beside auto's CPU share (inline staging measured no gain).
+    Under "auto" residency, auto's share is judged again once decoding has measured its paces.
 
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
@@ -279,7 +285,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
         if stages else None
     slots = facts.capacity - STAGING_ROWS if stages else facts.capacity
-    return Decisions(config.cache.policy, lagged, predictor, slots, cpu_experts)
+    review = cpu_experts == "split" and config.hybrid.mode == "auto" and mode == "auto" and possible
+    return Decisions(config.cache.policy, lagged, predictor, slots, cpu_experts, review)
 
 
 def refuse_split_off_cuda(mode: str, device_type: str) -> None:

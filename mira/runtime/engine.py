@@ -22,13 +22,13 @@ from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
-from mira.kernels import make_moe_ffn
+from mira.kernels import DECODE_TOKENS, make_moe_ffn
 from mira.models.hub import locate
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays
+from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, share_keeps
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
@@ -42,6 +42,7 @@ from mira.store.store import ExpertStore
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
+REVIEW_STEPS = 16  # decode steps after which auto's CPU share is judged at the paces they measured
 
 
 class MiraModel:
@@ -52,7 +53,10 @@ class MiraModel:
         tokenizer: the model's tokenizer, or None when the directory has none.
         config: the RuntimeConfig it was loaded with.
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
-        hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None.
+        hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None; kept, for its
+            telemetry, after `drop_cpu_share`.
+        share_review: auto's verdict on its CPU share after REVIEW_STEPS decode steps (`review_share`
+            at load), or None before it or without one.
         calibration: this machine's calibrated CPU and PCIe costs for the experts (mira.cache.costmodel),
             whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
@@ -61,7 +65,7 @@ class MiraModel:
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
                  plan: SlotPlan | None, max_context: int, lagged: bool, hybrid: HybridExperts | None = None,
-                 calibration: HybridCosts | None = None):
+                 calibration: HybridCosts | None = None, review_share: bool = False):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.config = config
@@ -72,6 +76,8 @@ class MiraModel:
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self.calibration = calibration
+        self.share_review: dict | None = None
+        self._review_in = REVIEW_STEPS if review_share and hybrid is not None else None  # decode steps to go
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
         self._step_tokens = 0
@@ -120,6 +126,36 @@ class MiraModel:
         if self._settles:
             self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
         self.cache.end_step(tokens)
+        if self._review_in is not None and tokens <= DECODE_TOKENS:
+            self._review_in -= 1
+            if not self._review_in:
+                self._review_share()
+
+    def _review_share(self) -> None:
+        """Auto's CPU share judged at the paces decoding measured (mira.cache.costmodel.share_keeps):
+        one that does not keep its place is dropped, and decoding goes on lagged, GPU only."""
+        self._review_in = None
+        saving = self.hybrid.paced_saving()
+        if saving is None:  # no decode call yet had a lookup: nothing measured to judge by
+            return
+        self.share_review = {"after_decode_steps": REVIEW_STEPS, "paced_saving_ms": round(saving * 1e3, 3),
+                             "kept": share_keeps(saving)}
+        if not self.share_review["kept"]:
+            self.drop_cpu_share()
+
+    def drop_cpu_share(self) -> None:
+        """Decode without the CPU's share from the next step on: every MoE layer lagged, its misses
+        read over PCIe (CUDA graphs replay from the next `generate` call); the worker stops."""
+        if self.hybrid is None:
+            raise MiraError("this model has no CPU share to drop")
+        self.hybrid.collect()  # the last layer's job, recorded
+        for layer in self.hf_model.modules():
+            if isinstance(layer, MiraExperts):
+                layer.hybrid = None
+                layer.lagged = True
+        self.lagged = self._settles = True
+        self._review_in = None
+        self.hybrid.worker.close()
 
     def __call__(self, *args, **kwargs):
         return self.hf_model(*args, **kwargs)
@@ -189,6 +225,7 @@ class MiraModel:
             "residency": "lagged" if self.lagged else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
             "cpu_experts": {**(self.hybrid.summary() if self.hybrid is not None else {"mode": "off"}),
+                            **({"review": self.share_review} if self.share_review is not None else {}),
                             **({"calibration": self.calibration.to_json()} if self.calibration is not None else {})},
         }
 
@@ -319,7 +356,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))
     model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid,
-                      costs)
+                      costs, decided.share_review)
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model

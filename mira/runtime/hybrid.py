@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from mira.cache.costmodel import CpuPace, Cuts, DevicePace, HybridCosts, Split, split
+from mira.cache.costmodel import CpuPace, Cuts, DevicePace, HybridCosts, Split, paced_saving, split
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
@@ -169,6 +169,9 @@ class HybridExperts:
         self._device_side = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self._signal is not None else None
         self._pending: CpuShare | None = None  # the job `finish` left to the stream, collected by `start`
+        self._top_k = 0  # experts routed per token, from the first call
+        self._decode_lookups = 0  # routed experts of decode calls, and those of them that missed
+        self._decode_misses = 0
         weakref.finalize(self, worker.close)
 
     @property
@@ -204,6 +207,10 @@ class HybridExperts:
         from the table (the arguments after `top_k_weights`: mira.cache.cache.Settled). None when
         the CPU gets none."""
         self.collect()  # before staging: one job per set of host rows (their event is recorded again)
+        if hidden.shape[0] <= DECODE_TOKENS:
+            self._top_k = top_k_index.shape[1]
+            self._decode_lookups += len(on_device) + len(from_host)
+            self._decode_misses += len(from_host) + len(copied)  # an admitted miss is a miss too
         if not from_host:
             return None
         plan = self.choose(on_device, from_host, may_cut=self.may_cut(hidden.shape[0]), copied=copied)
@@ -274,6 +281,15 @@ class HybridExperts:
         """Telemetry from now on only (the job in flight recorded first); the paces keep what they learnt."""
         self.collect()
         self.telemetry = HybridTelemetry(len(self.telemetry.calls))
+
+    def paced_saving(self) -> float | None:
+        """Seconds the split is expected to save per decode layer against PCIe alone, at the paces
+        learnt so far and the miss rate of the decode calls seen so far (mira.cache.costmodel.
+        paced_saving); None before any decode lookup, or without calibrated costs and a pace."""
+        if self.costs is None or self.pace is None or not self._decode_lookups:
+            return None
+        return paced_saving(self.costs, self.pace, self.cut_pace, self.device_pace, self._top_k, self._blob_bytes,
+                            self._decode_misses / self._decode_lookups, self.cuts)
 
     def summary(self) -> dict:
         self.collect()

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import mira
-from mira.cache.costmodel import HybridCosts, LinearCost
+from mira.cache.costmodel import CpuPace, HybridCosts, LinearCost
 from mira.kernels.reference import moe_ffn_reference
+from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import HybridExperts
 
@@ -97,3 +98,27 @@ def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
     assert sum(hybrid.telemetry.cuts) == (split == "cut")  # the one-token call's
     assert torch.equal(model.cache.tables.tables[0].cpu(), model.cache.tables.blob_addresses[:E].cpu())  # restored
     assert model.cache.tables.limits.eq(model.store.layout.intermediate).all().item()
+
+
+def test_a_dropped_share_decodes_lagged_from_cuda_graphs_with_the_cpu_paths_float32_text(mixtral_store):
+    """A share priced at 1 s an expert on the CPU saves nothing: after REVIEW_STEPS decode steps it
+    is dropped, the rest of the call decodes lagged, and the next call replays its decode steps from
+    CUDA graphs; the greedy text of both calls is the CPU path's."""
+    expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **GREEDY)
+    model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10, "float32"),
+                      cpu_experts="all", progress=False)
+    blob = model.store.blob_bytes
+    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(1.0, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
+    loaded = model.hybrid  # kept: collected, it would close the worker the two share
+    hybrid = HybridExperts(loaded.worker, model.store, model.cache.tables, costs, False, torch.device("cuda"),
+                           CpuPace(learn=0.0, forget=0.0), device_pace=False)
+    model.hybrid = hybrid
+    for layer in (m for m in model.hf_model.modules() if isinstance(m, MiraExperts)):
+        layer.hybrid = hybrid
+    model._review_in = engine.REVIEW_STEPS  # as `mira.load` sets it for auto's share
+    first = model.generate(_prompt(), **GREEDY).cpu()
+    assert model.stats()["cpu_experts"]["review"]["kept"] is False and model.stats()["residency"] == "lagged"
+    assert model.decode_graphs.replays == 0
+    second = model.generate(_prompt(), **GREEDY).cpu()
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert model.decode_graphs.replays > 0

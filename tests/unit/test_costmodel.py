@@ -7,7 +7,8 @@ import random
 import pytest
 
 from mira.cache.costmodel import (
-    INLINE_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays, cpu_saving, split,
+    INLINE_LAYER_S, KEEP_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays,
+    cpu_saving, paced_saving, share_keeps, split,
 )
 
 MB = 1 << 20
@@ -319,6 +320,23 @@ def test_a_cpu_share_pays_by_its_expected_saving_at_the_budgets_miss_rate():
     assert not cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=0.0)
     with pytest.raises(ValueError, match="probability"):
         cpu_pays(mixtral, top_k=2, blob_bytes=MB, miss_rate=1.5)
+
+
+def test_a_share_is_judged_again_at_the_paces_decoding_learnt():
+    """Mixtral-8x7B as above, each routed expert missing with p = 0.6. At the calibration two misses
+    (p^2 = 0.36) save 3.24 ms, 1.166 ms a layer: the share keeps its place. With the device's side
+    1.3x slower (a miss 4.225 ms over PCIe beside the CPU's traffic), two misses end at 4.225 ms, one
+    a side, where PCIe alone at its calibration takes 6.5 ms: 2.275 ms saved; a lone miss goes to the
+    CPU (3.26 ms against 4.225) and loses 0.01 ms against 3.25 alone (2p(1 - p) = 0.48). So 0.36 *
+    2.275 - 0.48 * 0.01 = 0.8142 ms, under KEEP_LAYER_S. A CPU twice as slow for cut jobs prices only
+    splits with a cut: without cuts it changes nothing."""
+    mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3,
+                          pcie_bytes_per_s=MB / 3.25e-3)
+    calibrated = paced_saving(mixtral, CpuPace(), CpuPace(), None, 2, MB, 0.6)
+    assert calibrated == pytest.approx(0.36 * 3.24e-3) and share_keeps(calibrated)
+    slower = paced_saving(mixtral, CpuPace(), CpuPace.at(2.0), DevicePace.at(1.3), 2, MB, 0.6)
+    assert slower == pytest.approx(0.36 * 2.275e-3 - 0.48 * 0.01e-3) and not share_keeps(slower)
+    assert share_keeps(KEEP_LAYER_S) and not share_keeps(KEEP_LAYER_S - 1e-6)
 
 
 def test_a_cpu_share_saves_against_the_pcie_alternative_as_priced_apart():

@@ -107,7 +107,7 @@ def test_the_cpu_takes_misses_with_all_and_where_the_calibration_says_it_pays_an
     assert _decide(cpu_experts="all") == Decisions("mira", False, None, 40, "all")  # auto residency: inline
     assert _decide(cpu_experts="all", device_type="cpu", policy="on-demand", admits_misses=False).cpu_experts == "all"
     assert not _decide(cpu_experts="all", device_type="cpu", policy="on-demand", admits_misses=False).lagged
-    assert _decide(cpu_pays=True) == Decisions("mira", False, None, 40, "split")
+    assert _decide(cpu_pays=True) == Decisions("mira", False, None, 40, "split", share_review=True)
     assert _decide(cpu_pays=False) == Decisions("mira", True, None, 40, None)  # auto off: lagged as before
     assert _decide(cpu_pays=True, residency="lagged") == Decisions("mira", True, None, 40, None)  # lagged by name
     assert _decide(cpu_pays=True, residency="inline").cpu_experts == "split"
@@ -121,13 +121,22 @@ def test_the_cpu_takes_misses_with_all_and_where_the_calibration_says_it_pays_an
     assert _decide(cpu_experts="all", prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "all")
 
 
+def test_only_autos_share_under_auto_residency_with_fused_kernels_is_judged_again_in_decoding():
+    assert _decide(cpu_pays=True).share_review
+    assert not _decide(cpu_pays=True, residency="inline").share_review  # inline by name stays inline
+    assert not _decide(cpu_experts="split").share_review  # the split by name, regardless of the rule
+    assert not _decide(cpu_experts="all").share_review
+    assert not _decide(cpu_pays=True, fused_kernels=False).share_review  # lagged could not read misses
+
+
 def test_generates_defaults_take_the_cpu_where_it_pays_and_then_stage_nothing():
     default = RuntimeConfig()  # what `mira generate` runs with no flags
     assert (default.hybrid.mode, default.prefetch.mode, default.residency.mode) == ("auto", "auto", "auto")
-    assert resolve(default, _facts(cpu_pays=True)) == Decisions("mira", False, None, 40, "split")
+    assert resolve(default, _facts(cpu_pays=True)) == Decisions("mira", False, None, 40, "split", share_review=True)
     assert resolve(default, _facts(cpu_pays=False)) == Decisions("mira", True, None, 40, None)
     # staging named, or inline by name without a CPU share, as before
-    assert _decide(cpu_pays=True, prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "split")
+    assert _decide(cpu_pays=True, prefetch="gate") == Decisions("mira", False, "gate", 40 - STAGING_ROWS, "split",
+                                                                share_review=True)
     assert _decide(residency="inline", prefetch="auto", cpu_experts="off") == Decisions(
         "mira", False, "gate", 40 - STAGING_ROWS, None)
     assert _decide(residency="inline", prefetch="auto", cpu_pays=True).predictor is None
