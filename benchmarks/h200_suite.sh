@@ -86,6 +86,12 @@
 #                                           # rule (benchmarks/hybrid_rule.py): mira against mira-gpu, the 12-layer
 #                                           # config at 35%, 40% and 45% (held-out routing), then the Mixtral-8x7B
 #                                           # shape replaying the real trace at 20 and 28 GiB (~8 min, resumed)
+#   bash benchmarks/h200_suite.sh review    # auto's second judgement of its CPU share (after 16 decode steps, at
+#                                           # the paces learnt): the 12-layer config replaying held-out routing at
+#                                           # 35% and 45%, mira against mira-gpu; then at 25% and 50%, mira, mira-gpu,
+#                                           # lru, lfu and static (~8 min, resumed)
+#   bash benchmarks/h200_suite.sh review-mixtral  # the same on the Mixtral-8x7B shape replaying the real trace at
+#                                           # 24 GiB, the closest call of the committed runs: mira, mira-gpu (~6 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -230,6 +236,18 @@ case "${1:-}" in
         bash "$0" "$part" || true
     done
     wait ;;
+  review)
+    timeout 200 python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 35%,45% \
+      --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-12-layers-review-between.json" --quiet --resume
+    timeout "$((LIMIT - 200))" python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
+      --configs mira,mira-gpu,lru,lfu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-review.json" --quiet \
+      --resume ;;
+  review-mixtral)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \
+      --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-8x7b-review.json" --quiet --resume ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
