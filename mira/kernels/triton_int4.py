@@ -107,6 +107,17 @@ def _group_scales(w):
 
 
 @triton.jit
+def _scale_words(at):
+    """The (s, z) words of a group's rows at `at` + 4 m ([NT, LANES, HALF / 4]: rows 16 (i // 4) + 4 m +
+    i % 4 of word i) -> [NT, LANES, HALF] in the order of `_codes`. Four loads shaped as the codes'
+    (runs of 4 contiguous words), joined and transposed within a thread, give the values the layout
+    of the codes', so that no exchange between threads is needed to apply them."""
+    w = tl.join(tl.join(tl.load(at), tl.load(at + 8)), tl.join(tl.load(at + 4), tl.load(at + 12)))  # [.., 8, 2, 2]: m
+    w = tl.reshape(w, [at.shape[0], at.shape[1], 2, 4, 4])  # (i // 4, i % 4, m)
+    return tl.reshape(tl.permute(w, (0, 1, 2, 4, 3)), [at.shape[0], at.shape[1], 4 * at.shape[2]])
+
+
+@triton.jit
 def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
                LANES: tl.constexpr, UNROLL: tl.constexpr):
     """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
@@ -120,7 +131,8 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
     tiles = tl.minimum(tiles, R // TILE_W - 1)[:, None, None]  # [NT, 1, 1]
     tile_words = codes.to(tl.pointer_type(tl.uint32)) + tiles * (HALF_W // 4 * C) \
         + tl.arange(0, HALF_W // 4)[None, None, :]  # [NT, 1, HALF / 4]
-    lo_rows = tiles * TILE_W + j  # [NT, 1, HALF]
+    i = tl.arange(0, HALF_W // 4)[None, None, :]
+    sz_rows = tiles * TILE_W + i // 4 * 16 + i % 4  # [NT, 1, HALF / 4]: see `_scale_words`
     acc_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     acc_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     for g0 in range(group_start, group_end, LANES // LPG_W):
@@ -141,11 +153,11 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                 p_lo += lo * x[None, :, None]
                 p_hi += hi * x[None, :, None]
                 x_sum += x
-        at = group[None, :, None] * R + lo_rows
-        s, zz = _group_scales(tl.load(sz_words + at))
+        at = sz_words + group[None, :, None] * R + sz_rows
+        s, zz = _group_scales(_scale_words(at))
         acc_lo += p_lo * s
         acc_lo += x_sum[None, :, None] * zz
-        s, zz = _group_scales(tl.load(sz_words + at + HALF_W))
+        s, zz = _group_scales(_scale_words(at + HALF_W))
         acc_hi += p_hi * s
         acc_hi += x_sum[None, :, None] * zz
     return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
