@@ -16,7 +16,8 @@ activations):
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
 calls on rotating inputs (the bytes read per replay exceed the L2 cache); the JSON keeps every
 repeat with their median and range. --autotune first tries a few launch configurations (decode
-gate/up, then down, then the prefill GEMM; each checked against the reference) and writes the
+gate/up, then down, each also with the "fold" and "half2" conversions, then the prefill GEMM; each
+checked against the reference) and writes the
 fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir). A decode launch is chosen
 by its time from HBM, except that among those within ZERO_COPY_TOLERANCE of the fastest the one
 reading a pinned expert fastest wins if it reads it ZERO_COPY_MIN_GAIN faster (kernels.py's rule:
@@ -87,6 +88,9 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
     GemvConfig(64, 2048, unroll=8, num_warps=8, split=7), GemvConfig(128, 1024, unroll=4, num_warps=4, split=7),
     GemvConfig(64, 1024, unroll=8, num_warps=4, split=4), GemvConfig(64, 1024, unroll=8, num_warps=4),
 ]
+CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
+GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
+DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
 GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),

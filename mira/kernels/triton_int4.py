@@ -15,7 +15,9 @@ decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole
     per sub-step a lane reads one column of every tile (4 adjacent lanes: 128 contiguous bytes
     of a tile), GROUP / 4 sub-steps per group. A lane sums its codes times x over its columns of
     the group (one fma per code, no exchange between threads) before the group's scale and zero
-    apply; the lanes are added once, at the end of the program.
+    apply; the lanes are added once, at the end of the program. A group's scales and zeros are
+    loaded in the layout of the codes (`_scale_words`), so that applying them moves no data
+    between threads.
     1. gate/up, grid (P, unit tiles / tiles per program): a program's gate tiles, then the up
        tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I].
     2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
@@ -33,7 +35,10 @@ for the INT4 GEMVs:
     block_cols: columns per step, a power of two and whole groups: LANES = block_cols / 16 lanes;
         at least 256 x num_warps keeps every thread on lanes of its own (16 lanes a warp).
     unroll: sub-steps whose loads a loop iteration issues together (a divisor of GROUP / 4).
-    cvt: "bits" (the only conversion); mma: not implemented; programs_per_sm and split as for INT8.
+    cvt: how codes meet x: "bits" (exact fp32 codes, `_codes`), "fold" (codes offset by 2**23
+        summed as they are, one fma per code fewer: `_code_floats`) or "half2" (fp16 pairs summed
+        in fp16 within a group, inline PTX: `_half2_fma`; compiled GPUs only, elsewhere "bits").
+    mma: not implemented; programs_per_sm and split as for INT8.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
 
@@ -63,6 +68,7 @@ from mira.store.layout import ExpertLayout
 TILE, HALF, GROUP = int4.TILE, int4.HALF, int4.GROUP
 LANES_PER_GROUP = 4  # adjacent columns read together: 4 x 32 bytes of a tile
 SUB_STEPS = GROUP // LANES_PER_GROUP  # columns of a group each decode lane reads
+CVTS = ("bits", "fold", "half2")  # the decode conversions (GemvConfig.cvt); "half2" compiled only
 MAGIC = 0x4B000000  # the bits of 2**23, a kernel argument (`_codes`)
 DESIGN_SMS = 132  # the H200's SMs, which the untuned configuration fills
 TILE_W: tl.constexpr = tl.constexpr(TILE)  # the same, for the kernels
@@ -98,21 +104,94 @@ def _code_units(j):
 
 
 @triton.jit
-def _group_scales(w):
-    """Group (s, z) words of a scale section read as uint32 -> (s, z - 8 s) in fp32: a weight is
-    s q + (z - 8 s)."""
+def _code_floats(w, magic):
+    """uint32 words [NT, LANES, HALF / 4] of tile bytes -> (low, high) [NT, LANES, HALF] as the fp32
+    2**23 + q 2**15 and 2**23 + q 2**19 ("fold"): each byte shifted so that its nibbles lie at bits
+    15 and 19, then one mask-and-or each. Products with these are summed as they are: the sum less
+    2**23 times the columns' sum is exact to about 2**-17 of it, and takes no fma per code."""
+    a, b, c, d = w << 15, w << 7, w >> 1, w >> 9  # bytes 0, 1, 2, 3 at bits 15 to 22
+    lo = tl.join(tl.join(a & 0x78000, c & 0x78000), tl.join(b & 0x78000, d & 0x78000))  # [.., 2, 2]: byte 2 i + j
+    hi = tl.join(tl.join(a & 0x780000, c & 0x780000), tl.join(b & 0x780000, d & 0x780000))
+    lo = (tl.reshape(lo, [w.shape[0], w.shape[1], 4 * w.shape[2]]) | magic).to(tl.float32, bitcast=True)
+    hi = (tl.reshape(hi, [w.shape[0], w.shape[1], 4 * w.shape[2]]) | magic).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _half2_fma(w, x2, a, b, c, d, magic16):
+    """One column's uint32 words [NT, LANES, HALF / 4] into fp16 pair sums ("half2"; inline PTX): x2
+    is x 2**-8 twice as f16x2; a and b gain (q - 8) x2 of the low nibbles of bytes (0, 2) and (1, 3),
+    c and d of the high ones. A pair of nibbles becomes two exact f16 by one mask-and-or with
+    magic16 (1024's f16 bits twice, a run-time value as `_codes`' magic: 1024 + q or 1024 + 16 q) and
+    one f16x2 subtract or fma: two codes for three instructions."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, u, k1, k2, k3;
+        mov.b32 k1, 0x64086408;
+        mov.b32 k2, 0x2C002C00;
+        mov.b32 k3, 0xD480D480;
+        shr.b32 u, $4, 8;
+        and.b32 t, $4, 0x000F000F;
+        or.b32 t, t, $10;
+        sub.f16x2 t, t, k1;
+        fma.rn.f16x2 $0, t, $5, $6;
+        and.b32 t, u, 0x000F000F;
+        or.b32 t, t, $10;
+        sub.f16x2 t, t, k1;
+        fma.rn.f16x2 $1, t, $5, $7;
+        and.b32 t, $4, 0x00F000F0;
+        or.b32 t, t, $10;
+        fma.rn.f16x2 t, t, k2, k3;
+        fma.rn.f16x2 $2, t, $5, $8;
+        and.b32 t, u, 0x00F000F0;
+        or.b32 t, t, $10;
+        fma.rn.f16x2 t, t, k2, k3;
+        fma.rn.f16x2 $3, t, $5, $9;
+        }""",
+        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r", args=[w, x2, a, b, c, d, tl.broadcast_to(magic16, w.shape)],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1,
+    )
+
+
+@triton.jit
+def _half2_sums(a, b):
+    """fp16 pair sums of bytes (0, 2) and (1, 3) [NT, LANES, HALF / 4] -> [NT, LANES, HALF] fp32 in the
+    order of `_codes`."""
+    a0 = (a & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    a2 = (a >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b1 = (b & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b3 = (b >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(b1, b3)), [a.shape[0], a.shape[1], 4 * a.shape[2]])
+
+
+@triton.jit
+def _group_scales(w, BIAS: tl.constexpr):
+    """Group (s, z) words of a scale section read as uint32 -> (s, z - BIAS s) in fp32: a weight is
+    s (q - 8 + BIAS) + (z - BIAS s), for codes taken as q - 8 + BIAS."""
     s = (w << 16).to(tl.float32, bitcast=True)
     z = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return s, z - 8.0 * s
+    return s, z - BIAS * s
+
+
+@triton.jit
+def _scale_words(at):
+    """The (s, z) words of a group's rows at `at` + 4 m ([NT, LANES, HALF / 4]: rows 16 (i // 4) + 4 m +
+    i % 4 of word i) -> [NT, LANES, HALF] in the order of `_codes`. Four loads shaped as the codes'
+    (runs of 4 contiguous words), joined and transposed within a thread, give the values the layout
+    of the codes', so that no exchange between threads is needed to apply them."""
+    w = tl.join(tl.join(tl.load(at), tl.load(at + 8)), tl.join(tl.load(at + 4), tl.load(at + 12)))  # [.., 8, 2, 2]: m
+    w = tl.reshape(w, [at.shape[0], at.shape[1], 2, 4, 4])  # (i // 4, i % 4, m)
+    return tl.reshape(tl.permute(w, (0, 1, 2, 4, 3)), [at.shape[0], at.shape[1], 4 * at.shape[2]])
 
 
 @triton.jit
 def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
-               LANES: tl.constexpr, UNROLL: tl.constexpr):
+               LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr):
     """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
     sz_words) against the vector at x_row over groups [group_start, group_end) -> (lo, hi) [NT, HALF]
     fp32: rows TILE t + j and TILE t + HALF + j of each tile t (tiles past R give rows of the last).
     A step covers LANES / 4 groups; lanes past group_end read the last group against zeros.
+    CVT: how codes meet x ("bits": `_codes`; "fold": `_code_floats`; "half2": `_half2_fma`).
     magic: see `_codes`."""
     lane = tl.arange(0, LANES)
     j = tl.arange(0, HALF_W)[None, None, :]
@@ -120,9 +199,12 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
     tiles = tl.minimum(tiles, R // TILE_W - 1)[:, None, None]  # [NT, 1, 1]
     tile_words = codes.to(tl.pointer_type(tl.uint32)) + tiles * (HALF_W // 4 * C) \
         + tl.arange(0, HALF_W // 4)[None, None, :]  # [NT, 1, HALF / 4]
-    lo_rows = tiles * TILE_W + j  # [NT, 1, HALF]
+    i = tl.arange(0, HALF_W // 4)[None, None, :]
+    sz_rows = tiles * TILE_W + i // 4 * 16 + i % 4  # [NT, 1, HALF / 4]: see `_scale_words`
     acc_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     acc_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+    words = tl.zeros([tiles.shape[0], LANES, HALF_W // 4], dtype=tl.uint32)  # the shape of a column's words
+    magic16 = (magic + (0x64006400 - 0x4B000000)).to(tl.uint32)  # "half2": 1024 twice in f16, at run time
     for g0 in range(group_start, group_end, LANES // LPG_W):
         group = g0 + lane // LPG_W  # [LANES]
         in_cols = group < group_end
@@ -130,6 +212,7 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
         col0 = group * GROUP_W + lane % LPG_W
         p_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+        h_a, h_b, h_c, h_d = words, words, words, words  # "half2": f16 pair sums of the group (zeros)
         x_sum = tl.zeros([LANES], dtype=tl.float32)
         for k0 in range(0, GROUP_W // LPG_W, UNROLL):
             for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
@@ -137,17 +220,37 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                 x = tl.load(x_row + col, mask=in_cols, other=0.0).to(tl.float32)
                 w = tl.load(tile_words + col[None, :, None] * (HALF_W // 4),
                             eviction_policy="evict_first")  # [NT, LANES, HALF / 4]
-                lo, hi = _codes(w, magic, lo_unit, hi_unit)
-                p_lo += lo * x[None, :, None]
-                p_hi += hi * x[None, :, None]
+                if CVT == "half2":
+                    x16 = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                    x2 = tl.broadcast_to((x16 | (x16 << 16))[None, :, None], w.shape)
+                    h_a, h_b, h_c, h_d = _half2_fma(w, x2, h_a, h_b, h_c, h_d, magic16)
+                else:
+                    if CVT == "fold":
+                        lo, hi = _code_floats(w, magic)
+                    else:
+                        lo, hi = _codes(w, magic, lo_unit, hi_unit)
+                    p_lo += lo * x[None, :, None]
+                    p_hi += hi * x[None, :, None]
                 x_sum += x
-        at = group[None, :, None] * R + lo_rows
-        s, zz = _group_scales(tl.load(sz_words + at))
-        acc_lo += p_lo * s
-        acc_lo += x_sum[None, :, None] * zz
-        s, zz = _group_scales(tl.load(sz_words + at + HALF_W))
-        acc_hi += p_hi * s
-        acc_hi += x_sum[None, :, None] * zz
+        at = sz_words + group[None, :, None] * R + sz_rows
+        x_sum = x_sum[None, :, None]
+        if CVT == "half2":  # sums of (q - 8) x 2**-8
+            s, z = _group_scales(_scale_words(at), 0)
+            acc_lo += _half2_sums(h_a, h_b) * (s * 256.0) + x_sum * z
+            s, z = _group_scales(_scale_words(at + HALF_W), 0)
+            acc_hi += _half2_sums(h_c, h_d) * (s * 256.0) + x_sum * z
+        elif CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
+            s, zz = _group_scales(_scale_words(at), 8)
+            acc_lo += (p_lo - 8388608.0 * x_sum) * (s * (1.0 / 32768)) + x_sum * zz
+            s, zz = _group_scales(_scale_words(at + HALF_W), 8)
+            acc_hi += (p_hi - 8388608.0 * x_sum) * (s * (1.0 / 524288)) + x_sum * zz
+        else:
+            s, zz = _group_scales(_scale_words(at), 8)
+            acc_lo += p_lo * s
+            acc_lo += x_sum * zz
+            s, zz = _group_scales(_scale_words(at + HALF_W), 8)
+            acc_hi += p_hi * s
+            acc_hi += x_sum * zz
     return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
 
 
@@ -161,7 +264,7 @@ def _tile_rows(lo, hi):
 def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
     H, I, K, SZ13_OFF, B13_OFF, TILES, MAGIC,
-    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
     NAN_ABSENT: tl.constexpr,
 ):
@@ -180,8 +283,9 @@ def _gate_up_gemv4(
     unit_end = tl.where(present, tile_end * TILE_W, 0)  # the units whose biases are read
     for t0 in range(tile_start, tile_end, BLOCK_T):
         tiles = t0 + tl.arange(0, BLOCK_T)
-        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL)
-        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL)
+        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL, CVT)
+        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL,
+                                CVT)
         units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
         g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
         u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
@@ -194,7 +298,7 @@ def _down_gemv4(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
     H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
-    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
@@ -216,7 +320,7 @@ def _down_gemv4(
         w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.uint8)), 16)
         sz2 = tl.multiple_of((base + SZ2_OFF).to(tl.pointer_type(tl.uint32)), 16)
         lo, hi = _tiles_dot(act_ptr + pair * I, w2, sz2, tiles, H, I, group_start,
-                            tl.where(present, group_end, group_start), MAGIC, LANES, UNROLL)
+                            tl.where(present, group_end, group_start), MAGIC, LANES, UNROLL, CVT)
         y = _tile_rows(lo, hi)
         y += _bias(base, B2_OFF, rows, rows < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
@@ -285,7 +389,7 @@ def _gate_up_gemm4(
             q = _block_codes(w13, n0 + half * I, tl.where(present, (half + 1) * I, 0), k0, H, BLOCK_N, BLOCK_K,
                              DOT_DTYPE)  # [BN, BK]
             part = tl.dot(q, x_t, input_precision=PRECISION)  # [BN, BM]
-            s, zz = _group_scales(tl.load(sz13 + group * 2 * I + rows + half * I, mask=row_mask, other=0))
+            s, zz = _group_scales(tl.load(sz13 + group * 2 * I + rows + half * I, mask=row_mask, other=0), 8)
             if half == 0:  # two fmas per element
                 acc_g = acc_g + part * s[:, None] + zz[:, None] * x_sum
             else:
@@ -328,7 +432,7 @@ def _down_gemm4(
         a_t = tl.load(a_cols + offs_k[:, None], mask=valid[None, :], other=0.0)  # [BK, BM]
         q = _block_codes(w2, n0, tl.where(present, H, 0), k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)  # [BN, BK]
         part = tl.dot(q, a_t.to(DOT_DTYPE), input_precision=PRECISION)
-        s, zz = _group_scales(tl.load(sz2 + k0 // GROUP_W * H + rows, mask=row_mask, other=0))
+        s, zz = _group_scales(tl.load(sz2 + k0 // GROUP_W * H + rows, mask=row_mask, other=0), 8)
         acc = acc + part * s[:, None] + zz[:, None] * tl.sum(a_t.to(tl.float32), axis=0)[None, :]  # two fmas
     weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -392,6 +496,11 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         """Spans of whole steps of block_cols (here unroll counts sub-steps inside a group)."""
         return split_span(intermediate, dataclasses.replace(down, unroll=1))
 
+    def _cvt4(self, gemv: GemvConfig) -> str:
+        """The decode conversion: "half2" needs compiled code (the interpreter has no inline PTX),
+        which runs "bits" instead."""
+        return "bits" if gemv.cvt == "half2" and self.device.type != "cuda" else gemv.cvt
+
     @property
     def cut_granule(self) -> None:
         """The INT4 GEMVs do not cut experts."""
@@ -404,15 +513,15 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         tiles = self._rows_per_program(T * K, up) // TILE
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
-            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, num_warps=up.num_warps,
-            num_stages=up.num_stages, **self._after_up,
+            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up),
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
-            LANES=_lanes(down), UNROLL=down.unroll, SPLIT=splits, num_warps=down.num_warps,
+            LANES=_lanes(down), UNROLL=down.unroll, CVT=self._cvt4(down), SPLIT=splits, num_warps=down.num_warps,
             num_stages=down.num_stages, **self._after_down,
         )
 
@@ -447,8 +556,8 @@ def _check_config(config: KernelConfig, layout: ExpertLayout) -> None:
     for name, gemv in (("gate_up_gemv", config.gate_up_gemv), ("down_gemv", config.down_gemv)):
         if gemv.mma:
             raise ValueError(f"{name}: the INT4 kernels have no tensor-core GEMV (mma); use a CUDA-core configuration")
-        if gemv.cvt != "bits":
-            raise ValueError(f"{name}: the INT4 GEMVs convert codes by integer logic only: cvt must be 'bits', "
+        if gemv.cvt not in CVTS:
+            raise ValueError(f"{name}: the INT4 GEMVs convert codes as one of {', '.join(CVTS)}, "
                              f"not {gemv.cvt!r}")
         if gemv.block_rows < TILE or gemv.block_rows % TILE or gemv.block_rows & (gemv.block_rows - 1):
             raise ValueError(f"{name}: block_rows must be whole tiles of {TILE} rows, a power of two, "

@@ -30,7 +30,7 @@ pytest.importorskip("triton.language")
 from mira.kernels import ReferenceMoEFFN, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_int4 import (  # noqa: E402
-    TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
+    CVTS, TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
 )
 from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig, save_configs  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
@@ -39,6 +39,7 @@ from mira.store.quant import quantize_expert  # noqa: E402
 from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 H, I, E, K = 128, 192, 6, 2
 FP32_TOL = 1e-5
+FOLD_TOL = 5e-5  # cvt "fold": sums of codes offset by 2**23, exact to about 2**-17 of a group's (`_code_floats`)
 BF16_TOL = 1e-2 if DEVICE == "cuda" else 2.5e-2
 
 
@@ -58,6 +59,9 @@ DECODE_CONFIGS = {
     "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
                               down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     "default": default_int4_config(H, I),
+    # the "fold" conversion (runs everywhere) in the ragged launch shapes
+    "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, cvt="fold"),
+                              down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, cvt="fold")),
 }
 PREFILL_CONFIGS = {
     # a K step of half a group; three row blocks of one tile
@@ -125,7 +129,8 @@ def test_decode_matches_reference_fp32(small, tokens, config):
     index, weights = routing(tokens, E, K, seed=tokens)
     ffn = poisoned_ffn(layout, DECODE_CONFIGS[config], tokens, torch.float32)
     out = run_poisoned(ffn, hidden, index, weights, blobs)
-    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
+    tol = FOLD_TOL if "fold" in config else FP32_TOL
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < tol
 
 
 @pytest.mark.parametrize("config", PREFILL_CONFIGS)
@@ -222,7 +227,7 @@ def with_gemv(**fields) -> KernelConfig:
 
 @pytest.mark.parametrize(("config", "message"), [
     (with_gemv(mma=True), "down_gemv: the INT4 kernels have no tensor-core GEMV"),
-    (with_gemv(cvt="prmt"), "down_gemv: the INT4 GEMVs convert codes by integer logic only"),
+    (with_gemv(cvt="prmt"), "down_gemv: the INT4 GEMVs convert codes as one of bits, fold, half2, not 'prmt'"),
     (with_gemv(block_rows=32), "down_gemv: block_rows must be whole tiles of 64 rows"),
     (with_gemv(block_rows=192), "down_gemv: block_rows must be whole tiles of 64 rows, a power of two"),
     (with_gemv(block_cols=32), "down_gemv: block_cols must be whole groups of 64 columns"),
@@ -297,19 +302,39 @@ def test_real_shape_bf16_matches_fp32_reference(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("cvt", CVTS)
 @pytest.mark.parametrize("config", REAL_CONFIGS)
 @pytest.mark.parametrize("shape", REAL_SHAPES)
-def test_real_shape_launch_shapes_match_fp32_reference(real_blobs, shape, config):
+def test_real_shape_launch_shapes_match_fp32_reference(real_blobs, shape, config, cvt):
     """Decode (2 routed pairs) and prefill (64) at real shapes under launch shapes the stored
-    tuning may not use."""
+    tuning may not use, with each decode conversion."""
     layout, blobs = real_blobs(shape)
-    ffn = TritonInt4MoEFFN(layout, "cuda", config=REAL_CONFIGS[config])
+    config = REAL_CONFIGS[config]
+    config = dataclasses.replace(config, gate_up_gemv=dataclasses.replace(config.gate_up_gemv, cvt=cvt),
+                                 down_gemv=dataclasses.replace(config.down_gemv, cvt=cvt))
+    ffn = TritonInt4MoEFFN(layout, "cuda", config=config)
     for tokens in (1, 32):
         hidden = torch.randn(tokens, layout.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
         index, weights = routing(tokens, 8, K, seed=3, device="cuda")
         out = ffn(hidden.bfloat16(), index, weights.bfloat16(), blobs)
         truth = moe_ffn_reference(hidden.bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, F.silu)
         assert relative_error(out, truth) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_half2_decode_matches_reference(small, tokens):
+    """The "half2" conversion (compiled only: elsewhere it runs "bits") in the ragged launch shapes:
+    fp16 sums within a group, so a bf16-level tolerance."""
+    layout, blobs = small
+    gemvs = DECODE_CONFIGS["gemv-ragged"]
+    config = dataclasses.replace(gemvs, gate_up_gemv=dataclasses.replace(gemvs.gate_up_gemv, cvt="half2"),
+                                 down_gemv=dataclasses.replace(gemvs.down_gemv, cvt="half2"))
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens)
+    out = run_poisoned(poisoned_ffn(layout, config, tokens, torch.float32), hidden, index, weights, blobs)
+    assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < 2e-3
 
 
 @pytest.mark.gpu
