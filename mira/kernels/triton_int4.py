@@ -15,9 +15,7 @@ decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole
     per sub-step a lane reads one column of every tile (4 adjacent lanes: 128 contiguous bytes
     of a tile), GROUP / 4 sub-steps per group. A lane sums its codes times x over its columns of
     the group (one fma per code, no exchange between threads) before the group's scale and zero
-    apply; the lanes are added once, at the end of the program. A group's scales and zeros are
-    loaded in the layout of the codes (`_scale_words`), so that applying them moves no data
-    between threads.
+    apply; the lanes are added once, at the end of the program.
     1. gate/up, grid (P, unit tiles / tiles per program): a program's gate tiles, then the up
        tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I].
     2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
@@ -174,17 +172,6 @@ def _group_scales(w, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _scale_words(at):
-    """The (s, z) words of a group's rows at `at` + 4 m ([NT, LANES, HALF / 4]: rows 16 (i // 4) + 4 m +
-    i % 4 of word i) -> [NT, LANES, HALF] in the order of `_codes`. Four loads shaped as the codes'
-    (runs of 4 contiguous words), joined and transposed within a thread, give the values the layout
-    of the codes', so that no exchange between threads is needed to apply them."""
-    w = tl.join(tl.join(tl.load(at), tl.load(at + 8)), tl.join(tl.load(at + 4), tl.load(at + 12)))  # [.., 8, 2, 2]: m
-    w = tl.reshape(w, [at.shape[0], at.shape[1], 2, 4, 4])  # (i // 4, i % 4, m)
-    return tl.reshape(tl.permute(w, (0, 1, 2, 4, 3)), [at.shape[0], at.shape[1], 4 * at.shape[2]])
-
-
-@triton.jit
 def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
                LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr):
     """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
@@ -199,8 +186,7 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
     tiles = tl.minimum(tiles, R // TILE_W - 1)[:, None, None]  # [NT, 1, 1]
     tile_words = codes.to(tl.pointer_type(tl.uint32)) + tiles * (HALF_W // 4 * C) \
         + tl.arange(0, HALF_W // 4)[None, None, :]  # [NT, 1, HALF / 4]
-    i = tl.arange(0, HALF_W // 4)[None, None, :]
-    sz_rows = tiles * TILE_W + i // 4 * 16 + i % 4  # [NT, 1, HALF / 4]: see `_scale_words`
+    lo_rows = tiles * TILE_W + j  # [NT, 1, HALF]
     acc_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     acc_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     words = tl.zeros([tiles.shape[0], LANES, HALF_W // 4], dtype=tl.uint32)  # the shape of a column's words
@@ -232,23 +218,23 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                     p_lo += lo * x[None, :, None]
                     p_hi += hi * x[None, :, None]
                 x_sum += x
-        at = sz_words + group[None, :, None] * R + sz_rows
+        at = sz_words + group[None, :, None] * R + lo_rows
         x_sum = x_sum[None, :, None]
         if CVT == "half2":  # sums of (q - 8) x 2**-8
-            s, z = _group_scales(_scale_words(at), 0)
+            s, z = _group_scales(tl.load(at), 0)
             acc_lo += _half2_sums(h_a, h_b) * (s * 256.0) + x_sum * z
-            s, z = _group_scales(_scale_words(at + HALF_W), 0)
+            s, z = _group_scales(tl.load(at + HALF_W), 0)
             acc_hi += _half2_sums(h_c, h_d) * (s * 256.0) + x_sum * z
         elif CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
-            s, zz = _group_scales(_scale_words(at), 8)
+            s, zz = _group_scales(tl.load(at), 8)
             acc_lo += (p_lo - 8388608.0 * x_sum) * (s * (1.0 / 32768)) + x_sum * zz
-            s, zz = _group_scales(_scale_words(at + HALF_W), 8)
+            s, zz = _group_scales(tl.load(at + HALF_W), 8)
             acc_hi += (p_hi - 8388608.0 * x_sum) * (s * (1.0 / 524288)) + x_sum * zz
         else:
-            s, zz = _group_scales(_scale_words(at), 8)
+            s, zz = _group_scales(tl.load(at), 8)
             acc_lo += p_lo * s
             acc_lo += x_sum * zz
-            s, zz = _group_scales(_scale_words(at + HALF_W), 8)
+            s, zz = _group_scales(tl.load(at + HALF_W), 8)
             acc_hi += p_hi * s
             acc_hi += x_sum * zz
     return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
