@@ -63,8 +63,9 @@ def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
 
 def cpu_share_lines(result: dict) -> list[str]:
     """Per budget and scheme where a configuration with a CPU share ran beside GPU-only mira: its
-    median decode tokens/s over GPU-only mira's in the same run, and over the caching bound; then
-    each repeat's tokens/s and the CPU's experts in it (a drift over the repeats shows there)."""
+    median decode tokens/s over GPU-only mira's in the same run, and over the caching bound, with
+    auto's verdict on its share after the first decode steps; then each repeat's tokens/s and the
+    CPU's experts in it (a drift over the repeats shows there)."""
     gpu_name, shared = cpu_share_configs(result)
     lines = []
     for row in result["runs"]:
@@ -80,6 +81,10 @@ def cpu_share_lines(result: dict) -> list[str]:
                 f"{speed / gpu_only[0]['decode_tokens_per_s']:.3f}x {gpu_name} (GPU only)")
         if bound:
             line += f", {speed / bound:.3f}x the caching bound"
+        review = (row.get("cpu_experts") or {}).get("review")
+        if review is not None:
+            line += (f"; the share {'kept' if review['kept'] else 'dropped'} after {review['after_decode_steps']} "
+                     f"decode steps, priced to save {review['paced_saving_ms']:.3g} ms a layer")
         lines.append(line)
         lines += [f"  repeat {number}: {_repeat(r)}" for number, r in enumerate(row.get("repeats", []), 1)
                   if "cpu_experts" in r]

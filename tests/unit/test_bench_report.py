@@ -58,6 +58,11 @@ def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_thei
     # since --cpu-experts auto is generate's default, `mira` may share its misses and mira-gpu never does
     assert compared(row("mira", 7.5), row("mira-gpu", 5.0), row("static", 4.0)) == [
         "12GiB: mira 7.5 tokens/s, 1.500x mira-gpu (GPU only), 0.750x the caching bound"]
+    dropped = {**row("mira", 5.1), "cpu_experts": {"mode": "split", "review": {
+        "after_decode_steps": 16, "paced_saving_ms": 0.637, "kept": False}}}
+    assert compared(dropped, row("mira-gpu", 5.0)) == [
+        "12GiB: mira 5.1 tokens/s, 1.020x mira-gpu (GPU only), 0.510x the caching bound; the share dropped after 16 "
+        "decode steps, priced to save 0.637 ms a layer"]
     both = {"runs": [row("mira", 7.5), row("mira-gpu", 5.0)]}
     assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-split", "mira-cpu-all"))
     # before, `mira` was GPU-only and mira-cpu-auto had the calibrated split
