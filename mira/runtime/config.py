@@ -232,8 +232,8 @@ class Decisions:
     policy_slots: slots the policy manages (staging keeps STAGING_ROWS of the capacity).
     cpu_experts: which misses the CPU computes: "all", "split" (by the cost model) or None (none).
     share_review: auto's split, where lagged residency could run without it: decoding judges the
-        share again at the paces it measures, and drops it for lagged residency where it does not pay
-        (mira.runtime.engine.MiraModel).
+        share again at the paces it measures, and drops it for lagged residency where it keeps not
+        paying (mira.runtime.engine.MiraModel).
     """
 
     policy: str

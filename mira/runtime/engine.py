@@ -42,7 +42,8 @@ from mira.store.store import ExpertStore
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
-REVIEW_STEPS = 16  # decode steps after which auto's CPU share is judged at the paces they measured
+REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
+REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
 
 
 class MiraModel:
@@ -55,8 +56,9 @@ class MiraModel:
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
         hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None; kept, for its
             telemetry, after `drop_cpu_share`.
-        share_review: auto's verdict on its CPU share after REVIEW_STEPS decode steps (`review_share`
-            at load), or None before it or without one.
+        share_review: auto's verdict on its CPU share (`review_share` at load): kept at the first
+            judgement, every REVIEW_STEPS decode steps, that finds it paying, dropped after REVIEW_CHECKS
+            that do not; None before it or without one.
         calibration: this machine's calibrated CPU and PCIe costs for the experts (mira.cache.costmodel),
             whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
@@ -77,6 +79,7 @@ class MiraModel:
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self.calibration = calibration
         self.share_review: dict | None = None
+        self._judged_ms: list[float] = []  # the judgements of auto's share so far, saving per layer
         self._review_in = REVIEW_STEPS if review_share and hybrid is not None else None  # decode steps to go
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
@@ -133,14 +136,21 @@ class MiraModel:
 
     def _review_share(self) -> None:
         """Auto's CPU share judged at the paces decoding measured (mira.cache.costmodel.share_keeps):
-        one that does not keep its place is dropped, and decoding goes on lagged, GPU only."""
-        self._review_in = None
+        kept for good once it pays; dropped, decoding going on lagged and GPU only, once REVIEW_CHECKS
+        judgements in a row found it not paying (a drop is for good, so its evidence must persist)."""
         saving = self.hybrid.paced_saving()
         if saving is None:  # no decode call yet had a lookup: nothing measured to judge by
+            self._review_in = None
             return
-        self.share_review = {"after_decode_steps": REVIEW_STEPS, "paced_saving_ms": round(saving * 1e3, 3),
-                             "kept": share_keeps(saving)}
-        if not self.share_review["kept"]:
+        self._judged_ms.append(round(saving * 1e3, 3))
+        kept = share_keeps(saving)
+        if not kept and len(self._judged_ms) < REVIEW_CHECKS:
+            self._review_in = REVIEW_STEPS
+            return
+        self._review_in = None
+        self.share_review = {"after_decode_steps": REVIEW_STEPS * len(self._judged_ms),
+                             "paced_saving_ms": self._judged_ms[-1], "judged_ms": self._judged_ms, "kept": kept}
+        if not kept:
             self.drop_cpu_share()
 
     def drop_cpu_share(self) -> None:

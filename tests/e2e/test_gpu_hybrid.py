@@ -101,10 +101,11 @@ def test_bf16_layers_add_the_cpus_share_to_the_kernels(mixtral_store, split):
 
 
 def test_a_dropped_share_decodes_lagged_from_cuda_graphs_with_the_cpu_paths_float32_text(mixtral_store):
-    """A share priced at 1 s an expert on the CPU saves nothing: after REVIEW_STEPS decode steps it
-    is dropped, the rest of the call decodes lagged, and the next call replays its decode steps from
-    CUDA graphs; the greedy text of both calls is the CPU path's."""
-    expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **GREEDY)
+    """A share priced at 1 s an expert on the CPU saves nothing: after REVIEW_CHECKS judgements, every
+    REVIEW_STEPS decode steps, it is dropped, the rest of the call decodes lagged, and the next call
+    replays its decode steps from CUDA graphs; the greedy text of both calls is the CPU path's."""
+    greedy = {**GREEDY, "max_new_tokens": engine.REVIEW_STEPS * engine.REVIEW_CHECKS + 8}
+    expected = mira.load(mixtral_store, device="cpu", progress=False).generate(_prompt(), **greedy)
     model = mira.load(mixtral_store, device="cuda", dtype="float32", vram_budget=_budget(mixtral_store, 10, "float32"),
                       cpu_experts="all", progress=False)
     blob = model.store.blob_bytes
@@ -116,9 +117,9 @@ def test_a_dropped_share_decodes_lagged_from_cuda_graphs_with_the_cpu_paths_floa
     for layer in (m for m in model.hf_model.modules() if isinstance(m, MiraExperts)):
         layer.hybrid = hybrid
     model._review_in = engine.REVIEW_STEPS  # as `mira.load` sets it for auto's share
-    first = model.generate(_prompt(), **GREEDY).cpu()
+    first = model.generate(_prompt(), **greedy).cpu()
     assert model.stats()["cpu_experts"]["review"]["kept"] is False and model.stats()["residency"] == "lagged"
     assert model.decode_graphs.replays == 0
-    second = model.generate(_prompt(), **GREEDY).cpu()
+    second = model.generate(_prompt(), **greedy).cpu()
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert model.decode_graphs.replays > 0
