@@ -86,8 +86,8 @@
 #                                           # rule (benchmarks/hybrid_rule.py): mira against mira-gpu, the 12-layer
 #                                           # config at 35%, 40% and 45% (held-out routing), then the Mixtral-8x7B
 #                                           # shape replaying the real trace at 20 and 28 GiB (~8 min, resumed)
-#   bash benchmarks/h200_suite.sh review    # auto's second judgement of its CPU share (after 16 decode steps, at
-#                                           # the paces learnt): the 12-layer config replaying held-out routing at
+#   bash benchmarks/h200_suite.sh review    # auto's judgements of its CPU share in decoding (every 16 decode steps,
+#                                           # at the paces learnt): the 12-layer config replaying held-out routing at
 #                                           # 35% and 45%, mira against mira-gpu; then at 25% and 50%, mira, mira-gpu,
 #                                           # lru, lfu and static (~8 min, resumed)
 #   bash benchmarks/h200_suite.sh review-mixtral  # the same on the Mixtral-8x7B shape replaying the real trace at
