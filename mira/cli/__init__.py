@@ -134,6 +134,9 @@ def _generate(args: argparse.Namespace) -> None:
         experts += f", {stats['decode_steps_replayed']} decode steps replayed from CUDA graphs"
     if stats["cpu_experts"]["mode"] != "off":
         experts += f", {stats['cpu_experts']['tokens']} tokens of missed experts computed on the CPU"
+        review = stats["cpu_experts"].get("review")
+        if review is not None and not review["kept"]:
+            experts += f" (not after decode step {review['after_decode_steps']}: it did not pay)"
     print(f"\n[mira] TTFT {report.ttft_s:.3f} s | decode {report.decode_tokens_per_s:.1f} tokens/s "
           f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']}, {stats['quant']}, "
           f"{experts}", file=sys.stderr)
