@@ -56,9 +56,9 @@ class MiraModel:
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
         hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None; kept, for its
             telemetry, after `drop_cpu_share`.
-        share_review: auto's verdict on its CPU share (`review_share` at load): kept at the first
-            judgement, every REVIEW_STEPS decode steps, that finds it paying, dropped after REVIEW_CHECKS
-            that do not; None before it or without one.
+        share_review: auto's verdict on its CPU share (`review_share` at load), with its judgements
+            and the paces of the last: kept at the first judgement, every REVIEW_STEPS decode steps,
+            that finds it paying, dropped after REVIEW_CHECKS that do not; None before it or without one.
         calibration: this machine's calibrated CPU and PCIe costs for the experts (mira.cache.costmodel),
             whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
@@ -149,7 +149,8 @@ class MiraModel:
             return
         self._review_in = None
         self.share_review = {"after_decode_steps": REVIEW_STEPS * len(self._judged_ms),
-                             "paced_saving_ms": self._judged_ms[-1], "judged_ms": self._judged_ms, "kept": kept}
+                             "paced_saving_ms": self._judged_ms[-1], "judged_ms": self._judged_ms, "kept": kept,
+                             **self.hybrid.paces()}  # the paces the last judgement priced at
         if not kept:
             self.drop_cpu_share()
 

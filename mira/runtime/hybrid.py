@@ -291,13 +291,17 @@ class HybridExperts:
         return paced_saving(self.costs, self.pace, self.cut_pace, self.device_pace, self._top_k, self._blob_bytes,
                             self._decode_misses / self._decode_lookups, self.cuts)
 
-    def summary(self) -> dict:
-        self.collect()
+    def paces(self) -> dict:
+        """The paces learnt so far, by name (none without a pace)."""
         pace = {"cpu_pace": round(self.pace.scale, 4), "cpu_cut_pace": round(self.cut_pace.scale, 4)} \
             if self.pace is not None else {}
         if self.device_pace is not None:
             pace["device_pace"] = round(self.device_pace.scale, 4)
-        return {"mode": self.mode, "threads": self.worker.threads, **pace, **self.telemetry.summary()}
+        return pace
+
+    def summary(self) -> dict:
+        self.collect()
+        return {"mode": self.mode, "threads": self.worker.threads, **self.paces(), **self.telemetry.summary()}
 
     def _pass_over(self, given: CpuPace | None, device_served: bool) -> None:
         """A decode layer with misses gave the CPU a job priced by `given` (None: no job), and the

@@ -359,6 +359,7 @@ def test_autos_share_is_judged_in_its_first_decode_steps_and_dropped_where_it_do
     else:
         assert (review["after_decode_steps"], review["kept"]) == (steps, False)
         assert review["judged_ms"] == [0.0] * engine.REVIEW_CHECKS
+        assert (review["cpu_pace"], review["cpu_cut_pace"]) == (1.0, 1.0) and "device_pace" not in review
         assert stats["residency"] == "lagged" and sum(hybrid.telemetry.calls) == calls
         assert all(layer.lagged and layer.hybrid is None for layer in _layers(model))
         assert not hybrid.worker._thread.is_alive()
