@@ -4,7 +4,7 @@ Per expert shape (default Mixtral-8x7B, 4096 x 14336; random codes, group scales
 activations):
 
 - one expert at batch 1 from HBM: the INT4 decode launches; the INT8 (int8-shared) ones on the same
-  shape in the same run; a plain read of the INT4 blob's bytes in one launch (the read ceiling);
+  shape in the same run; on a GPU each launch's device time too (torch's profiler, eager calls); a plain read of the INT4 blob's bytes in one launch (the read ceiling);
   GB/s of blob bytes and the share of the design's 4.29 TB/s (DESIGN.md 3);
 - zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
   of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth,
@@ -165,6 +165,19 @@ class Workload:
         x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
         return self.timer.graph(lambda i: ffn.forward_bases(x[i], index, weight, self.one_tables[i], out=out),
                                 self.inputs["calls"])
+
+    def launch_times(self, ffn, calls: int = 32) -> dict[str, float]:
+        """Seconds per launch of one expert's decode at batch 1, by kernel (CUDA only): the device time
+        the profiler records for each kernel over `calls` eager calls on rotating blobs, after one to
+        compile. Where the expert's time goes, launch by launch."""
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "one_index", "one_weight", "out1"))
+        ffn.forward_bases(x[0], index, weight, self.one_tables[0], out=out)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for i in range(calls):
+                ffn.forward_bases(x[i % len(x)], index, weight, self.one_tables[i % len(self.one_tables)], out=out)
+            torch.cuda.synchronize()
+        return {event.key: event.device_time / 1e6 for event in profile.key_averages() if "gemv" in event.key}
 
     def check_one(self, ffn) -> float:
         x, index, weight = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"]
@@ -390,6 +403,8 @@ def main() -> None:
             "autotune": tried,
         }
         if device.type == "cuda":
+            figures["decode_launch_s"] = work4.launch_times(ffn)
+            figures["int8_decode_launch_s"] = work8.launch_times(ffn8)
             read = [work4.read_ceiling() for _ in range(repeats)]
             figures["read_one_blob_s"] = spread(read)
             read_zero = [work4.zero_copy_read(args.smoke) for _ in range(repeats)]
@@ -415,6 +430,11 @@ def main() -> None:
             f"{statistics.median(fraction):.3f} of the copy ({min(fraction):.3f}-{max(fraction):.3f}); prefill "
             f"{statistics.median(prefill) * 1e6:.0f} us against INT8 {statistics.median(prefill8) * 1e6:.0f} us; "
             f"errors {errors}")
+        if "decode_launch_s" in figures:
+            log(f"{name}: decode launches, INT4 " + ", ".join(
+                f"{kernel} {seconds * 1e6:.1f} us" for kernel, seconds in figures["decode_launch_s"].items())
+                + "; INT8 " + ", ".join(f"{kernel} {seconds * 1e6:.1f} us"
+                                       for kernel, seconds in figures["int8_decode_launch_s"].items()))
         if "zero_copy_read_fraction_of_copy_bandwidth" in figures:
             plain = figures["zero_copy_read_fraction_of_copy_bandwidth"]
             log(f"{name}: a plain zero-copy read of the INT4 blob: {plain['median']:.3f} of the copy "
