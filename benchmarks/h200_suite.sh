@@ -90,6 +90,9 @@
 #                                           # at the paces learnt): the 12-layer config replaying held-out routing at
 #                                           # 35% and 45%, mira against mira-gpu; then at 25% and 50%, mira, mira-gpu,
 #                                           # lru, lfu and static (~8 min, resumed)
+#   bash benchmarks/h200_suite.sh review-long  # the 12-layer config at 25% and 50% as in review, but 128 decode
+#                                           # tokens a call (every call replays the same rows): more for the
+#                                           # policy to learn from than 64x32's 31; mira, lfu, static (~9 min)
 #   bash benchmarks/h200_suite.sh review-mixtral  # the same on the Mixtral-8x7B shape replaying the real trace at
 #                                           # 24 GiB, the closest call of the committed runs: mira, mira-gpu (~6 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
@@ -244,6 +247,10 @@ case "${1:-}" in
       --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
       --configs mira,mira-gpu,lru,lfu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-review.json" --quiet \
       --resume ;;
+  review-long)
+    timeout "$LIMIT" python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
+      --routing benchmarks/results/traces/heldout.npz --fixed 64x128 --budgets 25%,50% \
+      --configs mira,lfu,static --repeats 3 --out "$OUT/bench-mixtral-12-layers-review-long.json" --quiet --resume ;;
   review-mixtral)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \

@@ -56,9 +56,9 @@ class MiraModel:
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
         hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None; kept, for its
             telemetry, after `drop_cpu_share`.
-        share_review: auto's verdict on its CPU share (`review_share` at load), with its judgements
-            and the paces of the last: kept at the first judgement, every REVIEW_STEPS decode steps,
-            that finds it paying, dropped after REVIEW_CHECKS that do not; None before it or without one.
+        share_review: auto's verdict on its CPU share (`review_share` at load), with each judgement's
+            saving and paces: kept at the first judgement, every REVIEW_STEPS decode steps, that finds
+            it paying, dropped after REVIEW_CHECKS that do not; None before it or without one.
         calibration: this machine's calibrated CPU and PCIe costs for the experts (mira.cache.costmodel),
             whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
@@ -79,7 +79,7 @@ class MiraModel:
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self.calibration = calibration
         self.share_review: dict | None = None
-        self._judged_ms: list[float] = []  # the judgements of auto's share so far, saving per layer
+        self._judged: list[dict] = []  # the judgements of auto's share so far: saving per layer, paces
         self._review_in = REVIEW_STEPS if review_share and hybrid is not None else None  # decode steps to go
         self._settles = lagged or cache.staging is not None
         self.device = torch.device(config.device)
@@ -142,15 +142,14 @@ class MiraModel:
         if saving is None:  # no decode call yet had a lookup: nothing measured to judge by
             self._review_in = None
             return
-        self._judged_ms.append(round(saving * 1e3, 3))
+        self._judged.append({"paced_saving_ms": round(saving * 1e3, 3), **self.hybrid.paces()})
         kept = share_keeps(saving)
-        if not kept and len(self._judged_ms) < REVIEW_CHECKS:
+        if not kept and len(self._judged) < REVIEW_CHECKS:
             self._review_in = REVIEW_STEPS
             return
         self._review_in = None
-        self.share_review = {"after_decode_steps": REVIEW_STEPS * len(self._judged_ms),
-                             "paced_saving_ms": self._judged_ms[-1], "judged_ms": self._judged_ms, "kept": kept,
-                             **self.hybrid.paces()}  # the paces the last judgement priced at
+        self.share_review = {"after_decode_steps": REVIEW_STEPS * len(self._judged), **self._judged[-1],
+                             "judged": self._judged, "kept": kept}
         if not kept:
             self.drop_cpu_share()
 
