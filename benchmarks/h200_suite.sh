@@ -92,7 +92,7 @@
 #                                           # lru, lfu and static (~8 min, resumed)
 #   bash benchmarks/h200_suite.sh review-long  # the 12-layer config at 25% and 50% as in review, but 128 decode
 #                                           # tokens a call (every call replays the same rows): more for the
-#                                           # policy to learn from than 64x32's 31; mira, lfu, static (~9 min)
+#                                           # policy to learn from than 64x32's 31; mira, lfu, static (~5 min)
 #   bash benchmarks/h200_suite.sh review-mixtral  # the same on the Mixtral-8x7B shape replaying the real trace at
 #                                           # 24 GiB, the closest call of the committed runs: mira, mira-gpu (~6 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
