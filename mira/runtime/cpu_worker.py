@@ -163,10 +163,11 @@ class HostRows:
     """The host buffers of one layer's CPU share and their copies to and from the device.
 
     `stage` copies the hidden rows and routing of a call into pinned buffers (non-blocking on
-    CUDA, with an event for the worker to wait on); `add_into` adds the worker's partial sum into
-    the layer's output on the device. Both enqueue on the current stream, so a job's event also
-    follows the previous job's return copy: the worker never overwrites `out` before that copy
-    has read it. One job per buffer set is in flight at a time.
+    CUDA, with an event for the worker to wait on) and makes the job (or `copy_in`, then `job`);
+    `add_into` adds the worker's partial sum into the layer's output on the device. Both enqueue on
+    the current stream, so a job's event also follows the previous job's return copy: the worker
+    never overwrites `out` before that copy has read it. One job per buffer set is in flight at a
+    time.
 
     Args:
         max_tokens: most tokens of one call (T).
@@ -195,15 +196,25 @@ class HostRows:
               done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
         """A job for `experts` (one of them `cut`, see CpuJob) on this call's rows, copied here
         without a host sync (the previous job must be done: its event is recorded again)."""
+        self.copy_in(hidden, top_k_index, top_k_weights)
+        return self.job(hidden.shape[0], layer_position, experts, blobs, done, cut)
+
+    def copy_in(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """This call's rows copied here without a host sync, the event recorded behind them (the
+        previous job must be done)."""
         T = hidden.shape[0]
         if T > self.hidden.shape[0]:
             raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
-        rows = (self.hidden[:T], self.top_k_index[:T], self.top_k_weights[:T])
-        for dst, src in zip(rows, (hidden, top_k_index, top_k_weights)):
-            dst.copy_(src, non_blocking=True)
+        for dst, src in zip((self.hidden, self.top_k_index, self.top_k_weights), (hidden, top_k_index, top_k_weights)):
+            dst[:T].copy_(src, non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        return CpuJob(layer_position, experts, *rows, blobs, self.out[:T], self._staged, done, cut)
+
+    def job(self, tokens: int, layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
+            done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
+        """A job for `experts` (one of them `cut`, see CpuJob) on the first `tokens` rows `copy_in` last copied."""
+        rows = (self.hidden[:tokens], self.top_k_index[:tokens], self.top_k_weights[:tokens])
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:tokens], self._staged, done, cut)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the

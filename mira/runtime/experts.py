@@ -107,6 +107,8 @@ class MiraExperts(nn.Module):
             self._stage(hidden_states, top_k_index)
         share = None
         if not (self.lagged and decode):
+            if self.hybrid is not None:  # ahead of the settle's waits for the copies of experts it admits
+                self.hybrid.copy_rows(hidden_states, top_k_index, top_k_weights)
             settled = self.cache.settle_layer(self.layer_position)
             if self.hybrid is not None:
                 share = self.hybrid.start(self.layer_position, hidden_states, top_k_index, top_k_weights, *settled)

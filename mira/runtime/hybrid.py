@@ -1,9 +1,11 @@
 """The CPU's share of each MoE layer's misses, wired into decoding (DESIGN.md 2.8).
 
-Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`). `HybridExperts.start`
-chooses the misses the CPU computes (every one, or the cost model's split), copies the layer's
-rows to the host, hands the worker the job and hides those experts from the layer's address table
-(address 0: the kernel adds zero for them, its weights unread). The layer's kernel then computes
+Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`). A decode call's
+rows go to the host first (`HybridExperts.copy_rows`, queued ahead of the settle's waits for the
+copies of experts it admits). `HybridExperts.start` then chooses the misses the CPU computes
+(every one, or the cost model's split), copies a larger call's rows to the host, hands the worker
+the job and hides those experts from the layer's address table (address 0: the kernel adds zero
+for them, its weights unread). The layer's kernel then computes
 the rest; `finish` restores the table and adds the CPU's partial sum into the layer's output.
 
 A one-token call may also cut one miss between the two sides (`Split.cut`): the kernel computes
@@ -169,6 +171,7 @@ class HybridExperts:
         self._device_side = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
             if self._signal is not None else None
         self._pending: CpuShare | None = None  # the job `finish` left to the stream, collected by `start`
+        self._copied = False  # `copy_rows` copied this call's rows already
         self._top_k = 0  # experts routed per token, from the first call
         self._decode_lookups = 0  # routed experts of decode calls, and those of them that missed
         self._decode_misses = 0
@@ -200,12 +203,22 @@ class HybridExperts:
         cpu_s = costs.cpu_call_s + sum(costs.cpu_s(tokens, self._blob_bytes) for _, tokens in from_host)
         return Split(cpu=[e for e, _ in from_host], pcie=[], cpu_s=cpu_s, gpu_s=busy)
 
+    def copy_rows(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Before a decode call's settle: its rows copied to the host now, so that on CUDA they go
+        ahead of the settle's waits for the experts it admits, and the CPU's job, made by `start`,
+        need not wait for those copies (a larger call's rows are copied by `start`, if it makes a job)."""
+        self.collect()  # one job per set of host rows (their event is recorded again)
+        self._copied = hidden.shape[0] <= DECODE_TOKENS
+        if self._copied:
+            self._host_rows(hidden, top_k_weights).copy_in(hidden, top_k_index, top_k_weights)
+
     def start(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
               copied: Sequence[tuple[int, int]] = ()) -> CpuShare | None:
         """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
         from the table (the arguments after `top_k_weights`: mira.cache.cache.Settled). None when
         the CPU gets none."""
+        rows_copied, self._copied = self._copied, False
         self.collect()  # before staging: one job per set of host rows (their event is recorded again)
         if hidden.shape[0] <= DECODE_TOKENS:
             self._top_k = top_k_index.shape[1]
@@ -229,8 +242,9 @@ class HybridExperts:
         begin = time.perf_counter()
         done = self._signal.post if self._signal is not None else None
         computed = sorted(experts + [cut[0]]) if cut is not None else experts
-        job = rows.stage(hidden, top_k_index, top_k_weights, layer_position, computed, self._blobs[layer_position],
-                         done, cut)
+        if not rows_copied:
+            rows.copy_in(hidden, top_k_index, top_k_weights)
+        job = rows.job(hidden.shape[0], layer_position, computed, self._blobs[layer_position], done, cut)
         future = self.worker.submit(job)
         if self._device_side is not None:
             self._device_side[0].record()

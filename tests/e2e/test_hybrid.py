@@ -80,6 +80,30 @@ def test_with_all_the_worker_computes_every_miss_and_the_kernel_sees_them_absent
     assert model.stats()["cache"]["tokens_served"]["miss"] == 3 * tokens * K  # a miss for the policy too
 
 
+def test_a_decode_calls_rows_reach_the_host_before_its_settle_and_a_prefill_calls_after(mixtral_store):
+    """On CUDA a settle makes the stream wait for the copies of the experts it admits; a decode
+    call's rows, which the CPU's job reads, are copied to the host before that, so the job need not
+    wait for those copies. A larger call's rows are copied only when it makes a job, after its
+    settle. Checked where the settle starts, on the host buffers the job then reads."""
+    model = _on_demand(mixtral_store, "all")
+    layer = _layers(model)[0]
+    at_settle = []
+    settle = model.cache.settle_layer
+
+    def spying(layer_position):
+        rows = model.hybrid._rows
+        at_settle.append(None if rows is None else rows.hidden.clone())
+        return settle(layer_position)
+
+    model.cache.settle_layer = spying
+    decode, prefill = mixtral_layer_call(1, 3), mixtral_layer_call(2, 20)
+    for args in (decode, prefill):
+        layer(*args)
+    assert torch.equal(at_settle[0][:3], decode[0])
+    assert at_settle[1].shape[0] < 20 and torch.equal(at_settle[1][:3], decode[0])  # still the decode call's
+    assert torch.equal(model.hybrid._rows.hidden[:20], prefill[0])  # copied for its job
+
+
 def test_a_split_sends_the_cost_models_share_to_the_worker_and_the_rest_to_the_kernel(mixtral_store):
     model = _on_demand(mixtral_store, "all")
     blob = model.store.blob_bytes
