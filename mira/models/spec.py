@@ -174,7 +174,7 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
         except Exception as error:  # transformers raises many kinds for a config it cannot build
             raise MiraError(f"transformers cannot build {source} from its config.json ({error}); "
                             "fix config.json") from None
-    sites, found = {}, {}
+    sites, found, modules = {}, {}, {}
     for name, module in model.named_modules():
         if uses_experts_interface(type(module)):
             match = LAYER_INDEX.search(f".{name}.")
@@ -182,6 +182,7 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
                 raise MiraError(f"cannot tell the decoder layer of experts module {name} of {source}")
             sites[name] = int(match.group(1))
             found.setdefault(type(module), module)
+            modules[sites[name]] = module
     if not found:
         supported = ", ".join(family.model_type for family in moe_families())
         raise MiraError(f"{source} is a {config.model_type!r} model, which Mira does not support: it has no routed "
@@ -191,7 +192,23 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
         names = ", ".join(sorted(cls.__name__ for cls in found))
         raise MiraError(f"{source} mixes Experts classes ({names}); Mira runs one Experts class per model")
     (module,) = found.values()
-    return ModelAnatomy(model, sites, spec_of(module))
+    spec = spec_of(module)
+    if spec.custom_gate:
+        refuse_per_layer_gating(modules, source)
+    return ModelAnatomy(model, sites, spec)
+
+
+def refuse_per_layer_gating(modules: dict[int, nn.Module], source: str = "the model") -> None:
+    """Raises MiraError where the Experts modules of different decoder layers gate with different
+    constants (alpha, limit: a per-layer clamped SwiGLU): Mira computes one gating, the first
+    layer's, for every MoE layer."""
+    constants = {layer: tuple((name, getattr(module, name, None)) for name in (*_ALPHA_NAMES, *_LIMIT_NAMES)
+                              if hasattr(module, name)) for layer, module in sorted(modules.items())}
+    if len(set(constants.values())) > 1:
+        shown = "; ".join(f"layer {layer}: " + (", ".join(f"{n}={v}" for n, v in values) or "none")
+                          for layer, values in list(constants.items())[:4])
+        raise MiraError(f"{source} gates its MoE layers with different constants ({shown}, ...); Mira computes one "
+                        "gating for every MoE layer, so it cannot run this model yet")
 
 
 def spec_of(module: nn.Module) -> ExpertsSpec:
