@@ -206,8 +206,11 @@ class HybridExperts:
     def copy_rows(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         """Before a decode call's settle: its rows copied to the host now, so that on CUDA they go
         ahead of the settle's waits for the experts it admits, and the CPU's job, made by `start`,
-        need not wait for those copies (a larger call's rows are copied by `start`, if it makes a job)."""
-        self.collect()  # one job per set of host rows (their event is recorded again)
+        need not wait for those copies (a larger call's rows are copied by `start`, if it makes a job).
+        Only the worker is waited for here; `start` records the last job after the settle's read-back,
+        by which its device side has ended (reading that here would be a second host sync)."""
+        if self._pending is not None:  # one job per set of host rows (their event is recorded again)
+            self._pending.future.exception()  # waits, raising nothing: `start`'s collect raises the error
         self._copied = hidden.shape[0] <= DECODE_TOKENS
         if self._copied:
             self._host_rows(hidden, top_k_weights).copy_in(hidden, top_k_index, top_k_weights)
@@ -219,7 +222,7 @@ class HybridExperts:
         from the table (the arguments after `top_k_weights`: mira.cache.cache.Settled). None when
         the CPU gets none."""
         rows_copied, self._copied = self._copied, False
-        self.collect()  # before staging: one job per set of host rows (their event is recorded again)
+        self.collect()  # the last job recorded (a larger call's rows are copied below, over its host rows)
         if hidden.shape[0] <= DECODE_TOKENS:
             self._top_k = top_k_index.shape[1]
             self._decode_lookups += len(on_device) + len(from_host)
