@@ -169,11 +169,7 @@ def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_
             touched = experts + cuts  # whole or in part
             timing.of_run = {"cpu_experts": experts, "cpu_cuts": cuts,
                              "cpu_compute_ms_per_expert": round(1e3 * compute_s / touched, 4) if touched else None}
-            if model.hybrid.pace is not None:
-                timing.of_run["cpu_pace"] = round(model.hybrid.pace.scale, 4)  # at the run's end
-                timing.of_run["cpu_cut_pace"] = round(model.hybrid.cut_pace.scale, 4)
-            if model.hybrid.device_pace is not None:
-                timing.of_run["device_pace"] = round(model.hybrid.device_pace.scale, 4)
+            timing.of_run.update(model.hybrid.paces())  # at the run's end
         return timing
 
     # the CPU share's per-layer times cover the timed runs: the untimed one compiles kernels (a cut's
