@@ -33,16 +33,16 @@ class GemvConfig:
 
     cvt: how INT8 becomes fp32 on the CUDA cores: "native" (the int-to-float unit, quarter rate on
         recent GPUs), "bits" (integer logic and one add, full rate) or "prmt" (one byte-permute
-        per weight, inline PTX; the interpreter uses "bits" instead). INT4 has conversions of its
-        own and reads the other fields its own way (mira.kernels.triton_int4).
+        per weight, inline PTX; the interpreter uses "bits" instead). INT4 takes "bits" only and
+        reads the other fields its own way (mira.kernels.triton_int4).
     mma: run the product on the tensor cores instead, the routed token padded to 16 columns
         (block_rows >= 16; unroll and cvt unused; num_stages pipelines the weight loads).
     programs_per_sm: (the gate/up launch on the CUDA cores) spread a routed pair's rows over about
         this many programs per SM (the device's SM count divided among the pairs), each walking a
         contiguous run of row blocks; 0: one row block per program.
-    split: (the down launch on the CUDA cores; INT4's gate/up too) split each row's reduction
-        between this many programs, for more programs than rows / block_rows; the last to finish
-        adds the partial sums, in a fixed order.
+    split: (the down launch on the CUDA cores) split each row's reduction over I between this
+        many programs, for more programs than H / block_rows; the last to finish adds the
+        partial sums, in a fixed order.
     """
 
     block_rows: int = 16
