@@ -33,8 +33,8 @@ class GemvConfig:
 
     cvt: how INT8 becomes fp32 on the CUDA cores: "native" (the int-to-float unit, quarter rate on
         recent GPUs), "bits" (integer logic and one add, full rate) or "prmt" (one byte-permute
-        per weight, inline PTX; the interpreter uses "bits" instead). INT4 takes "bits" only and
-        reads the other fields its own way (mira.kernels.triton_int4).
+        per weight, inline PTX; the interpreter uses "bits" instead). INT4 has conversions of its
+        own and reads the other fields its own way (mira.kernels.triton_int4).
     mma: run the product on the tensor cores instead, the routed token padded to 16 columns
         (block_rows >= 16; unroll and cvt unused; num_stages pipelines the weight loads).
     programs_per_sm: (the gate/up launch on the CUDA cores) spread a routed pair's rows over about
