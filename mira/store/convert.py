@@ -6,7 +6,8 @@ as one file, so peak memory is about one layer of quantized experts plus one exp
 
 A store is exactly its source. Everything is written into `<out>.partial/` and renamed to `<out>`
 at the end; `progress.json` there lists the files finished so far, so a conversion stopped at any
-point resumes. A lock beside `<out>` (mira.store.lock) lets one conversion write it at a time.
+point resumes. Each file is flushed to disk before it is named finished, and the directories
+before the rename, so that after a power loss no store is named whose files were in memory only. A lock beside `<out>` (mira.store.lock) lets one conversion write it at a time.
 Converting into an existing store checks it and rewrites only what is missing or corrupt; a store
 whose source's weights changed since is converted again.
 """
@@ -33,7 +34,7 @@ from mira.models.loader import read_config, routed_per_token, skeleton
 from mira.models.registry import adapter_for
 from mira.store.dequant import checkpoint_quant_method, dequantize_fp8
 from mira.store.expert_reader import ExpertReader
-from mira.store.files import sha256_file, write_json_atomic
+from mira.store.files import fsync_path, sha256_file, write_json_atomic
 from mira.store.layout import SCHEMES, ExpertLayout
 from mira.store.lock import store_lock
 from mira.store.manifest import MANIFEST, Manifest, format_version, looks_like_store
@@ -264,6 +265,7 @@ def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
                 write_json_atomic(partial / name, config)
             else:
                 shutil.copyfile(source.model_dir / name, partial / name)
+                fsync_path(partial / name)
             done[name] = sha256_file(partial / name)
     _save_progress(partial, source.key, done)
 
@@ -271,7 +273,10 @@ def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
     _tidy(partial, manifest)
     manifest.write(partial)
     (partial / PROGRESS).unlink()
+    for directory in (partial / "experts", partial):  # the renames into them, on disk before the store's
+        fsync_path(directory)
     partial.rename(out_dir)
+    fsync_path(out_dir.parent)
     return manifest
 
 
@@ -356,6 +361,7 @@ def _save_progress(partial: Path, key: dict, done: dict[str, str]) -> None:
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    fsync_path(tmp)  # on disk before it is named a finished file
     digest = sha256_file(tmp)
     tmp.replace(path)
     return digest

@@ -36,6 +36,16 @@ def temporary_beside(path: Path) -> tuple[int, str]:
     return fd, tmp
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (the files renamed into it), to the disk, so that
+    a power loss after a rename cannot leave the new name on a file still in memory only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON so that a reader sees either the old file or the whole new one."""
     fd, tmp = temporary_beside(path)
@@ -58,6 +68,8 @@ def write_npz_atomic(path: Path, arrays: dict) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,6 +1,8 @@
 """`mira convert`: resumable, atomic, and the store reads back what was written."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,32 @@ def test_interrupted_conversion_resumes_and_gives_the_same_store(tmp_path, check
     assert 0 not in resumed_layers  # the finished layer was not converted again
     assert not partial.exists()
     assert manifest.files == reference.files  # byte-identical to an uninterrupted conversion
+
+
+def test_every_file_is_on_disk_before_the_store_is_named(tmp_path, checkpoints, monkeypatch):
+    """Each file of a converted store, its manifest and its directories are flushed (fsync) before
+    `<out>.partial` is renamed to `<out>`, and `<out>`'s parent after: a power loss cannot leave a
+    store named whose data was in memory only. Files are followed by inode, which renames keep."""
+    events = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def rename(self, target):
+        events.append(("rename", Path(self), Path(target)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    out = tmp_path / "store"
+    manifest = convert(checkpoints["qwen2_moe"], out, "int8-shared", progress=False)
+    named = events.index(("rename", tmp_path / "store.partial", out))
+    flushed = {inode for kind, inode, *_ in events[:named] if kind == "fsync"}
+    for rel in [*manifest.files, "manifest.json", "experts", "."]:
+        assert (out / rel).stat().st_ino in flushed, rel
+    assert ("fsync", tmp_path.stat().st_ino) in events[named + 1:]
 
 
 def test_store_blobs_read_back_and_non_expert_weights_are_kept(checkpoints, stores):
