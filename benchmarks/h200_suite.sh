@@ -95,6 +95,10 @@
 #                                           # policy to learn from than 64x32's 31; mira, lfu, static (~5 min)
 #   bash benchmarks/h200_suite.sh review-mixtral  # the same on the Mixtral-8x7B shape replaying the real trace at
 #                                           # 24 GiB, the closest call of the committed runs: mira, mira-gpu (~6 min)
+#   bash benchmarks/h200_suite.sh calibrate-ab  # does the process that calibrates the CPU share decode it more
+#                                           # slowly? The Mixtral-8x7B shape replaying the real trace at 12 GiB,
+#                                           # mira, three processes in a row: the first and third calibrate (the
+#                                           # saved calibration deleted first), the second reads the saved one (~7 min)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -255,6 +259,13 @@ case "${1:-}" in
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \
       --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-8x7b-review.json" --quiet --resume ;;
+  calibrate-ab)
+    for run in 1 2 3; do
+      if [ "$run" != 2 ]; then rm -rf "$(dirname "$MIRA_CACHE")/calibration"; fi
+      timeout 190 python -m mira.cli bench --synthetic mixtral-8x7b \
+        --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB \
+        --configs mira --repeats 3 --out "$OUT/bench-mixtral-8x7b-calibrate-ab-$run.json" --quiet || true
+    done ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
