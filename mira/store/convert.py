@@ -7,9 +7,10 @@ as one file, so peak memory is about one layer of quantized experts plus one exp
 A store is exactly its source. Everything is written into `<out>.partial/` and renamed to `<out>`
 at the end; `progress.json` there lists the files finished so far, so a conversion stopped at any
 point resumes. Each file is flushed to disk before it is named finished, and the directories
-before the rename, so that after a power loss no store is named whose files were in memory only. A lock beside `<out>` (mira.store.lock) lets one conversion write it at a time.
-Converting into an existing store checks it and rewrites only what is missing or corrupt; a store
-whose source's weights changed since is converted again.
+before the rename, so that after a power loss no store is named whose files were in memory only.
+A lock beside `<out>` (mira.store.lock) lets one conversion write it at a time. Converting into an
+existing store checks it and rewrites only what is missing or corrupt; a store whose source's
+weights changed since is converted again.
 """
 
 from __future__ import annotations
