@@ -261,7 +261,7 @@ case "${1:-}" in
       --configs mira,mira-gpu --repeats 3 --out "$OUT/bench-mixtral-8x7b-review.json" --quiet --resume ;;
   calibrate-ab)
     for run in 1 2 3; do
-      if [ "$run" != 2 ]; then rm -rf "$(dirname "$MIRA_CACHE")/calibration"; fi
+      if [ "$run" != 2 ]; then rm -rf "$MIRA_CACHE/calibration"; fi  # mira.runtime.hybrid.calibration_dir
       timeout 190 python -m mira.cli bench --synthetic mixtral-8x7b \
         --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB \
         --configs mira --repeats 3 --out "$OUT/bench-mixtral-8x7b-calibrate-ab-$run.json" --quiet || true
