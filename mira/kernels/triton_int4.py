@@ -508,7 +508,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up),
-            EARLY_SCALES=up.num_stages > 1, num_warps=up.num_warps, **self._after_up,
+            EARLY_SCALES=up.num_stages > 1, num_warps=up.num_warps, num_stages=1, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
@@ -516,7 +516,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
             LANES=_lanes(down), UNROLL=down.unroll, CVT=self._cvt4(down), SPLIT=splits,
-            EARLY_SCALES=down.num_stages > 1, num_warps=down.num_warps, **self._after_down,
+            EARLY_SCALES=down.num_stages > 1, num_warps=down.num_warps, num_stages=1, **self._after_down,
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:
