@@ -99,6 +99,12 @@
 #                                           # slowly? The Mixtral-8x7B shape replaying the real trace at 12 GiB,
 #                                           # mira, three processes in a row: the first and third calibrate (the
 #                                           # saved calibration deleted first), the second reads the saved one (~7 min)
+#   TREES="NAME=DIR=COMMIT ..." bash benchmarks/h200_suite.sh trees  # the Mixtral-8x7B shape replaying the real
+#                                           # trace at BUDGETS (default 12GiB), mira, 3 timed repeats, with several
+#                                           # trees' mira package, a process each, in the order given:
+#                                           # is a difference between two VMs the code's or the machine's? DIR holds
+#                                           # a commit's mira/ (git archive COMMIT mira | tar -x -C DIR, carried; the
+#                                           # bundled model's assets are copied in here), "." is this tree (~2 min each)
 #   bash benchmarks/h200_suite.sh pair A B C  # two GPUs: part A on GPU 0 while parts B, C... run in turn on
 #                                           # GPU 1, each result's context saying so; GPU 0's output in
 #                                           # $OUT/gpu0.log. Host-bound rows (hf-gpu, inline steps) feel
@@ -265,6 +271,17 @@ case "${1:-}" in
       timeout 190 python -m mira.cli bench --synthetic mixtral-8x7b \
         --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB \
         --configs mira --repeats 3 --out "$OUT/bench-mixtral-8x7b-calibrate-ab-$run.json" --quiet || true
+    done ;;
+  trees)
+    [ -n "${TREES:-}" ] || { echo "trees: set TREES=\"NAME=DIR=COMMIT ...\" (DIR holding that commit's mira/)" >&2; exit 2; }
+    root=$PWD; mkdir -p "$OUT"; out=$(cd "$OUT" && pwd)
+    for tree in $TREES; do
+      IFS== read -r name dir commit <<< "$tree"
+      [ -d "$dir/mira/assets" ] || cp -r mira/assets "$dir/mira/"
+      (cd "$dir" && MIRA_COMMIT=$commit PYTHONPATH=$PWD timeout 200 python -m mira.cli bench --synthetic mixtral-8x7b \
+        --routing "$root/benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz" --fixed 64x64 \
+        --budgets "${BUDGETS:-12GiB}" --configs mira --repeats 3 --out "$out/bench-mixtral-8x7b-hybrid-trees-$name.json" \
+        --quiet) || true
     done ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
