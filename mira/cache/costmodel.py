@@ -31,10 +31,8 @@ INLINE_LAYER_S = 1e-3  # what a CPU share must save per decode layer to pay for 
 # Qwen3-30B-A3B shape at 8.43 tokens/s where lagged mira did 65.8, 2.2 ms more per layer
 # (benchmarks/results/bench-qwen3-30b-a3b-lagged.json); Mixtral-8x7B's 3 ms misses hide most of it
 KEEP_LAYER_S = 0.77e-3  # what a share priced at its learnt paces (`paced_saving`) must save per decode
-# layer to stay on, between the savings judged after 16 decode steps where the share loses against
-# GPU-only mira (12-layer Mixtral-shaped replay at 45% and 50%: 0.696 and 0.637 ms) and where it gains
-# (25%, 35%: 1.234, 0.914; Mixtral-8x7B at 24 GiB, 1.06x and 1.11x in two runs: 0.845 and 1.011 in
-# two others): docs/design.md, "Missed experts on the CPU"
+# layer to stay on: set between the savings judged where the share lost against GPU-only mira on the
+# H200 and those where it gained (docs/design.md, "Missed experts on the CPU", gives the runs)
 SLOWEST_PCIE_BYTES_PER_S = 1e9  # below any GPU link in use (PCIe 3.0 x4 carries about 3.9 GB/s)
 
 

@@ -5,8 +5,8 @@ rows go to the host first (`HybridExperts.copy_rows`, queued ahead of the settle
 copies of experts it admits). `HybridExperts.start` then chooses the misses the CPU computes
 (every one, or the cost model's split), copies a larger call's rows to the host, hands the worker
 the job and hides those experts from the layer's address table (address 0: the kernel adds zero
-for them, its weights unread). The layer's kernel then computes
-the rest; `finish` restores the table and adds the CPU's partial sum into the layer's output.
+for them, its weights unread). The layer's kernel then computes the rest; `finish` restores the
+table and adds the CPU's partial sum into the layer's output.
 
 A one-token call may also cut one miss between the two sides (`Split.cut`): the kernel computes
 its first intermediate units, read over PCIe, while the CPU computes the rest (the table's limit
