@@ -75,7 +75,7 @@ GATE_UP = [  # gate/up decode launch candidates (INT4 meanings: mira.kernels.tri
     GemvConfig(64, 1024, unroll=8, num_warps=4), GemvConfig(64, 1024, unroll=4, num_warps=4),
     GemvConfig(64, 1024, unroll=16, num_warps=4), GemvConfig(64, 512, unroll=8, num_warps=2),
     GemvConfig(64, 256, unroll=8, num_warps=1), GemvConfig(64, 2048, unroll=8, num_warps=8),
-    GemvConfig(128, 1024, unroll=4, num_warps=4),
+    GemvConfig(128, 1024, unroll=4, num_warps=4), GemvConfig(64, 1024, unroll=8, num_warps=4, num_stages=3),
     # longer-lived programs walking runs of tiles (fewer, each with more of a pinned expert to read)
     GemvConfig(64, 512, unroll=8, num_warps=2, programs_per_sm=8),
     GemvConfig(64, 256, unroll=16, num_warps=1, programs_per_sm=16),
@@ -91,10 +91,6 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
-# each step's group scales loaded before its codes (num_stages 2: EARLY_SCALES), half2, on the launch
-# shapes the half2 tuning chose and their neighbours
-GATE_UP += [dataclasses.replace(c, cvt="half2", num_stages=2) for c in GATE_UP[:4]]
-DOWN += [dataclasses.replace(c, cvt="half2", num_stages=2) for c in (DOWN[0], DOWN[1], DOWN[6], DOWN[7])]
 GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),

@@ -36,8 +36,6 @@ for the INT4 GEMVs:
     cvt: how codes meet x: "bits" (exact fp32 codes, `_codes`), "fold" (codes offset by 2**23
         summed as they are, one fma per code fewer: `_code_floats`) or "half2" (fp16 pairs summed
         in fp16 within a group, inline PTX: `_half2_fma`; compiled GPUs only, elsewhere "bits").
-    num_stages: 2 or more loads a step's group scales before its codes (`_tiles_dot`'s EARLY_SCALES);
-        the launch itself runs one stage (Triton's pipeliner found nothing to overlap in these loops).
     mma: not implemented; programs_per_sm and split as for INT8.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
@@ -175,14 +173,13 @@ def _group_scales(w, BIAS: tl.constexpr):
 
 @triton.jit
 def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
-               LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, EARLY_SCALES: tl.constexpr):
+               LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr):
     """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
     sz_words) against the vector at x_row over groups [group_start, group_end) -> (lo, hi) [NT, HALF]
     fp32: rows TILE t + j and TILE t + HALF + j of each tile t (tiles past R give rows of the last).
     A step covers LANES / 4 groups; lanes past group_end read the last group against zeros.
     CVT: how codes meet x ("bits": `_codes`; "fold": `_code_floats`; "half2": `_half2_fma`).
-    EARLY_SCALES: a step's scale loads are issued before its codes' (their latency hidden behind
-    the codes', for more registers), else after the codes are summed. magic: see `_codes`."""
+    magic: see `_codes`."""
     lane = tl.arange(0, LANES)
     j = tl.arange(0, HALF_W)[None, None, :]
     lo_unit, hi_unit = _code_units(j)
@@ -199,9 +196,6 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
         in_cols = group < group_end
         group = tl.minimum(group, group_end - 1)
         col0 = group * GROUP_W + lane % LPG_W
-        at = sz_words + group[None, :, None] * R + lo_rows
-        if EARLY_SCALES:
-            sz_lo, sz_hi = tl.load(at), tl.load(at + HALF_W)
         p_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         h_a, h_b, h_c, h_d = words, words, words, words  # "half2": f16 pair sums of the group (zeros)
@@ -224,24 +218,23 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                     p_lo += lo * x[None, :, None]
                     p_hi += hi * x[None, :, None]
                 x_sum += x
-        if not EARLY_SCALES:
-            sz_lo, sz_hi = tl.load(at), tl.load(at + HALF_W)
+        at = sz_words + group[None, :, None] * R + lo_rows
         x_sum = x_sum[None, :, None]
         if CVT == "half2":  # sums of (q - 8) x 2**-8
-            s, z = _group_scales(sz_lo, 0)
+            s, z = _group_scales(tl.load(at), 0)
             acc_lo += _half2_sums(h_a, h_b) * (s * 256.0) + x_sum * z
-            s, z = _group_scales(sz_hi, 0)
+            s, z = _group_scales(tl.load(at + HALF_W), 0)
             acc_hi += _half2_sums(h_c, h_d) * (s * 256.0) + x_sum * z
         elif CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
-            s, zz = _group_scales(sz_lo, 8)
+            s, zz = _group_scales(tl.load(at), 8)
             acc_lo += (p_lo - 8388608.0 * x_sum) * (s * (1.0 / 32768)) + x_sum * zz
-            s, zz = _group_scales(sz_hi, 8)
+            s, zz = _group_scales(tl.load(at + HALF_W), 8)
             acc_hi += (p_hi - 8388608.0 * x_sum) * (s * (1.0 / 524288)) + x_sum * zz
         else:
-            s, zz = _group_scales(sz_lo, 8)
+            s, zz = _group_scales(tl.load(at), 8)
             acc_lo += p_lo * s
             acc_lo += x_sum * zz
-            s, zz = _group_scales(sz_hi, 8)
+            s, zz = _group_scales(tl.load(at + HALF_W), 8)
             acc_hi += p_hi * s
             acc_hi += x_sum * zz
     return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
@@ -258,8 +251,8 @@ def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
     H, I, K, SZ13_OFF, B13_OFF, TILES, MAGIC,
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr,
-    EARLY_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
     BLOCK_T at a time: their gate tiles, then their up tiles."""
@@ -276,10 +269,9 @@ def _gate_up_gemv4(
     unit_end = tl.where(present, tile_end * TILE_W, 0)  # the units whose biases are read
     for t0 in range(tile_start, tile_end, BLOCK_T):
         tiles = t0 + tl.arange(0, BLOCK_T)
-        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL, CVT,
-                                EARLY_SCALES)
+        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL, CVT)
         u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL,
-                                CVT, EARLY_SCALES)
+                                CVT)
         units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
         g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
         u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
@@ -293,7 +285,7 @@ def _down_gemv4(
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
     H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
-    EARLY_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
     summed over columns [s SPAN, (s + 1) SPAN) of I; split sums are added by the last program of a
@@ -314,7 +306,7 @@ def _down_gemv4(
         w2 = tl.multiple_of((base + W2_OFF).to(tl.pointer_type(tl.uint8)), 16)
         sz2 = tl.multiple_of((base + SZ2_OFF).to(tl.pointer_type(tl.uint32)), 16)
         lo, hi = _tiles_dot(act_ptr + pair * I, w2, sz2, tiles, H, I, group_start,
-                            tl.where(present, group_end, group_start), MAGIC, LANES, UNROLL, CVT, EARLY_SCALES)
+                            tl.where(present, group_end, group_start), MAGIC, LANES, UNROLL, CVT)
         y = _tile_rows(lo, hi)
         y += _bias(base, B2_OFF, rows, rows < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
@@ -508,15 +500,15 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up),
-            EARLY_SCALES=up.num_stages > 1, num_warps=up.num_warps, num_stages=1, **self._after_up,
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
-            LANES=_lanes(down), UNROLL=down.unroll, CVT=self._cvt4(down), SPLIT=splits,
-            EARLY_SCALES=down.num_stages > 1, num_warps=down.num_warps, num_stages=1, **self._after_down,
+            LANES=_lanes(down), UNROLL=down.unroll, CVT=self._cvt4(down), SPLIT=splits, num_warps=down.num_warps,
+            num_stages=down.num_stages, **self._after_down,
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:

@@ -59,9 +59,6 @@ DECODE_CONFIGS = {
     "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
                               down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     "default": default_int4_config(H, I),
-    # the ragged launch shapes with each step's group scales loaded before its codes (num_stages 2)
-    "gemv-early-scales": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, num_stages=2),
-                                      down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, num_stages=2)),
     # the "fold" conversion (runs everywhere) in the ragged launch shapes
     "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, cvt="fold"),
                               down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, cvt="fold")),
@@ -262,8 +259,7 @@ def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REAL_SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
                "olmoe-1b-7b": (2048, 1024)}
-REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4;
-    # the stored tuning's shapes with early scale loads
+REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4
     "two-tiles": KernelConfig(gate_up_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4),
                               down_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4, split=4)),
     "eight-warps": KernelConfig(gate_up_gemv=GemvConfig(64, 2048, unroll=16, num_warps=8),
@@ -271,8 +267,6 @@ REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program,
     "one-warp": KernelConfig(gate_up_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, programs_per_sm=8),
                              down_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, split=4),
                              gemm=GemmConfig(32, 64, 32, num_warps=4, num_stages=2)),
-    "early-scales": KernelConfig(gate_up_gemv=GemvConfig(64, 1024, unroll=8, num_warps=4, num_stages=2),
-                                 down_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, split=28, num_stages=2)),
 }
 
 
