@@ -75,6 +75,10 @@
 #                                           # against int8-shared, 15 threads), then kernels_int4.py --autotune for
 #                                           # the Mixtral shape; the tuning lands in .carry/tuning (kept between
 #                                           # calls, read by the int4 part) and in $OUT (~8 min)
+#   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
+#                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
+#                                           # calls then two INT8 ones; the details page and the raw metrics
+#                                           # (occupancy, issue rate, stall reasons) in $OUT (~1 min)
 #   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh hybrid-tiny  # that config at 25% and 50%: mira against mira-gpu (the CPU's share
@@ -218,6 +222,14 @@ case "${1:-}" in
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
       --configs "${CONFIGS:-mira,static}" --quant int8-shared,int4 --repeats 3 \
       --out "$OUT/bench-mixtral-8x7b-int4.json" --quiet --resume ;;
+  ncu-int4)
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
+      --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
+      -o "$OUT/ncu-int4-h200" python benchmarks/decode_launches.py --calls 12
+    "$ncu" -i "$OUT/ncu-int4-h200.ncu-rep" --page details > "$OUT/ncu-int4-h200.txt"
+    "$ncu" -i "$OUT/ncu-int4-h200.ncu-rep" --page raw --csv > "$OUT/ncu-int4-h200-raw.csv" ;;
   replay-tiny)
     timeout "$LIMIT" python -m mira.cli bench --synthetic benchmarks/configs/mixtral-8x7b-12-layers \
       --routing benchmarks/results/traces/heldout.npz --fixed 64x32 --budgets 25%,50% \
