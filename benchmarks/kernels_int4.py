@@ -91,6 +91,12 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
+# twice the warps of a step's lanes (threads share a lane's rows): about half the registers a thread,
+# so that grids of one tile a program keep more warps on each SM (half2, the conversion tuned)
+GATE_UP += [GemvConfig(64, 1024, unroll=unroll, num_warps=8, cvt="half2") for unroll in (8, 16)]
+DOWN += [GemvConfig(64, 256, unroll=8, num_warps=2, split=28, cvt="half2"),
+         GemvConfig(64, 512, unroll=8, num_warps=4, split=14, cvt="half2"),
+         GemvConfig(64, 512, unroll=8, num_warps=4, split=28, cvt="half2")]
 GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),

@@ -31,7 +31,8 @@ for the INT4 GEMVs:
     block_rows: rows per program, whole tiles (a multiple of TILE); for gate/up, units (each with
         its gate and up row).
     block_cols: columns per step, a power of two and whole groups: LANES = block_cols / 16 lanes;
-        at least 256 x num_warps keeps every thread on lanes of its own (16 lanes a warp).
+        at least 256 x num_warps keeps every thread on lanes of its own (16 lanes a warp); fewer
+        share each lane's rows between threads (fewer registers a thread, more warps an SM).
     unroll: sub-steps whose loads a loop iteration issues together (a divisor of GROUP / 4).
     cvt: how codes meet x: "bits" (exact fp32 codes, `_codes`), "fold" (codes offset by 2**23
         summed as they are, one fma per code fewer: `_code_floats`) or "half2" (fp16 pairs summed

@@ -259,7 +259,10 @@ def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REAL_SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
                "olmoe-1b-7b": (2048, 1024)}
-REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4
+REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4,
+    # and more warps than a step's lanes fill (threads sharing a lane's rows)
+    "shared-lanes": KernelConfig(gate_up_gemv=GemvConfig(64, 1024, unroll=8, num_warps=8),
+                                 down_gemv=GemvConfig(64, 256, unroll=8, num_warps=2, split=4)),
     "two-tiles": KernelConfig(gate_up_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4),
                               down_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4, split=4)),
     "eight-warps": KernelConfig(gate_up_gemv=GemvConfig(64, 2048, unroll=16, num_warps=8),
