@@ -78,7 +78,8 @@
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
-#                                           # (occupancy, issue rate, stall reasons) in $OUT (~1 min)
+#                                           # (occupancy, issue rate, stall reasons) in $OUT; TUNING_DIR=DIR
+#                                           # profiles the launches of the tuning files in DIR instead (~1 min)
 #   bash benchmarks/h200_suite.sh replay-tiny  # the same at a 12-layer, 8-expert Mixtral-8x7B-shaped config
 #                                           # replaying the bundled model's held-out routing, 64 in / 32 out (~4 min)
 #   bash benchmarks/h200_suite.sh hybrid-tiny  # that config at 25% and 50%: mira against mira-gpu (the CPU's share
@@ -227,7 +228,7 @@ case "${1:-}" in
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
       --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy \
       --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
-      -o "$OUT/ncu-int4-h200" python benchmarks/decode_launches.py --calls 12
+      -o "$OUT/ncu-int4-h200" python benchmarks/decode_launches.py --calls 12 ${TUNING_DIR:+--tuning-dir "$TUNING_DIR"}
     "$ncu" -i "$OUT/ncu-int4-h200.ncu-rep" --page details > "$OUT/ncu-int4-h200.txt"
     "$ncu" -i "$OUT/ncu-int4-h200.ncu-rep" --page raw --csv > "$OUT/ncu-int4-h200-raw.csv" ;;
   replay-tiny)
