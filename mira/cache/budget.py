@@ -41,6 +41,7 @@ def plan_slots(budget: int, non_expert_bytes: int, kv_bytes: int, workspace_byte
             f"{max_context} tokens, {format_size(workspace_bytes)} workspaces, {experts_per_layer} expert slots of "
             f"{format_size(blob_bytes)}); pass --vram-budget of at least {format_size(needed, up=True)}"
             + (" or a smaller --max-context" if kv_bytes else "")
+            + ("; a size without a unit is bytes: write 12GiB, not 12" if budget < 1 << 20 else "")
         )
     slots = min((budget - reserve) // blob_bytes, total_experts)
     return SlotPlan(budget, reserve, blob_bytes, int(slots))
