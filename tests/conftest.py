@@ -18,10 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import FAMILIES, INT4_SIZES, make_checkpoint  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Conversions made on first use land in a per-session folder, never in the user's ~/.cache."""
-    monkeypatch.setenv("MIRA_CACHE", str(tmp_path_factory.getbasetemp() / "mira-cache"))
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Conversions made on first use land in a per-session folder, never in the user's ~/.cache:
+    set for the whole session, before any module or session fixture converts a checkpoint."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MIRA_CACHE", str(tmp_path_factory.getbasetemp() / "mira-cache"))
+        yield
 
 
 @pytest.fixture(scope="session")
