@@ -71,6 +71,10 @@
 #                                           # filled; a rerun resumes, skipping a scheme already measured; the
 #                                           # INT4 kernels take the int4-tiles part's tuning where it ran on this
 #                                           # machine (~8 min)
+#   bash benchmarks/h200_suite.sh int4-hybrid  # the int4 store replaying the same routing at 8 and 12 GiB, 64 in / 64
+#                                           # out: mira (auto leaves the CPU's share off for int4: its priced saving
+#                                           # is under INLINE_LAYER_S), mira-cpu-split (the share regardless) and
+#                                           # mira-gpu in one run, 3 timed repeats: would the share pay there (~6 min)
 #   bash benchmarks/h200_suite.sh int4-tiles  # the tiled INT4 layout: its GPU tests, an expert on the CPU (int4
 #                                           # against int8-shared, 15 threads), then kernels_int4.py --autotune for
 #                                           # the Mixtral shape; the tuning lands in .carry/tuning (kept between
@@ -207,6 +211,12 @@ case "${1:-}" in
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b --fixed 64x64 --budgets 25%,50% \
       --configs mira,static,lfu,lru,lru-lagged --repeats 3 --out "$OUT/bench-mixtral-8x7b-policies.json" --quiet \
       --resume ;;
+  int4-hybrid)
+    if [ -f .carry/tuning/nvidia-h200-int4.json ]; then cp .carry/tuning/nvidia-h200-int4.json mira/kernels/tuning/; fi
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
+      --configs mira,mira-cpu-split,mira-gpu --quant int4 --repeats 3 \
+      --out "$OUT/bench-mixtral-8x7b-int4-hybrid.json" --quiet --resume ;;
   int4-tiles)
     timeout 200 python -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels/test_triton_int4.py \
       tests/kernels/test_cpu_experts.py tests/e2e/test_int4_store.py 2>&1 | grep -v "Loading weights\|Writing model" \

@@ -325,11 +325,12 @@ def test_a_kernel_that_fails_after_the_cpus_share_began_leaves_the_layer_whole(m
     assert model.stats()["cpu_experts"]["calls"] == 1
 
 
-def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto():
+@pytest.mark.parametrize("quant", ["int8-shared", "int4"])
+def test_greedy_output_is_the_same_with_the_cpu_share_off_all_and_auto(quant):
     """The bundled model under a budget that makes misses happen; auto on the CPU stays off."""
     replies, stats = {}, {}
     for mode in ("off", "all", "auto"):
-        model = mira.load(None, device="cpu", vram_budget="25%", cpu_experts=mode, progress=False)
+        model = mira.load(None, device="cpu", vram_budget="25%", quant=quant, cpu_experts=mode, progress=False)
         ids = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                                   return_tensors="pt", return_dict=True)["input_ids"]
         replies[mode] = model.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1]:].tolist()
