@@ -383,7 +383,13 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
     def link(stem: str) -> str:
         return f"[{stem}]({doc}#{stem})"
 
+    def by_quant(stem: str, quant: str, budgets: list[str]) -> str:
+        """mira's medians in `stem` with experts in `quant`, one per budget."""
+        return " / ".join(fmt(next(r for r in results[stem]["runs"] if r["config"] == "mira" and r["quant"] == quant
+                                   and r["budget"] == b)["decode_tokens_per_s"]) for b in budgets)
+
     mixtral, dsv2, dsv2_budget = "bench-mixtral-8x7b", "bench-deepseek-v2-lite", "bench-deepseek-v2-lite-policies"
+    int4, int4_budgets = "bench-mixtral-8x7b-int4", ["12GiB", "24GiB"]
     hybrid, hybrid_24 = "bench-mixtral-8x7b-hybrid-budgets", "bench-mixtral-8x7b-hybrid-24gib"  # 24 GiB: its own run
     hybrid_cells = [(hybrid, "8GiB"), (hybrid, "12GiB"), (hybrid_24, "24GiB")]
     names = {stem: cpu_share_configs(results[stem]) for stem in (hybrid, hybrid_24)}
@@ -391,6 +397,7 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
     shared = {stem: configs[0] for stem, (_, configs) in names.items()}
     kernel = results["kernels-h200"]["shapes"]["mixtral-8x7b"]
     quality = results["eval-tiny"]["schemes"]["int8-shared"]
+    quality4 = results["eval-tiny-int4"]["schemes"]["int4"]
     coverage = results["predictor-tiny"]["coverage"]
     return [
         ["Mixtral-8x7B shape, every expert on the GPU: decode tokens/s",
@@ -406,12 +413,16 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
         ["Mixtral-8x7B shape replaying real routing, misses shared with the CPU (`--cpu-experts auto`): "
          "median decode tokens/s at 8 / 12 / 24 GiB", medians(hybrid_cells, shared),
          f"GPU only {medians(hybrid_cells, gpu_only)}", f"{link(hybrid)}, {link(hybrid_24)}"],
+        ["Mixtral-8x7B shape replaying real routing, `--quant int4`: median decode tokens/s at 12 / 24 GiB",
+         by_quant(int4, "int4", int4_budgets), f"int8-shared {by_quant(int4, 'int8-shared', int4_budgets)}",
+         link(int4)],
         ["one Mixtral-shaped INT8 expert, batch 1",
          fmt(kernel["mira_one_expert_s"], "_s"), f"torch bf16 {fmt(kernel['torch_bf16_one_expert_s'], '_s')}",
          link("kernels-h200")],
         ["bundled model, int8-shared experts: perplexity change, top-1 agreement (CPU)",
          f"{pct(quality['perplexity_change'])}, {pct(quality['top1_agreement'], sign=False)}",
-         "unquantized experts", link("eval-tiny")],
+         f"unquantized experts; int4: {pct(quality4['perplexity_change'])}, "
+         f"{pct(quality4['top1_agreement'], sign=False)}", f"{link('eval-tiny')}, {link('eval-tiny-int4')}"],
         ["bundled model, experts of layer i+2 predicted at layer i: decode Coverage@2",
          fmt(coverage["mixture"]["decode"]["@2"]["mean"]),
          f"gate speculation {fmt(coverage['gate']['decode']['@2']['mean'])}", link("predictor-tiny")],
