@@ -369,9 +369,9 @@ def section(stem: str, data: Json) -> Lines:
 
 def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
     """The few figures README shows, each linked to its section of `doc` (the path to benchmarks.md)."""
-    def run(stem: str, config: str, budget: str) -> Json:
-        return next(r for r in results[stem]["runs"]
-                    if r["config"] == config and r["budget"] == budget and not r.get("beam_search"))
+    def run(stem: str, config: str, budget: str, quant: str | None = None) -> Json:
+        return next(r for r in results[stem]["runs"] if r["config"] == config and r["budget"] == budget
+                    and quant in (None, r.get("quant")) and not r.get("beam_search"))
 
     def tps(stem: str, config: str, budget: str) -> str:
         return with_range(run(stem, config, budget), "decode_tokens_per_s")
@@ -385,8 +385,7 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
 
     def by_quant(stem: str, quant: str, budgets: list[str]) -> str:
         """mira's medians in `stem` with experts in `quant`, one per budget."""
-        return " / ".join(fmt(next(r for r in results[stem]["runs"] if r["config"] == "mira" and r["quant"] == quant
-                                   and r["budget"] == b)["decode_tokens_per_s"]) for b in budgets)
+        return " / ".join(fmt(run(stem, "mira", b, quant)["decode_tokens_per_s"]) for b in budgets)
 
     mixtral, dsv2, dsv2_budget = "bench-mixtral-8x7b", "bench-deepseek-v2-lite", "bench-deepseek-v2-lite-policies"
     int4, int4_budgets = "bench-mixtral-8x7b-int4", ["12GiB", "24GiB"]
@@ -419,10 +418,10 @@ def headline_rows(results: dict[str, Json], doc: str) -> list[list[str]]:
         ["one Mixtral-shaped INT8 expert, batch 1",
          fmt(kernel["mira_one_expert_s"], "_s"), f"torch bf16 {fmt(kernel['torch_bf16_one_expert_s'], '_s')}",
          link("kernels-h200")],
-        ["bundled model, int8-shared experts: perplexity change, top-1 agreement (CPU)",
-         f"{pct(quality['perplexity_change'])}, {pct(quality['top1_agreement'], sign=False)}",
-         f"unquantized experts; int4: {pct(quality4['perplexity_change'])}, "
-         f"{pct(quality4['top1_agreement'], sign=False)}", f"{link('eval-tiny')}, {link('eval-tiny-int4')}"],
+        ["bundled model, quantized experts: perplexity change, top-1 agreement (CPU)",
+         f"int8-shared {pct(quality['perplexity_change'])}, {pct(quality['top1_agreement'], sign=False)}; "
+         f"int4 {pct(quality4['perplexity_change'])}, {pct(quality4['top1_agreement'], sign=False)}",
+         "unquantized experts", f"{link('eval-tiny')}, {link('eval-tiny-int4')}"],
         ["bundled model, experts of layer i+2 predicted at layer i: decode Coverage@2",
          fmt(coverage["mixture"]["decode"]["@2"]["mean"]),
          f"gate speculation {fmt(coverage['gate']['decode']['@2']['mean'])}", link("predictor-tiny")],
