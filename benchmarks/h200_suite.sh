@@ -123,6 +123,9 @@ set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 export MIRA_CACHE=${MIRA_CACHE:-/tmp/mira-cache}
 LIMIT=${LIMIT:-560}  # seconds a bench part may run; rerun it to resume
+int4_tuning() {  # the INT4 kernels take the int4-tiles part's tuning where it ran on this machine
+  if [ -f .carry/tuning/nvidia-h200-int4.json ]; then cp .carry/tuning/nvidia-h200-int4.json mira/kernels/tuning/; fi
+}
 case "${1:-}" in
   tests)
     # the GPU machine has neither openai nor lm_eval: leave out the modules that import them (no gpu tests there)
@@ -212,7 +215,7 @@ case "${1:-}" in
       --configs mira,static,lfu,lru,lru-lagged --repeats 3 --out "$OUT/bench-mixtral-8x7b-policies.json" --quiet \
       --resume ;;
   int4-hybrid)
-    if [ -f .carry/tuning/nvidia-h200-int4.json ]; then cp .carry/tuning/nvidia-h200-int4.json mira/kernels/tuning/; fi
+    int4_tuning
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
       --configs mira,mira-cpu-split,mira-gpu --quant int4 --repeats 3 \
@@ -228,7 +231,7 @@ case "${1:-}" in
       --out "$OUT/kernels-int4-h200.json" 2>&1 | tail -40
     cp .carry/tuning/*.json "$OUT/" ;;
   int4)
-    if [ -f .carry/tuning/nvidia-h200-int4.json ]; then cp .carry/tuning/nvidia-h200-int4.json mira/kernels/tuning/; fi
+    int4_tuning
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
       --configs "${CONFIGS:-mira,static}" --quant int8-shared,int4 --repeats 3 \
