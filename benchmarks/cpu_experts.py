@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from mira.bench.provenance import result_header
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_store
-from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.cache.costmodel import Cuts
+from mira.kernels.cpu_experts import CpuExpertFFN, column_cost
 from mira.models.registry import adapter_for
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
 from mira.store.layout import ExpertLayout
@@ -155,17 +156,18 @@ def main_busy_pass(worker, blobs, x, main_threads: int) -> float:
 def cut_rows(worker, blobs, x, slot, whole: dict, args) -> dict:
     """One-token jobs of one expert cut k/N of the way (`args.cuts` = N), each as `worker_us` and with
     a GPU `together`, and each over its linear price as the cost model prices it: the share of the
-    expert's bytes the part reads (the down matrix whole, its rows of gate and up) times the whole
+    expert's bytes the part costs to read (`Cuts.cpu_read`: its rows of gate and up, and its columns
+    of the down matrix or the whole matrix, as the executor reads it) times the whole
     expert's median in the worker's thread (`whole`: cpu_us, or together's), plus, for a job, an
     empty job's round trip (`call_us`)."""
     layout = worker.ffn.layout
-    down = layout.sections["w2"].nbytes / layout.nbytes
+    cuts = Cuts(2, layout.sections["w2"].nbytes / layout.nbytes, column_cost(layout.scheme))
     call = statistics.median([worker_pass(worker, blobs, x, empty=True) for _ in range(args.repeats)]) * 1e6
     rows = {"call_us": call}
     for k in range(1, args.cuts):
         share = k / args.cuts
         first = round(layout.intermediate * (1 - share))
-        read = down + (1 - down) * (layout.intermediate - first) / layout.intermediate
+        read = cuts.cpu_read((layout.intermediate - first) / layout.intermediate)
         alone = [worker_pass(worker, blobs, x, first) * 1e6 for _ in range(args.repeats)]
         cut = {"first": first, "bytes_read": round(read, 4), "worker_us": summary(alone),
                "worker_over_linear": statistics.median(alone) / (call + read * whole["cpu_us"]["median"])}

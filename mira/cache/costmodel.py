@@ -180,16 +180,22 @@ class DevicePace(Pace):
 class Cuts:
     """How one missed expert may be cut between the two sides: into `parts` equal shares of its
     intermediate units, the GPU computing the first ones and the CPU the rest. The GPU reads its
-    shares' bytes; the CPU reads `cpu_whole` of the blob whatever its share (the down matrix, whose
-    columns it cannot take apart) and its shares of the rest."""
+    shares' bytes. The CPU reads its shares of the gate/up rows, and of the down matrix (`down` of
+    the blob) its columns at `column_cost` times their bytes, or the whole matrix where that costs
+    less (mira.kernels.cpu_experts.reads_columns)."""
 
     parts: int
-    cpu_whole: float
+    down: float
+    column_cost: float
 
     def __post_init__(self) -> None:
-        if self.parts < 2 or not 0 <= self.cpu_whole < 1:
-            raise ValueError(f"a cut needs at least 2 parts and a whole-read share in [0, 1), not {self.parts} "
-                             f"and {self.cpu_whole}")
+        if self.parts < 2 or not 0 <= self.down < 1 or not self.column_cost >= 1:
+            raise ValueError(f"a cut needs at least 2 parts, a down share in [0, 1) and a column cost of at "
+                             f"least 1, not {self.parts}, {self.down} and {self.column_cost}")
+
+    def cpu_read(self, share: float) -> float:
+        """The blob fraction the CPU's part of a cut with `share` of the units costs to read."""
+        return (1 - self.down) * share + self.down * min(1.0, self.column_cost * share)
 
 
 @dataclass(frozen=True)
@@ -345,7 +351,7 @@ def _cut_one(whole: Split, tokens: int, blob_bytes: int, costs: HybridCosts, bus
 
     def sides(k: int, j: int) -> tuple[float, float]:
         share = j / cuts.parts  # of the cut's units, on the CPU
-        cpu = call + k * c + costs.cpu_s(tokens, round(blob_bytes * (cuts.cpu_whole + (1 - cuts.cpu_whole) * share)))
+        cpu = call + k * c + costs.cpu_s(tokens, round(blob_bytes * cuts.cpu_read(share)))
         return cpu, busy + (n - k - 1) * p + costs.pcie_s(tokens, round(blob_bytes * (1 - share)))
 
     best, best_sides = None, (whole.cpu_s, whole.gpu_s)

@@ -10,8 +10,14 @@ and results leave in the caller's dtype. The vectorised bf16 form walks the redu
 a time with aligned loads of the activations: for a reduction length that is not a multiple of 16 it
 reads past the row (wrong results, or a crash), and activations that do not start on a 32-byte
 boundary crash it. So products over such a length take the fp32 form (the same roundings: inputs and
-outputs still pass through bf16), chosen once per layout, and activations are copied to a fresh,
+outputs still pass through bf16), chosen by the reduction length, and activations are copied to a fresh,
 aligned tensor when they are not aligned.
+
+A cut expert's CPU part (intermediate units [first, I)) needs only its columns of W2 [H, I], which
+are strided. Below half the units it copies them into a buffer the executor keeps and multiplies the
+copy; that moves each of their bytes twice (`COLUMN_COPY_COST`), which pays only while it moves fewer
+bytes than the whole matrix, so above half it multiplies the whole W2 against a hidden state that is
+zero below `first`. Float weights take the strided columns as they are.
 
 The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
 
@@ -46,6 +52,19 @@ from mira.store.layout import ExpertLayout
 COMPUTE_DTYPE = torch.bfloat16  # activations of the INT8 products (see the module docstring)
 VECTOR = 16  # reduction elements per step of the vectorised bf16 product
 ACT_ALIGN = 32  # bytes; the vectorised bf16 product loads activation rows aligned to this
+COLUMN_COPY_COST = 2.0  # a cut's INT8 columns of W2, copied then multiplied: each byte moved twice
+
+
+def column_cost(scheme: str) -> float:
+    """What a cut's CPU part pays per byte of its columns of the down matrix, in whole-matrix reads
+    per byte: float weights are multiplied strided as they are; INT8 ones copied first."""
+    return 1.0 if scheme == "none" else COLUMN_COPY_COST
+
+
+def reads_columns(scheme: str, share: float) -> bool:
+    """Whether a cut's CPU part with `share` of the intermediate units reads only its columns of the
+    down matrix (else the whole matrix): where they cost less than the whole."""
+    return column_cost(scheme) * share < 1
 
 
 class CpuExpertFFN:
@@ -64,9 +83,9 @@ class CpuExpertFFN:
         rows13 = layout.sections["w13"].shape[0]  # 2I, or I when ungated
         # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
         self._unit = torch.ones(rows13, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
-        self._gate_up_mm = _int8_mm if layout.hidden % VECTOR == 0 else _int8_mm_fp32  # reduces over H
-        self._down_mm = _int8_mm if layout.intermediate % VECTOR == 0 else _int8_mm_fp32  # reduces over I
+        self._gate_up_mm = _int8_product(layout.hidden)
         self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
+        self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
         self._views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # id(blob) -> (blob, its views)
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
@@ -74,8 +93,8 @@ class CpuExpertFFN:
 
         From `first` > 0 on, only the intermediate units [first, I): the CPU's part of an expert cut
         between it and the device, which computes the units below `first` and adds the down bias.
-        Gate and up take their rows of the cut; down reads its whole matrix against a hidden state
-        that is zero below `first` (the matmul wants contiguous rows, and a column slice is not).
+        Gate and up take their rows of the cut; down its columns or its whole matrix (`reads_columns`).
+        Calls with a cut share one buffer: one thread at a time.
         """
         scheme = self.layout.scheme
         ranges = self._w13_ranges(first)  # the rows of w13 the cut computes (None: all)
@@ -83,22 +102,24 @@ class CpuExpertFFN:
         if scheme == "none":
             dtype = views["w13"].dtype
             gate_up = _joined([F.linear(x.to(dtype), w) for w in w13])  # [T, 2I']
-            y = F.linear(self._hidden(gate_up, views, ranges, first).to(dtype), views["w2"])  # [T, H]
+            h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
+            y = F.linear(h.to(dtype), w2)  # [T, H]
         elif scheme == "int4":  # whole experts only: the INT4 kernels cut none (no cut granule)
             if first:
                 raise ValueError("int4 experts are computed whole; the device cuts none")
             gate_up = self._int4_mm(x, views["w13"], views["sz13"])  # [T, 2I]
-            y = self._int4_mm(self._hidden(gate_up, views, None, 0), views["w2"], views["sz2"])  # [T, H] float32
+            y = self._int4_mm(self._hidden(gate_up, views, None), views["w2"], views["sz2"])  # [T, H] float32
         elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
             xs = _as(x, COMPUTE_DTYPE) * scale
             gate_up = _joined([self._gate_up_mm(xs, w, unit) for w, unit in zip(w13, _rows(self._unit, ranges))])
-            y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"], scale)
+            h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
+            y = _int8_product(w2.shape[1])(h.to(COMPUTE_DTYPE), w2, scale)
         else:
             xb = _as(x, COMPUTE_DTYPE)
             gate_up = _joined([self._gate_up_mm(xb, w, s) for w, s in zip(w13, _rows(views["scale13"], ranges))])
-            y = self._down_mm(self._hidden(gate_up, views, ranges, first).to(COMPUTE_DTYPE), views["w2"],
-                              views["scale2"])
+            h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
+            y = _int8_product(w2.shape[1])(h.to(COMPUTE_DTYPE), w2, views["scale2"])
         if self.layout.bias and first == 0:
             y = y.float() + views["b2"]
         return _as(y, x.dtype)
@@ -181,11 +202,11 @@ class CpuExpertFFN:
             return None
         return [(first, I), (I + first, 2 * I)] if self.layout.gated else [(first, I)]
 
-    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor], ranges: list[tuple[int, int]] | None,
-                first: int) -> torch.Tensor:
-        """The hidden state [T, I] in float32 from the gate-and-up output [T, 2I'] of the w13 rows in
+    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor],
+                ranges: list[tuple[int, int]] | None) -> torch.Tensor:
+        """The hidden state [T, I'] in float32 from the gate-and-up output [T, 2I'] of the w13 rows in
         `ranges` (gate columns first; up columns only when ungated): its bias added, then the family's
-        gate, act(gate) * up, or act(up); zero for the units below `first`."""
+        gate, act(gate) * up, or act(up)."""
         gate_up = gate_up.float()
         if self.layout.bias:
             bias = views["b13"]
@@ -197,7 +218,24 @@ class CpuExpertFFN:
             h = self.act(gate) * up
         else:
             h = self.act(gate_up)
-        return F.pad(h, (first, 0)) if first else h
+        return h
+
+    def _down_operands(self, h: torch.Tensor, w2: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The down product's operands for the units [first, I) whose hidden state is h [T, I']: h
+        against W2's columns from `first` on [H, I'] (INT8 ones copied into the kept buffer, as the
+        product wants contiguous rows), or, where that costs more, h zero-padded to [T, I] against
+        the whole of W2 [H, I]."""
+        I = self.layout.intermediate
+        if not first:
+            return h, w2
+        if not reads_columns(self.layout.scheme, (I - first) / I):
+            return F.pad(h, (first, 0)), w2
+        columns = w2[:, first:]  # [H, I'], strided
+        if self.layout.scheme == "none":
+            return h, columns
+        if self._columns.numel() < columns.numel():
+            self._columns = torch.empty(columns.numel(), dtype=columns.dtype)
+        return h, self._columns[:columns.numel()].view(columns.shape).copy_(columns)
 
 
 def _rows(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None) -> list[torch.Tensor]:
@@ -214,6 +252,11 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in `dtype`, with no torch call when it already is (each call lets a worker's GIL go)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def _int8_product(k: int) -> Callable:
+    """The INT8 product for a reduction of length k: the vectorised form where k allows it."""
+    return _int8_mm if k % VECTOR == 0 else _int8_mm_fp32
 
 
 def _int8_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

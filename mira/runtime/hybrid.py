@@ -44,7 +44,7 @@ from mira.cache.costmodel import CpuPace, Cuts, DevicePace, HybridCosts, Split, 
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
-from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.kernels.cpu_experts import CpuExpertFFN, column_cost
 from mira.kernels.reference import expert_ffn
 from mira.kernels.tuning import TUNING_DIR
 from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
@@ -75,11 +75,12 @@ def worker_threads(requested: int | None) -> int:
 
 def expert_cuts(layout: ExpertLayout, granule: int | None) -> Cuts | None:
     """How a miss of this layout may be cut, given the device kernel's cut granule (None: it cannot
-    cut): whole granules of intermediate units, the CPU reading the down matrix whatever its share
+    cut): whole granules of intermediate units, the CPU's down read as its executor makes it
     (mira.kernels.cpu_experts)."""
     if granule is None or layout.intermediate // granule < 2:
         return None
-    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes)
+    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes,
+                column_cost(layout.scheme))
 
 
 def calibration_dir() -> Path:

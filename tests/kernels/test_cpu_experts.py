@@ -171,12 +171,13 @@ def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, w
 @pytest.mark.parametrize("scheme,weight_dtype,variant", [
     (*s, v) for s in SCHEMES for v in ("plain", *VARIANTS) if s[0] != "int4"])  # int4 experts are not cut
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype, variant, tokens):
+@pytest.mark.parametrize("first", [16, 40])  # the CPU's part: 2/3 of the units (whole W2), 1/6 (its columns)
+def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype, variant, tokens, first):
     """From a cut point on, the executor computes those intermediate units only (the down bias is
     the other part's): against the float64 reference of the same units, whose two parts add up to
-    the whole expert."""
+    the whole expert. A part of 8 units reduces its INT8 columns through the fp32 product."""
     gated, bias, gate = VARIANTS.get(variant, (True, False, None))
-    H, I, first = 64, 48, 16
+    H, I = 64, 48
     layout = ExpertLayout(scheme, H, I, weight_dtype, gated=gated, bias=bias)
     views = layout.views(make_blobs(layout, 1, seed=first + I)[0])
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
@@ -188,6 +189,27 @@ def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype,
                                atol=1e-12)
     whole = expert_ffn(xd, views, layout, F.silu, gate)
     assert (parts[1] - whole).abs().max() > 1e-3 * whole.abs().max()  # a part is not the whole
+
+
+@pytest.mark.parametrize("scheme,weight_dtype", [s for s in SCHEMES if s[0] != "int4"])
+@pytest.mark.parametrize("first", [8, 24, 32])  # I = 40: the CPU's part 0.8, 0.4 and 0.2 of the units
+def test_a_cuts_down_product_reads_its_columns_where_they_cost_less_than_the_whole(scheme, weight_dtype, first):
+    """Hand-worked, I = 40: INT8 columns cost twice their bytes (copied, then multiplied), so a part
+    of 0.8 multiplies the blob's whole W2 in place and parts of 0.4 and 0.2 a contiguous copy of
+    exactly their columns; float weights are multiplied strided in place, at every share."""
+    H, I = 96, 40
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blob = make_blobs(layout, 1, seed=first)[0]
+    w2 = layout.views(blob)["w2"]
+    with _RecordWeights() as recorded:
+        CpuExpertFFN(layout, F.silu).expert(torch.randn(1, H), layout.views(blob), first)
+    down = recorded.weights[-1]
+    in_blob = down.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr()
+    if scheme != "none" and first == 8:
+        assert in_blob and down.data_ptr() == w2.data_ptr() and down.shape == (H, I)
+    else:
+        assert down.shape == (H, I - first) and torch.equal(down, w2[:, first:])
+        assert in_blob == (scheme == "none") and down.is_contiguous() == (scheme != "none")
 
 
 def test_a_cut_point_outside_the_intermediate_units_is_refused():
@@ -243,13 +265,13 @@ def test_the_checks_catch_a_scale_on_the_wrong_side():
         assert_matches_reference(y, x, views, layout)
 
 
-@pytest.mark.parametrize("scheme,weight_dtype,cut", [(*s, cut) for s in SCHEMES for cut in (False, True)
+@pytest.mark.parametrize("scheme,weight_dtype,cut", [(*s, cut) for s in SCHEMES for cut in (None, 10, 20)
                                                      if not (s[0] == "int4" and cut)])  # int4 experts are not cut
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, tokens, cut):
     """Two disjoint expert sets computed apart (the CPU's and the GPU's share) sum to the whole layer;
-    with a cut, the CPU's first expert from unit 10 on only, and the reference's layer call with that
-    expert's limit at 10 computes the rest of it."""
+    with a cut, the CPU's first expert from unit `cut` on only (of 29: the whole W2 read, or its
+    columns), and the reference's layer call with that expert's limit at `cut` computes the rest."""
     (H, I), E, K = sized(scheme, 72, 29), 6, 2
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=tokens)
@@ -261,13 +283,13 @@ def test_layer_subsets_add_up_to_the_reference_layer(scheme, weight_dtype, token
     routed = top_k_index.unique().tolist()
     first, second = routed[::2], routed[1::2]
     out = torch.full((tokens, H), float("nan"), dtype=torch.float32)  # a sentinel: every row must be written
-    part = ffn(hidden, top_k_index, top_k_weights, blobs, first, out=out, cut=(first[0], 10) if cut else None)
+    part = ffn(hidden, top_k_index, top_k_weights, blobs, first, out=out, cut=(first[0], cut) if cut else None)
     assert part is out and not out.isnan().any()
     total = out.double() + ffn(hidden, top_k_index, top_k_weights, blobs, second).double()
     exact = moe_ffn_reference(hidden.double(), top_k_index, top_k_weights.double(), blobs, layout, F.silu)
     if cut:
         limits = [I] * E
-        limits[first[0]] = 10
+        limits[first[0]] = cut
         only = [blob if expert == first[0] else None for expert, blob in enumerate(blobs)]
         rest = moe_ffn_reference(hidden.double(), top_k_index, top_k_weights.double(), only, layout, F.silu, None,
                                  "zero", limits)

@@ -157,14 +157,28 @@ def test_optimal_for_misses_of_equal_tokens(seed):
 
 def test_one_miss_is_cut_where_both_sides_end_together():
     """1 ms each side for a whole expert, 10 parts. Read by share alone, half and half ends at 0.5 ms.
-    With the CPU reading a third of the blob whatever its share: 1/3 + 2/3 * j/10 = 1 - j/10 at j = 4,
-    0.6 ms. Both are far from the 1 ms of either side alone."""
-    ideal = split(decode([7]), MB, costs(), cuts=Cuts(10, 0.0))
+    With the CPU reading a third of the blob whatever its share (columns never pay): 1/3 + 2/3 * j/10
+    = 1 - j/10 at j = 4, 0.6 ms. Both are far from the 1 ms of either side alone."""
+    ideal = split(decode([7]), MB, costs(), cuts=Cuts(10, 0.0, 2.0))
     assert (ideal.cpu, ideal.pcie, ideal.cut) == ([], [], (7, 5))
     assert ideal.cpu_s == pytest.approx(0.5e-3) and ideal.gpu_s == pytest.approx(0.5e-3)
-    third = split(decode([7]), MB, costs(), cuts=Cuts(10, 1 / 3))
+    third = split(decode([7]), MB, costs(), cuts=Cuts(10, 1 / 3, math.inf))
     assert third.cut == (7, 4) and third.predicted_s == pytest.approx(0.6e-3)
     assert split(decode([7]), MB, costs()).predicted_s == pytest.approx(1e-3)  # uncut
+
+
+def test_a_cut_reads_its_down_columns_where_they_cost_less_than_the_whole():
+    """The down matrix a third of the blob, its columns at twice their bytes: a share s costs
+    2/3 s + 1/3 min(1, 2 s) of the blob, hand-worked: a quarter 1/6 + 1/6 = 1/3; a half 1/3 + 1/3;
+    three quarters 1/2 + 1/3. A CPU at 2 ms a whole expert against PCIe's 1 ms, 4 parts: reading
+    the whole down matrix, a quarter costs 2 (1/3 + 1/6) = 1 ms on the CPU, no sooner than PCIe alone
+    (1 ms): no cut. Reading its columns, 2/3 ms against 0.75 ms on PCIe: 0.75 ms."""
+    cuts = Cuts(4, 1 / 3, 2.0)
+    assert [cuts.cpu_read(s) for s in (0.25, 0.5, 0.75)] == pytest.approx([1 / 3, 2 / 3, 5 / 6])
+    whole_down = split(decode([5]), MB, costs(cpu_fixed=2e-3), cuts=Cuts(4, 1 / 3, math.inf))
+    assert whole_down.cut is None and whole_down.predicted_s == pytest.approx(1e-3)
+    columns = split(decode([5]), MB, costs(cpu_fixed=2e-3), cuts=cuts)
+    assert columns.cut == (5, 1) and (columns.cpu_s, columns.gpu_s) == pytest.approx((2e-3 / 3, 0.75e-3))
 
 
 def test_a_cut_is_taken_only_where_it_ends_sooner():
@@ -173,9 +187,9 @@ def test_a_cut_is_taken_only_where_it_ends_sooner():
     expert leaves both on PCIe whole (2 ms); cutting one, 0.2 j on the CPU against 1 + (1 - j/10) on
     PCIe, ends at 1.4 ms at j = 6 or 7 (the fewer on the CPU taken), against the 4/3 ms of a split at
     any share."""
-    whole = split(decode([1, 2]), MB, costs(), cuts=Cuts(10, 0.0))
+    whole = split(decode([1, 2]), MB, costs(), cuts=Cuts(10, 0.0, 2.0))
     assert whole.cut is None and whole.predicted_s == pytest.approx(1e-3)
-    slow = split(decode([1, 2]), MB, costs(cpu_fixed=2e-3), cuts=Cuts(10, 0.0))
+    slow = split(decode([1, 2]), MB, costs(cpu_fixed=2e-3), cuts=Cuts(10, 0.0, 2.0))
     assert (slow.cpu, slow.pcie, slow.cut) == ([], [2], (1, 6))
     assert slow.cpu_s == pytest.approx(1.2e-3) and slow.gpu_s == pytest.approx(1.4e-3)
 
@@ -189,13 +203,14 @@ def test_a_cut_is_the_best_of_every_whole_split_and_every_cut(seed):
     tokens = rng.choice([1, 1, 3])
     misses = [(e, tokens) for e in rng.sample(range(64), rng.randint(1, 6))]
     busy = rng.uniform(0, 3e-3)
-    cuts = Cuts(rng.choice([2, 7, 28]), rng.choice([0.0, 1 / 3, 0.5]))
+    cuts = Cuts(rng.choice([2, 7, 28]), rng.choice([0.0, 1 / 3, 0.5]), rng.choice([1.0, 2.0, math.inf]))
     n, c, p = len(misses), model.cpu_s(tokens, MB), model.pcie_s(tokens, MB)
     best = _brute_force(misses, model, busy)
     for k in range(n):
         for j in range(1, cuts.parts):
             share = j / cuts.parts
-            cpu = model.cpu_call_s + k * c + model.cpu_s(tokens, round(MB * (cuts.cpu_whole + (1 - cuts.cpu_whole) * share)))
+            down = cuts.down * (1 if cuts.column_cost * share >= 1 else cuts.column_cost * share)
+            cpu = model.cpu_call_s + k * c + model.cpu_s(tokens, round(MB * ((1 - cuts.down) * share + down)))
             gpu = busy + (n - k - 1) * p + model.pcie_s(tokens, round(MB * (1 - share)))
             best = min(best, max(cpu, gpu))
     whole = split(misses, MB, model, busy)
@@ -213,7 +228,7 @@ def test_a_cut_is_priced_by_the_cut_costs_and_the_whole_split_by_the_others():
     whole split at a CPU of 1 ms leaves it on PCIe (a tie goes to fewer CPU experts): 1 ms. Cut
     costs with the CPU at 1 ms: half on each side, 0.5 ms. At 3 ms: a quarter on the CPU,
     0.75 ms each side. At 10 ms even a quarter (2.5 ms) is slower than PCIe alone: no cut."""
-    cuts = Cuts(4, 0.0)
+    cuts = Cuts(4, 0.0, 2.0)
     assert split(decode([0]), MB, costs(), cuts=cuts).predicted_s == pytest.approx(0.5e-3)
     slow = split(decode([0]), MB, costs(), cuts=cuts, cut_costs=costs(cpu_fixed=3e-3))
     assert slow.cut == (0, 1) and (slow.cpu_s, slow.gpu_s) == pytest.approx((0.75e-3, 0.75e-3))
@@ -221,10 +236,10 @@ def test_a_cut_is_priced_by_the_cut_costs_and_the_whole_split_by_the_others():
     assert slower.cut is None and slower.pcie == [0] and slower.predicted_s == pytest.approx(1e-3)
 
 
-def test_a_cut_needs_two_parts_and_a_share_below_one():
-    for parts, whole in ((1, 0.0), (4, 1.0), (4, -0.1)):
+def test_a_cut_needs_two_parts_a_share_below_one_and_columns_no_cheaper_than_their_bytes():
+    for parts, down, column_cost in ((1, 0.0, 2.0), (4, 1.0, 2.0), (4, -0.1, 2.0), (4, 0.3, 0.5)):
         with pytest.raises(ValueError, match="parts"):
-            Cuts(parts, whole)
+            Cuts(parts, down, column_cost)
 
 
 def test_the_pace_is_the_running_geometric_ratio_of_measured_over_calibrated():
@@ -353,7 +368,7 @@ def test_a_cpu_share_saves_against_the_pcie_alternative_as_priced_apart():
     # cut in quarters, a lone miss is halved (1.73 ms, 1.52 saved: 0.5 * 1.52 + 0.81 = 1.57 ms); with
     # a cut's CPU side at twice the pace, halving ends at 0.2 + 3.06 = 3.26 ms and a quarter at
     # max(0.2 + 1.53, 0.75 * 3.25) = 2.4375 ms: 0.5 * 0.8125 + 0.81 = 1.216 ms (two misses take no cut)
-    quarters = Cuts(parts=4, cpu_whole=0.0)
+    quarters = Cuts(parts=4, down=0.0, column_cost=2.0)
     slow = HybridCosts(blob_bytes=MB, cpu=LinearCost(2 * 3.06e-3, 0.0), cpu_call_s=0.2e-3, pcie_bytes_per_s=MB / 3.25e-3)
     assert cpu_saving(mixtral, 2, MB, 0.5, cuts=quarters) == pytest.approx(0.5 * 1.52e-3 + 0.25 * 3.24e-3)
     assert cpu_saving(mixtral, 2, MB, 0.5, cuts=quarters, cut_costs=slow) == pytest.approx(
@@ -370,7 +385,7 @@ def test_a_cut_counts_in_what_a_cpu_share_saves():
     splits alone save 0.84 ms."""
     mixtral = HybridCosts(blob_bytes=MB, cpu=LinearCost(3.06e-3, 0.0), cpu_call_s=0.2e-3,
                           pcie_bytes_per_s=MB / 3.25e-3)
-    halves = Cuts(parts=4, cpu_whole=0.0)
+    halves = Cuts(parts=4, down=0.0, column_cost=2.0)
     lone = split(decode([0]), MB, mixtral, cuts=halves)
     assert lone.cut == (0, 2) and lone.predicted_s == pytest.approx(0.2e-3 + 3.06e-3 / 2)
     assert 0.4998 * (3.25e-3 - lone.predicted_s) + 0.2601 * 3.24e-3 > INLINE_LAYER_S
