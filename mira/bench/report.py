@@ -57,7 +57,7 @@ def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
     misses. In results from before `--cpu-experts auto` was generate's default, `mira` had no CPU
     share and `mira-cpu-auto` had the calibrated one."""
     if any(row.get("config") == GPU_ONLY for row in result["runs"]):
-        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all")
+        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cut-any")
     return "mira", ("mira-cpu-auto", "mira-cpu-all")
 
 
@@ -146,7 +146,8 @@ def layer_times(result: dict) -> list[str]:
 # one colour each, the same in every chart (mira-cpu-auto: older results)
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
-                "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now")
+                "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now",
+                "mira-cut-any")
 
 
 def plot(result: dict, path: str) -> None:
@@ -163,7 +164,7 @@ def plot(result: dict, path: str) -> None:
     style = {scheme: lines[i % len(lines)] for i, scheme in enumerate(schemes)}
     size = {r["budget"]: r.get("budget_bytes", 0) for r in runs if r["config"] != "hf-gpu"}
     budgets = sorted((b for b in result["budgets"] if b in size), key=size.get)
-    colours = pyplot.get_cmap("tab20").colors
+    colours = pyplot.get_cmap("tab20").colors + pyplot.get_cmap("tab20b").colors
     colour = {name: colours[i % len(colours)] for i, name in enumerate(CONFIG_ORDER)}
     figure, axes = pyplot.subplots(1, 2, figsize=(12, 4.5))
     for axis, key, label in ((axes[0], "decode_tokens_per_s", "decode tokens/s"), (axes[1], "ttft_s", "TTFT (s)")):
