@@ -10,10 +10,11 @@ weights that no CPU cache holds, and times on a CPU worker of --threads threads:
   copy_us          (CUDA) the pinned-to-device copy of one blob
   together         (CUDA) cpu_us while copies stream to the device, and the copies' GB/s meanwhile
   cuts             (--cuts N, one token) a job of one expert cut k/N of the way, for k = 1..N-1: the
-                   CPU computes its last k/N of the intermediate units and reads the down matrix whole
-                   (mira.kernels.cpu_experts), as worker_us and (CUDA) together; each against the cost
-                   model's linear price: the whole expert's time scaled by the bytes the part reads,
-                   plus, for a job through the worker, an empty job's round trip
+                   CPU computes its last k/N of the intermediate units (mira.kernels.cpu_experts), as
+                   worker_us and (CUDA) together; each against the cost model's linear price: the whole
+                   expert's time scaled by the bytes the part costs to read, plus, for a job through
+                   the worker, an empty job's round trip; and the part with its columns of the down
+                   matrix against it with the whole matrix, whatever the executor would choose
 
 Each figure: --repeats passes (>= 3), each the mean per call over one pass through the blobs;
 median and range over the passes. Writes JSON with provenance (mira.bench.provenance).
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from mira.bench.provenance import result_header
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_store
 from mira.cache.costmodel import Cuts
-from mira.kernels.cpu_experts import CpuExpertFFN, column_cost
+from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.models.registry import adapter_for
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
 from mira.store.layout import ExpertLayout
@@ -123,10 +124,11 @@ def copy_pass(blobs: list[torch.Tensor], slot: torch.Tensor) -> float:
     return begin.elapsed_time(end) / 1e3 / len(calls)
 
 
-def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float, first: int = 0) -> tuple[float, float]:
+def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float, first: int = 0,
+                  ffn: CpuExpertFFN | None = None) -> tuple[float, float]:
     """(CPU seconds per expert, its units from `first` on, and copy bytes per second) with copies
-    streaming while the worker computes a pass: enough copies, at the rate measured alone, to
-    outlast the pass."""
+    streaming while the worker's thread computes a pass (with `ffn`, else the worker's executor):
+    enough copies, at the rate measured alone, to outlast the pass."""
     stream = torch.cuda.Stream()
     copies = max(8, math.ceil(1.5 * cpu_s * min(len(blobs), MAX_CALLS) / copy_s))
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,7 +137,7 @@ def together_pass(worker, blobs, x, slot, cpu_s: float, copy_s: float, first: in
         for i in range(copies):
             slot.copy_(blobs[-1 - i % len(blobs)], non_blocking=True)
         end.record()
-    cpu = worker.call(time_pass, worker.ffn, blobs, x, first).result()
+    cpu = worker.call(time_pass, ffn or worker.ffn, blobs, x, first).result()
     end.synchronize()
     return cpu, copies * slot.numel() / (begin.elapsed_time(end) / 1e3)
 
@@ -159,9 +161,13 @@ def cut_rows(worker, blobs, x, slot, whole: dict, args) -> dict:
     expert's bytes the part costs to read (`Cuts.cpu_read`: its rows of gate and up, and its columns
     of the down matrix or the whole matrix, as the executor reads it) times the whole
     expert's median in the worker's thread (`whole`: cpu_us, or together's), plus, for a job, an
-    empty job's round trip (`call_us`)."""
+    empty job's round trip (`call_us`). Beside each, the same part in the worker's thread both ways
+    (`columns_us`: with its columns of W2 whatever the share; `whole_down_us`: with the whole W2),
+    alone and with a GPU `together`: where reading the columns pays."""
     layout = worker.ffn.layout
-    cuts = Cuts(2, layout.sections["w2"].nbytes / layout.nbytes, column_cost(layout.scheme))
+    cuts = Cuts(2, layout.sections["w2"].nbytes / layout.nbytes, worker.ffn.column_cost)
+    ways = {"columns": CpuExpertFFN(layout, F.silu, column_cost=1.0),
+            "whole_down": CpuExpertFFN(layout, F.silu, column_cost=math.inf)}
     call = statistics.median([worker_pass(worker, blobs, x, empty=True) for _ in range(args.repeats)]) * 1e6
     rows = {"call_us": call}
     for k in range(1, args.cuts):
@@ -176,6 +182,17 @@ def cut_rows(worker, blobs, x, slot, whole: dict, args) -> dict:
             both = [together_pass(worker, blobs, x, slot, cpu_s, copy_s, first)[0] * 1e6 for _ in range(args.repeats)]
             cut["together_cpu_us"] = summary(both)
             cut["together_over_linear"] = statistics.median(both) / (read * whole["together"]["cpu_us"]["median"])
+        for way, ffn in ways.items():
+            cut[f"{way}_us"] = summary([worker.call(time_pass, ffn, blobs, x, first).result() * 1e6
+                                        for _ in range(args.repeats)])
+            if slot is not None:
+                both = [together_pass(worker, blobs, x, slot, cpu_s, copy_s, first, ffn)[0]
+                        for _ in range(args.repeats)]
+                cut[f"together_{way}_us"] = summary([s * 1e6 for s in both])
+        cut["columns_over_whole_down"] = cut["columns_us"]["median"] / cut["whole_down_us"]["median"]
+        if slot is not None:
+            cut["together_columns_over_whole_down"] = \
+                cut["together_columns_us"]["median"] / cut["together_whole_down_us"]["median"]
         rows[f"{k}/{args.cuts}"] = cut
     return rows
 
@@ -260,10 +277,12 @@ def main() -> None:
                     if part == "call_us":
                         continue
                     line = f"{'':18s} {'':11s} cut {part:>5s}  worker {cut['worker_us']['median']:9.1f} us " \
-                           f"({cut['worker_over_linear']:.2f}x linear)"
+                           f"({cut['worker_over_linear']:.2f}x linear; columns {cut['columns_over_whole_down']:.2f}x " \
+                           f"the whole W2)"
                     if cuda:
                         line += f"  together cpu {cut['together_cpu_us']['median']:8.1f} us " \
-                                f"({cut['together_over_linear']:.2f}x linear)"
+                                f"({cut['together_over_linear']:.2f}x linear; columns " \
+                                f"{cut['together_columns_over_whole_down']:.2f}x)"
                     print(line, flush=True)
     write_result(args.out, {"threads": args.threads, "spread_gb": args.spread_gb, "repeats": args.repeats,
                             "cuts": args.cuts, "results": results}, "cuda" if cuda else None)

@@ -33,6 +33,7 @@ from pathlib import Path
 from mira.bench.provenance import result_header
 from mira.bench.synthetic import synthetic_config
 from mira.cache.costmodel import INLINE_LAYER_S, CpuPace, DevicePace, HybridCosts, cpu_saving, paced_saving
+from mira.kernels.cpu_experts import default_column_cost
 from mira.kernels.triton_ffn import cut_granule
 from mira.kernels.tuning import load_config
 from mira.models.loader import routed_per_token
@@ -74,7 +75,7 @@ def rows_of(result: dict) -> list[dict]:
         calibrated = HybridCosts.from_json(share["calibration"])
         layout = ExpertLayout(run["quant"], config.hidden_size, spec.intermediate)
         tuning = load_config(result["device"], layout.hidden, layout.intermediate)  # the kernels the run had
-        cuts = expert_cuts(layout, cut_granule(tuning, layout.intermediate))
+        cuts = expert_cuts(layout, cut_granule(tuning, layout.intermediate), default_column_cost(layout.scheme))
         store = result["stores"][run["quant"]]
         total = round((store["all_experts_bytes"] - store["reserve_bytes"]) / store["blob_bytes"])  # experts
         uniform = 1 - min(1.0, run["slots"] / total)

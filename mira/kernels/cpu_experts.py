@@ -14,10 +14,11 @@ outputs still pass through bf16), chosen by the reduction length, and activation
 aligned tensor when they are not aligned.
 
 A cut expert's CPU part (intermediate units [first, I)) needs only its columns of W2 [H, I], which
-are strided. Below half the units it copies them into a buffer the executor keeps and multiplies the
-copy; that moves each of their bytes twice (`COLUMN_COPY_COST`), which pays only while it moves fewer
-bytes than the whole matrix, so above half it multiplies the whole W2 against a hidden state that is
-zero below `first`. Float weights take the strided columns as they are.
+are strided. Copied into a buffer the executor keeps and multiplied there, they cost about three
+reads of their bytes (`COLUMN_COPY_COST`: the copy reads and writes them, the gate and up products
+before it have evicted the buffer from the caches, and the product reads them again), so below a
+third of the units it takes that way, and above it multiplies the whole W2 against a hidden state
+that is zero below `first`. Float weights take the strided columns as they are.
 
 The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
 
@@ -52,19 +53,13 @@ from mira.store.layout import ExpertLayout
 COMPUTE_DTYPE = torch.bfloat16  # activations of the INT8 products (see the module docstring)
 VECTOR = 16  # reduction elements per step of the vectorised bf16 product
 ACT_ALIGN = 32  # bytes; the vectorised bf16 product loads activation rows aligned to this
-COLUMN_COPY_COST = 2.0  # a cut's INT8 columns of W2, copied then multiplied: each byte moved twice
+COLUMN_COPY_COST = 3.0  # a cut's INT8 columns of W2, copied then multiplied, in reads of their bytes
 
 
-def column_cost(scheme: str) -> float:
-    """What a cut's CPU part pays per byte of its columns of the down matrix, in whole-matrix reads
-    per byte: float weights are multiplied strided as they are; INT8 ones copied first."""
+def default_column_cost(scheme: str) -> float:
+    """What a cut's CPU part pays for its columns of the down matrix, in reads of their bytes: float
+    weights are multiplied strided as they are; INT8 ones copied first."""
     return 1.0 if scheme == "none" else COLUMN_COPY_COST
-
-
-def reads_columns(scheme: str, share: float) -> bool:
-    """Whether a cut's CPU part with `share` of the intermediate units reads only its columns of the
-    down matrix (else the whole matrix): where they cost less than the whole."""
-    return column_cost(scheme) * share < 1
 
 
 class CpuExpertFFN:
@@ -74,12 +69,16 @@ class CpuExpertFFN:
         layout: the blob layout of the store.
         act: the activation applied to the gate projection (to the up projection when ungated).
         gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
+        column_cost: what a cut's columns of W2 cost, in reads of their bytes (`reads_columns`);
+            None: the scheme's (`default_column_cost`); math.inf: the whole W2 always (an A/B).
     """
 
-    def __init__(self, layout: ExpertLayout, act: Callable, gate: Callable | None = None) -> None:
+    def __init__(self, layout: ExpertLayout, act: Callable, gate: Callable | None = None,
+                 column_cost: float | None = None) -> None:
         self.layout = layout
         self.act = act
         self.gate = gate
+        self.column_cost = default_column_cost(layout.scheme) if column_cost is None else column_cost
         rows13 = layout.sections["w13"].shape[0]  # 2I, or I when ungated
         # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
         self._unit = torch.ones(rows13, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
@@ -220,6 +219,11 @@ class CpuExpertFFN:
             h = self.act(gate_up)
         return h
 
+    def reads_columns(self, share: float) -> bool:
+        """Whether a cut's CPU part with `share` of the intermediate units reads only its columns of
+        the down matrix (else the whole matrix): where they cost less than the whole."""
+        return self.column_cost * share < 1
+
     def _down_operands(self, h: torch.Tensor, w2: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The down product's operands for the units [first, I) whose hidden state is h [T, I']: h
         against W2's columns from `first` on [H, I'] (INT8 ones copied into the kept buffer, as the
@@ -228,7 +232,7 @@ class CpuExpertFFN:
         I = self.layout.intermediate
         if not first:
             return h, w2
-        if not reads_columns(self.layout.scheme, (I - first) / I):
+        if not self.reads_columns((I - first) / I):
             return F.pad(h, (first, 0)), w2
         columns = w2[:, first:]  # [H, I'], strided
         if self.layout.scheme == "none":

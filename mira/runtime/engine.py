@@ -338,7 +338,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and top_k is not None and cpu_pays(
                       costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts),
-                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None))))
+                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None), worker.ffn.column_cost,
+                                  config.hybrid.cut_beside_whole)))
     try:
         decided = resolve(config, facts)
     except MiraError:

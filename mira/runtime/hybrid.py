@@ -44,7 +44,7 @@ from mira.cache.costmodel import CpuPace, Cuts, DevicePace, HybridCosts, Split, 
 from mira.cache.tables import ExpertTables
 from mira.cache.telemetry import HybridTelemetry
 from mira.kernels import DECODE_TOKENS
-from mira.kernels.cpu_experts import CpuExpertFFN, column_cost
+from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import expert_ffn
 from mira.kernels.tuning import TUNING_DIR
 from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
@@ -73,14 +73,15 @@ def worker_threads(requested: int | None) -> int:
     return requested if requested is not None else max(1, torch.get_num_threads() - 1)
 
 
-def expert_cuts(layout: ExpertLayout, granule: int | None, beside_whole: bool = False) -> Cuts | None:
+def expert_cuts(layout: ExpertLayout, granule: int | None, column_cost: float,
+                beside_whole: bool = False) -> Cuts | None:
     """How a miss of this layout may be cut, given the device kernel's cut granule (None: it cannot
-    cut): whole granules of intermediate units, the CPU's down read as its executor makes it
-    (mira.kernels.cpu_experts); `beside_whole`: see `Cuts`."""
+    cut): whole granules of intermediate units, the CPU's columns of the down matrix at its
+    executor's `column_cost`; `beside_whole`: see `Cuts`."""
     if granule is None or layout.intermediate // granule < 2:
         return None
-    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes,
-                column_cost(layout.scheme), beside_whole)
+    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes, column_cost,
+                beside_whole)
 
 
 def calibration_dir() -> Path:
@@ -153,7 +154,7 @@ class HybridExperts:
                  cut_granule: int | None = None, device_pace: bool = True, cut_beside_whole: bool = False):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
-        self.cuts = expert_cuts(store.layout, cut_granule, cut_beside_whole) \
+        self.cuts = expert_cuts(store.layout, cut_granule, worker.ffn.column_cost, cut_beside_whole) \
             if split_misses and costs.pcie_bytes_per_s else None
         self._granule = cut_granule
         self._intermediate = store.layout.intermediate

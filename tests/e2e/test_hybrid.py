@@ -442,6 +442,8 @@ def test_a_cut_beside_whole_misses_is_made_only_where_asked(mixtral_store):
 
     whole = hybrid(False).choose([], [(0, 1), (1, 1)], may_cut=True)
     assert whole.cut is None and len(whole.cpu) == len(whole.pcie) == 1 and whole.predicted_s == pytest.approx(1e-3)
-    cut = hybrid(True).choose([], [(0, 1), (1, 1)], may_cut=True)
+    beside = hybrid(True)
+    assert beside.cuts.column_cost == model.hybrid.worker.ffn.column_cost  # priced as the executor reads
+    cut = beside.choose([], [(0, 1), (1, 1)], may_cut=True)
     assert len(cut.cpu) == 1 and cut.pcie == [] and cut.cut[1] == 1
     assert cut.cpu_s <= 0.75e-3 and cut.predicted_s == pytest.approx(0.75e-3, rel=1e-3)

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mira.kernels import cpu_int4
-from mira.kernels.cpu_experts import COMPUTE_DTYPE, CpuExpertFFN
+from mira.kernels.cpu_experts import COLUMN_COPY_COST, COMPUTE_DTYPE, CpuExpertFFN
 from mira.kernels.reference import expert_ffn, moe_ffn_reference
 from mira.store.layout import ExpertLayout
 from mira.store.quant import dequantize_expert, quantize_expert
@@ -191,25 +191,42 @@ def test_a_cut_experts_cpu_part_matches_the_reference_part(scheme, weight_dtype,
     assert (parts[1] - whole).abs().max() > 1e-3 * whole.abs().max()  # a part is not the whole
 
 
+def _down_weight(layout: ExpertLayout, blob: torch.Tensor, first: int, **executor) -> torch.Tensor:
+    """The weight of the down product a cut's CPU part from unit `first` makes."""
+    with _RecordWeights() as recorded:
+        CpuExpertFFN(layout, F.silu, **executor).expert(torch.randn(1, layout.hidden), layout.views(blob), first)
+    return recorded.weights[-1]
+
+
 @pytest.mark.parametrize("scheme,weight_dtype", [s for s in SCHEMES if s[0] != "int4"])
-@pytest.mark.parametrize("first", [8, 24, 32])  # I = 40: the CPU's part 0.8, 0.4 and 0.2 of the units
+@pytest.mark.parametrize("first", [8, 24, 28, 32])  # I = 40: the CPU's part 0.8, 0.4, 0.3 and 0.2 of the units
 def test_a_cuts_down_product_reads_its_columns_where_they_cost_less_than_the_whole(scheme, weight_dtype, first):
-    """Hand-worked, I = 40: INT8 columns cost twice their bytes (copied, then multiplied), so a part
-    of 0.8 multiplies the blob's whole W2 in place and parts of 0.4 and 0.2 a contiguous copy of
-    exactly their columns; float weights are multiplied strided in place, at every share."""
+    """Hand-worked, I = 40: INT8 columns cost three reads of their bytes (`COLUMN_COPY_COST`), so
+    parts of 0.8 and 0.4 multiply the blob's whole W2 in place, and parts of 0.3 and 0.2 a
+    contiguous copy of exactly their columns; float weights are multiplied strided in place, at
+    every share."""
     H, I = 96, 40
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blob = make_blobs(layout, 1, seed=first)[0]
     w2 = layout.views(blob)["w2"]
-    with _RecordWeights() as recorded:
-        CpuExpertFFN(layout, F.silu).expert(torch.randn(1, H), layout.views(blob), first)
-    down = recorded.weights[-1]
+    down = _down_weight(layout, blob, first)
     in_blob = down.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr()
-    if scheme != "none" and first == 8:
+    if scheme != "none" and first in (8, 24):
         assert in_blob and down.data_ptr() == w2.data_ptr() and down.shape == (H, I)
     else:
         assert down.shape == (H, I - first) and torch.equal(down, w2[:, first:])
         assert in_blob == (scheme == "none") and down.is_contiguous() == (scheme != "none")
+
+
+def test_a_column_cost_given_to_the_executor_decides_its_down_read():
+    """The benchmark's A/B: columns at one read of their bytes are taken at every share, at an
+    infinite cost never."""
+    H, I = 96, 40
+    layout = ExpertLayout("int8-shared", H, I)
+    blob = make_blobs(layout, 1, seed=5)[0]
+    assert _down_weight(layout, blob, 8, column_cost=1.0).shape == (H, I - 8)
+    assert _down_weight(layout, blob, 32, column_cost=math.inf).shape == (H, I)
+    assert CpuExpertFFN(layout, F.silu).column_cost == COLUMN_COPY_COST
 
 
 def test_a_cut_point_outside_the_intermediate_units_is_refused():
