@@ -81,6 +81,9 @@
 #                                           # against int8-shared, 15 threads), then kernels_int4.py --autotune for
 #                                           # the Mixtral shape; the tuning lands in .carry/tuning (kept between
 #                                           # calls, read by the int4 part) and in $OUT (~8 min)
+#   bash benchmarks/h200_suite.sh cut-columns  # cut jobs of one Mixtral-shaped int8-shared expert on the CPU (15
+#                                           # threads) at k/7 of its units, its W2 columns copied against the whole
+#                                           # W2, alone and beside copies to the GPU: where the columns pay (~2 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -238,6 +241,9 @@ case "${1:-}" in
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 12GiB,24GiB \
       --configs "${CONFIGS:-mira,static}" --quant int8-shared,int4 --repeats 3 \
       --out "$OUT/bench-mixtral-8x7b-int4.json" --quiet --resume ;;
+  cut-columns)
+    timeout 300 python benchmarks/cpu_experts.py --threads "${THREADS:-15}" --shapes mixtral-8x7b --schemes int8-shared \
+      --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-h200.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
