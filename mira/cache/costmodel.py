@@ -182,9 +182,9 @@ class Cuts:
     intermediate units, the GPU computing the first ones and the CPU the rest. The GPU reads its
     shares' bytes. The CPU reads its shares of the gate/up rows, and of the down matrix (`down` of
     the blob) its columns at `column_cost` times their bytes, or the whole matrix where that costs
-    less (mira.kernels.cpu_experts.CpuExpertFFN.reads_columns). `beside_whole`: a cut is tried even where the
-    best whole split already gives both sides a miss (an A/B; by default only where it leaves one
-    side idle)."""
+    less (mira.kernels.cpu_experts.CpuExpertFFN.reads_columns). `beside_whole`: a cut is tried even
+    where the best whole split already gives both sides a miss (an A/B; by default only where it
+    leaves one side idle)."""
 
     parts: int
     down: float

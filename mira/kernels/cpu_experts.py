@@ -10,8 +10,8 @@ and results leave in the caller's dtype. The vectorised bf16 form walks the redu
 a time with aligned loads of the activations: for a reduction length that is not a multiple of 16 it
 reads past the row (wrong results, or a crash), and activations that do not start on a 32-byte
 boundary crash it. So products over such a length take the fp32 form (the same roundings: inputs and
-outputs still pass through bf16), chosen by the reduction length, and activations are copied to a fresh,
-aligned tensor when they are not aligned.
+outputs still pass through bf16), chosen by the reduction length, and activations are copied to a
+fresh, aligned tensor when they are not aligned.
 
 A cut expert's CPU part (intermediate units [first, I)) needs only its columns of W2 [H, I], which
 are strided. Copied into a buffer the executor keeps and multiplied there, they cost about three
