@@ -9,8 +9,8 @@ of the two sums; `split` chooses the CPU set that makes that smallest.
 Decode, with one token per miss, makes every miss cost the same on each side and the split a
 count. Many tokens per expert (prefill) make the CPU's cost grow with the tokens while the PCIe
 copy does not, so those experts stay on the GPU. Where a decode split of whole experts leaves one
-side idle, one miss may be cut between the two (`Cuts`): the GPU computes its first intermediate
-units, the CPU the rest.
+side idle (or, with `Cuts.beside_whole`, wherever a cut ends sooner), one miss may be cut between
+the two (`Cuts`): the GPU computes its first intermediate units, the CPU the rest.
 
 `cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
 layer's misses before its kernel), before decoding; `CpuPace` and `DevicePace` keep each side's costs
