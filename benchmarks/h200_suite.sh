@@ -84,6 +84,9 @@
 #   bash benchmarks/h200_suite.sh cut-columns  # cut jobs of one Mixtral-shaped int8-shared expert on the CPU (15
 #                                           # threads) at k/7 of its units, its W2 columns copied against the whole
 #                                           # W2, alone and beside copies to the GPU: where the columns pay (~2 min)
+#   bash benchmarks/h200_suite.sh graph-share  # the CPU's share inside a replayed CUDA graph (host nodes wake the
+#                                           # worker and hold the stream), Qwen3-30B-A3B and OLMoE-1B-7B shapes:
+#                                           # the round trip's cost a layer, and 1-4 experts on the CPU (~1 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -243,7 +246,9 @@ case "${1:-}" in
       --out "$OUT/bench-mixtral-8x7b-int4.json" --quiet --resume ;;
   cut-columns)
     timeout 300 python benchmarks/cpu_experts.py --threads "${THREADS:-15}" --shapes mixtral-8x7b --schemes int8-shared \
-      --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-h200.json" ;;
+      --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-columns-h200.json" ;;
+  graph-share)
+    timeout 200 python benchmarks/graph_host_share.py --threads 15 --out "$OUT/graph-host-share-h200.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
