@@ -51,9 +51,7 @@
 #                                           # share off) in one run, each layer's predicted and measured times
 #                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
 #                                           # calibrated,mira-gpu adds the device's side at its calibration, an
-#                                           # A/B of the device's pace in one run (~5 min, ~7 with it);
-#                                           # CONFIGS=mira,mira-cut-any,mira-gpu the A/B of cutting a miss beside
-#                                           # whole ones on both sides
+#                                           # A/B of the device's pace in one run (~5 min, ~7 with it)
 #   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule decides on the CPU's share),
 #                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
 #                                           # run (~4 min)

@@ -55,7 +55,8 @@ GPU_ONLY = "mira-gpu"  # mira with --cpu-experts off
 def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
     """A result's GPU-only mira configuration and those that may give the CPU a share of the
     misses. In results from before `--cpu-experts auto` was generate's default, `mira` had no CPU
-    share and `mira-cpu-auto` had the calibrated one."""
+    share and `mira-cpu-auto` had the calibrated one; mira-cut-any (cuts beside whole misses too) is
+    in older results only."""
     if any(row.get("config") == GPU_ONLY for row in result["runs"]):
         return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cut-any")
     return "mira", ("mira-cpu-auto", "mira-cpu-all")
@@ -143,7 +144,7 @@ def layer_times(result: dict) -> list[str]:
     return lines
 
 
-# one colour each, the same in every chart (mira-cpu-auto: older results)
+# one colour each, the same in every chart (mira-cpu-auto, mira-cut-any: older results)
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
                 "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now",

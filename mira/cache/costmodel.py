@@ -9,8 +9,8 @@ of the two sums; `split` chooses the CPU set that makes that smallest.
 Decode, with one token per miss, makes every miss cost the same on each side and the split a
 count. Many tokens per expert (prefill) make the CPU's cost grow with the tokens while the PCIe
 copy does not, so those experts stay on the GPU. Where a decode split of whole experts leaves one
-side idle (or, with `Cuts.beside_whole`, wherever a cut ends sooner), one miss may be cut between
-the two (`Cuts`): the GPU computes its first intermediate units, the CPU the rest.
+side idle, one miss may be cut between the two (`Cuts`): the GPU computes its first intermediate
+units, the CPU the rest.
 
 `cpu_pays` decides whether a CPU share is worth running layers inline at all (the CPU needs each
 layer's misses before its kernel), before decoding; `CpuPace` and `DevicePace` keep each side's costs
@@ -182,14 +182,11 @@ class Cuts:
     intermediate units, the GPU computing the first ones and the CPU the rest. The GPU reads its
     shares' bytes. The CPU reads its shares of the gate/up rows, and of the down matrix (`down` of
     the blob) its columns at `column_cost` times their bytes, or the whole matrix where that costs
-    less (mira.kernels.cpu_experts.CpuExpertFFN.reads_columns). `beside_whole`: a cut is tried even
-    where the best whole split already gives both sides a miss (an A/B; by default only where it
-    leaves one side idle)."""
+    less (mira.kernels.cpu_experts.CpuExpertFFN.reads_columns)."""
 
     parts: int
     down: float
     column_cost: float
-    beside_whole: bool = False
 
     def __post_init__(self) -> None:
         if self.parts < 2 or not 0 <= self.down < 1 or not self.column_cost >= 1:
@@ -238,8 +235,7 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
         gpu_busy_s: time the GPU side spends anyway (the hits' kernels), before the misses' share.
         cuts: how a miss may be cut between the sides (None: never); tried when every miss has the
             same tokens (decode) and the best whole split leaves one side idle (a layer's single
-            miss, or a CPU too slow for a whole one), where a cut gains most, or with
-            `Cuts.beside_whole` beside whole misses on both sides too.
+            miss, or a CPU too slow for a whole one), where a cut gains most.
         cut_costs: the costs that price a split with a cut, CPU and PCIe sides alike (None: `costs`).
 
     Returns:
@@ -247,7 +243,7 @@ def split(misses: Sequence[tuple[int, int]], blob_bytes: int, costs: HybridCosts
     """
     if len({tokens for _, tokens in misses}) == 1:
         alike = _split_alike(sorted(e for e, _ in misses), misses[0][1], blob_bytes, costs, gpu_busy_s)
-        if cuts is None or (alike.cpu and alike.pcie and not cuts.beside_whole):
+        if cuts is None or (alike.cpu and alike.pcie):
             return alike
         return _cut_one(alike, misses[0][1], blob_bytes, cut_costs or costs, gpu_busy_s, cuts)
     priced = [(expert, costs.cpu_s(tokens, blob_bytes), costs.pcie_s(tokens, blob_bytes)) for expert, tokens in misses]

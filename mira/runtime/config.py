@@ -66,14 +66,11 @@ class HybridConfig:
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
     device_pace: splits price the device's side at the pace decoding measures (on CUDA), as they
         price the CPU's; False: at its calibration (an A/B for `mira bench`).
-    cut_beside_whole: a one-token split may cut a miss even where whole misses already give both
-        sides work (by default only where they leave one side idle; an A/B for `mira bench`).
     """
 
     mode: str = "auto"
     threads: int | None = None
     device_pace: bool = True
-    cut_beside_whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +136,7 @@ class RuntimeConfig:
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
         policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode),
-        cpu_threads, device_pace, cut_beside_whole and deferred_settle for the nested ones.
+        cpu_threads, device_pace and deferred_settle for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
@@ -147,8 +144,7 @@ class RuntimeConfig:
         nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
                   "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
                   "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads"),
-                  "device_pace": ("hybrid", "device_pace"), "cut_beside_whole": ("hybrid", "cut_beside_whole"),
-                  "deferred_settle": ("residency", "deferred")}
+                  "device_pace": ("hybrid", "device_pace"), "deferred_settle": ("residency", "deferred")}
         flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
         if unknown:

@@ -274,8 +274,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
             or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
-            cuda_graphs, cpu_experts (auto, off, all, split), cpu_threads, device_pace, cut_beside_whole and
-            deferred_settle.
+            cuda_graphs, cpu_experts (auto, off, all, split), cpu_threads, device_pace and deferred_settle.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -338,8 +337,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
                   cpu_pays=costs is not None and top_k is not None and cpu_pays(
                       costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts),
-                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None), worker.ffn.column_cost,
-                                  config.hybrid.cut_beside_whole)))
+                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None), worker.ffn.column_cost)))
     try:
         decided = resolve(config, facts)
     except MiraError:
@@ -363,8 +361,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
                                CpuPace() if costs is not None else None, getattr(ffn, "cut_granule", None),
-                               device_pace=config.hybrid.device_pace,
-                               cut_beside_whole=config.hybrid.cut_beside_whole)
+                               device_pace=config.hybrid.device_pace)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
                                                     lagged=decided.lagged, hybrid=hybrid))

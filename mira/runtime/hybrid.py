@@ -73,15 +73,13 @@ def worker_threads(requested: int | None) -> int:
     return requested if requested is not None else max(1, torch.get_num_threads() - 1)
 
 
-def expert_cuts(layout: ExpertLayout, granule: int | None, column_cost: float,
-                beside_whole: bool = False) -> Cuts | None:
+def expert_cuts(layout: ExpertLayout, granule: int | None, column_cost: float) -> Cuts | None:
     """How a miss of this layout may be cut, given the device kernel's cut granule (None: it cannot
     cut): whole granules of intermediate units, the CPU's columns of the down matrix at its
-    executor's `column_cost`; `beside_whole`: see `Cuts`."""
+    executor's `column_cost`."""
     if granule is None or layout.intermediate // granule < 2:
         return None
-    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes, column_cost,
-                beside_whole)
+    return Cuts(layout.intermediate // granule, layout.sections["w2"].nbytes / layout.nbytes, column_cost)
 
 
 def calibration_dir() -> Path:
@@ -143,7 +141,6 @@ class HybridExperts:
         cut_granule: the device kernel's cut granule (`TritonMoEFFN.cut_granule`); with it and a
             PCIe figure in `costs` (a GPU), splits of one-token calls may cut a miss between the
             sides; None: never.
-        cut_beside_whole: cuts are tried beside whole misses on both sides too (`Cuts.beside_whole`).
 
     Attributes:
         telemetry: per layer, the CPU's calls, experts, tokens and times (mira.cache.telemetry).
@@ -151,10 +148,10 @@ class HybridExperts:
 
     def __init__(self, worker: CpuExpertWorker, store: ExpertStore, tables: ExpertTables, costs: HybridCosts | None,
                  split_misses: bool, device: torch.device, pace: CpuPace | None = None,
-                 cut_granule: int | None = None, device_pace: bool = True, cut_beside_whole: bool = False):
+                 cut_granule: int | None = None, device_pace: bool = True):
         if split_misses and costs is None:
             raise ValueError("splitting misses needs calibrated costs")
-        self.cuts = expert_cuts(store.layout, cut_granule, worker.ffn.column_cost, cut_beside_whole) \
+        self.cuts = expert_cuts(store.layout, cut_granule, worker.ffn.column_cost) \
             if split_misses and costs.pcie_bytes_per_s else None
         self._granule = cut_granule
         self._intermediate = store.layout.intermediate

@@ -424,26 +424,3 @@ def test_the_command_line_generates_the_same_text_with_every_miss_on_the_cpu(tmp
     assert reports["off"]["cpu_experts"] == {"mode": "off"}
     cpu = reports["all"]["cpu_experts"]
     assert cpu["mode"] == "all" and cpu["threads"] == 2 and cpu["tokens"] > 0
-
-
-def test_a_cut_beside_whole_misses_is_made_only_where_asked(mixtral_store):
-    """`cut_beside_whole` (the bench's mira-cut-any) reaches the split. Hand-worked, the CPU at 0.5 ms
-    an expert, PCIe at 1 ms a blob, kernels free, a cut in quarters: two misses split whole end at
-    1 ms, one each side. Cut beside them, the CPU computes its whole one and a quarter of the other
-    (0.5 ms and at most half of 0.5 ms more) while PCIe carries the other three quarters: 0.75 ms."""
-    model = _on_demand(mixtral_store, "all")
-    assert RuntimeConfig().with_overrides(cut_beside_whole=True).hybrid.cut_beside_whole is True
-    blob = model.store.blob_bytes
-    costs = HybridCosts(blob_bytes=blob, cpu=LinearCost(0.5e-3, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=blob / 1e-3)
-
-    def hybrid(beside_whole: bool) -> HybridExperts:
-        return HybridExperts(model.hybrid.worker, model.store, model.cache.tables, costs, True, torch.device("cpu"),
-                             cut_granule=model.store.layout.intermediate // 4, cut_beside_whole=beside_whole)
-
-    whole = hybrid(False).choose([], [(0, 1), (1, 1)], may_cut=True)
-    assert whole.cut is None and len(whole.cpu) == len(whole.pcie) == 1 and whole.predicted_s == pytest.approx(1e-3)
-    beside = hybrid(True)
-    assert beside.cuts.column_cost == model.hybrid.worker.ffn.column_cost  # priced as the executor reads
-    cut = beside.choose([], [(0, 1), (1, 1)], may_cut=True)
-    assert len(cut.cpu) == 1 and cut.pcie == [] and cut.cut[1] == 1
-    assert cut.cpu_s <= 0.75e-3 and cut.predicted_s == pytest.approx(0.75e-3, rel=1e-3)

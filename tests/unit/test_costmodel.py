@@ -203,8 +203,7 @@ def test_a_cut_is_the_best_of_every_whole_split_and_every_cut(seed):
     tokens = rng.choice([1, 1, 3])
     misses = [(e, tokens) for e in rng.sample(range(64), rng.randint(1, 6))]
     busy = rng.uniform(0, 3e-3)
-    cuts = Cuts(rng.choice([2, 7, 28]), rng.choice([0.0, 1 / 3, 0.5]), rng.choice([1.0, 2.0, math.inf]),
-                beside_whole=seed % 3 == 0)
+    cuts = Cuts(rng.choice([2, 7, 28]), rng.choice([0.0, 1 / 3, 0.5]), rng.choice([1.0, 2.0, math.inf]))
     n, c, p = len(misses), model.cpu_s(tokens, MB), model.pcie_s(tokens, MB)
     best = _brute_force(misses, model, busy)
     for k in range(n):
@@ -216,23 +215,12 @@ def test_a_cut_is_the_best_of_every_whole_split_and_every_cut(seed):
             best = min(best, max(cpu, gpu))
     whole = split(misses, MB, model, busy)
     result = split(misses, MB, model, busy, cuts)
-    if whole.cpu and whole.pcie and not cuts.beside_whole:
+    if whole.cpu and whole.pcie:
         assert result == whole
     else:
         assert result.predicted_s == pytest.approx(best, rel=1e-9)
     cut = [result.cut[0]] if result.cut else []
     assert sorted(result.cpu + result.pcie + cut) == sorted(e for e, _ in misses)
-
-
-def test_a_cut_beside_whole_misses_is_tried_only_where_asked():
-    """Hand-worked: two misses, the CPU at 0.75 ms a whole expert, PCIe at 1 ms, 4 parts read by share
-    alone. Whole, one each side: 1 ms, the CPU idle for 0.25 of it. Cutting the PCIe one too, a
-    quarter to the CPU: 0.75 + 0.1875 = 0.9375 ms against 0.75 ms on PCIe; a half: 1.125 ms."""
-    misses, model = decode([2, 9]), costs(cpu_fixed=0.75e-3)
-    assert split(misses, MB, model, cuts=Cuts(4, 0.0, 2.0)).predicted_s == pytest.approx(1e-3)
-    cut = split(misses, MB, model, cuts=Cuts(4, 0.0, 2.0, beside_whole=True))
-    assert (cut.cpu, cut.pcie, cut.cut) == ([2], [], (9, 1))
-    assert (cut.cpu_s, cut.gpu_s) == pytest.approx((0.9375e-3, 0.75e-3))
 
 
 def test_a_cut_is_priced_by_the_cut_costs_and_the_whole_split_by_the_others():
