@@ -1,6 +1,11 @@
 """Which INT4 variant the `int4` scheme uses: group size and symmetric or zero points (mira.store.int4).
 
-For groups of 32, 64 and 128 weights, symmetric and with zero points, on the bundled model's experts:
+For groups of 32, 64 and 128 weights, symmetric and with zero points, on the bundled model's experts,
+and three diagnostic variants of 32-weight groups with zero points, none of them a store format:
+"rotated" quantizes each matrix turned by a random-sign Hadamard transform along its input dimension
+(spreading outliers over the group, as rotation-based schemes do) and turns the result back; "w13
+only" and "w2 only" quantize one matrix and keep the other as the checkpoint has it (how much of the
+loss each matrix carries):
 
 - weight error: the relative squared error of the dequantized experts, sum over experts of
   ||W_q - W||^2 / sum of ||W||^2, for w13 and w2, and the bits each weight costs in the blob;
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,13 +41,26 @@ from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import dequantize_expert, quantize_expert  # noqa: E402
 
 GROUPS = (32, 64, 128)
+DIAGNOSTIC = {"rotated": {"rotated": True}, "w13-only": {"only": "w13"}, "w2-only": {"only": "w2"}}
 
 
 def variants() -> dict[str, dict]:
-    """name -> int4 settings (group, zero_points); None for int8-shared."""
+    """name -> int4 settings (group, zero_points; a diagnostic's rotated or only); None for int8-shared."""
     out = {f"int4-g{group}-{'zp' if zp else 'sym'}": {"group": group, "zero_points": zp}
            for group in GROUPS for zp in (False, True)}
+    out |= {f"int4-g32-zp-{name}": {"group": 32, "zero_points": True} | extra for name, extra in DIAGNOSTIC.items()}
     return out | {"int8-shared": None}
+
+
+def rotation(n: int, seed: int = 0) -> torch.Tensor:
+    """A random-sign Hadamard matrix [n, n] (n a power of two), orthonormal, float32."""
+    if n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power of two, not {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
+    return (signs[:, None] * h / math.sqrt(n)).float()
 
 
 def fake_quantized(w13: torch.Tensor, w2: torch.Tensor, settings: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +71,29 @@ def fake_quantized(w13: torch.Tensor, w2: torch.Tensor, settings: dict | None) -
         layout.pack(quantize_expert(w13, w2, layout), blob)
         d13, d2 = dequantize_expert(layout.views(blob), layout)
         return d13.float(), d2.float()
-    return int4.dequantize(int4.quantize(w13, w2, **settings), torch.float32)
+    settings = dict(settings)
+    rotated, only = settings.pop("rotated", False), settings.pop("only", None)
+    r13, r2 = (rotation(w13.shape[1]), rotation(w2.shape[1])) if rotated else (None, None)
+    d13, d2 = int4.dequantize(int4.quantize(w13 @ r13 if rotated else w13, w2 @ r2 if rotated else w2, **settings),
+                              torch.float32)
+    if rotated:
+        d13, d2 = d13 @ r13.T, d2 @ r2.T
+    return (d13 if only != "w2" else w13.float()), (d2 if only != "w13" else w2.float())
 
 
-def bits_per_weight(hidden: int, intermediate: int, settings: dict | None) -> float:
+def bits_per_weight(hidden: int, intermediate: int, settings: dict | None) -> float | None:
+    """What a weight costs in the variant's blob (None for a diagnostic that keeps a matrix as is)."""
     weights = 3 * hidden * intermediate
     if settings is None:
         return 8 * ExpertLayout("int8-shared", hidden, intermediate).nbytes / weights
+    if "only" in settings:
+        return None
     sections = int4.sections(hidden, intermediate, settings["group"])
     return 8 * sum(dtype.itemsize * torch.Size(shape).numel() for _, dtype, shape in sections) / weights
+
+
+def fmt_bits(bits: float | None) -> str:
+    return "-" if bits is None else f"{bits:.3f}"
 
 
 def main() -> None:
@@ -96,7 +129,7 @@ def main() -> None:
                               **{f"relative_squared_error_{k}": s[0] / s[1] for k, s in sums.items()},
                               "bits_per_weight": bits_per_weight(hidden, intermediate, settings),
                               "settings": settings}
-        print(f"{name}: weight error {total:.5f}, {weight_error[name]['bits_per_weight']:.3f} bits/weight "
+        print(f"{name}: weight error {total:.5f}, {fmt_bits(weight_error[name]['bits_per_weight'])} bits/weight "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
 
     ids = token_stream(AutoTokenizer.from_pretrained(BUNDLED_MODEL), read_documents(HELDOUT_TEXT), args.max_tokens)
@@ -111,9 +144,9 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'variant':>16} {'bits/w':>7} {'w err':>8} {'ppl':>8} {'change':>8} {'KL':>8} {'top-1':>7}")
+    print(f"{'variant':>20} {'bits/w':>7} {'w err':>8} {'ppl':>8} {'change':>8} {'KL':>8} {'top-1':>7}")
     for name, f in result["variants"].items():
-        print(f"{name:>16} {f['bits_per_weight']:7.3f} {f['relative_squared_error']:8.5f} {f['perplexity']:8.4f} "
+        print(f"{name:>20} {fmt_bits(f['bits_per_weight']):>7} {f['relative_squared_error']:8.5f} {f['perplexity']:8.4f} "
               f"{100 * f['perplexity_change']:+7.2f}% {f['mean_kl']:8.5f} {100 * f['top1_agreement']:6.2f}%")
 
 
