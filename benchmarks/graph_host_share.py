@@ -163,7 +163,8 @@ def measure(name: str, args) -> dict:
                    "cpu_us": summary([cpu_pass(worker, n, args.steps * 4) * 1e6 for _ in range(args.repeats)])}
             result["experts"][str(n)] = row
             print(f"{name:16s} {n} experts  replayed {row['experts_us']['median']:8.1f} us a layer  "
-                  f"(copies alone {result['copies_us']['median']:6.1f})  outside a graph {row['cpu_us']['median']:8.1f} us")
+                  f"(copies alone {result['copies_us']['median']:6.1f})  "
+                  f"outside a graph {row['cpu_us']['median']:8.1f} us")
     finally:
         worker.stop()
     result["page_locked"] = store.data.is_pinned()

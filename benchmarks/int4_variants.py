@@ -146,7 +146,8 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'variant':>20} {'bits/w':>7} {'w err':>8} {'ppl':>8} {'change':>8} {'KL':>8} {'top-1':>7}")
     for name, f in result["variants"].items():
-        print(f"{name:>20} {fmt_bits(f['bits_per_weight']):>7} {f['relative_squared_error']:8.5f} {f['perplexity']:8.4f} "
+        print(f"{name:>20} {fmt_bits(f['bits_per_weight']):>7} {f['relative_squared_error']:8.5f} "
+              f"{f['perplexity']:8.4f} "
               f"{100 * f['perplexity_change']:+7.2f}% {f['mean_kl']:8.5f} {100 * f['top1_agreement']:6.2f}%")
 
 
