@@ -11,7 +11,7 @@ sum to pinned memory and releases the hold. Per layer, median and range over --r
 
   copies_us     the two copies and the add, no host node
   experts_us    with the host nodes, n experts a layer, for n in --experts (0: the round trip alone)
-  cpu_us        n experts called in the worker's thread with no graph around them
+  cpu_us        n experts called with no graph around them, in a thread of as many torch threads
 
     python benchmarks/graph_host_share.py --threads 15 [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--experts 0,1,2,4]
         [--layers 48] [--steps 20] [--repeats 5] [--out benchmarks/results/graph-host-share-h200.json]
