@@ -137,10 +137,10 @@ def layer_times(result: dict) -> list[str]:
         if jobs:
             lines += ["", f"{row['config']} at {row['budget']}: the CPU's side of the decode jobs a pace learnt from, "
                           "calibrated against measured, by kind",
-                      "  whole experts  cut share  jobs  calibrated ms  measured ms  measured/calibrated"]
+                      "  whole experts  cut share  jobs  calibrated ms  measured ms  measured/calibrated  compute ms"]
             lines += [f"  {job['whole_experts']:>13}  {job['cut_share'] or '-':>9}  {job['jobs']:>4}  "
                       f"{job['calibrated_ms']:>13.3f}  {job['measured_ms']:>11.3f}  "
-                      f"{job['measured_over_calibrated']:>19.3f}" for job in jobs]
+                      f"{job['measured_over_calibrated']:>19.3f}  {_num(job.get('compute_ms')):>10}" for job in jobs]
     return lines
 
 

@@ -88,8 +88,9 @@ class HybridTelemetry:
 
     Beside the layers, the decode jobs priced by a pace (`calibrated_cpu_s`), by kind: whole experts
     (1, 2, 3 or more) and the CPU's share of a cut in fifths, each with its calibrated and measured
-    CPU side (`jobs` in `summary`). A pace is one ratio for every job of its kind; where the ratio
-    grows as the cut's share shrinks, the calibration misses a fixed cost of small jobs."""
+    CPU side and the worker's own part of the latter (`jobs` in `summary`). A pace is one ratio for
+    every job of its kind; where the ratio grows as the cut's share shrinks, the calibration misses
+    a fixed cost of small jobs, in the worker's compute or in the wait before it."""
 
     CUT_BINS = 5  # the CPU's share of a cut, in fifths
 
@@ -111,7 +112,7 @@ class HybridTelemetry:
         self.device_calls = [0] * num_layers
         self.predicted_device_s = [0.0] * num_layers  # over the predicted calls
         self.served_with_prediction_s = [0.0] * num_layers  # the later side of the predicted calls
-        # (whole experts up to 3, the cut's fifth or -1) -> [jobs, calibrated seconds, measured seconds]
+        # (whole experts up to 3, the cut's fifth or -1) -> [jobs, calibrated, measured, compute seconds]
         self.jobs: dict[tuple[int, int], list[float]] = {}
 
     def record(self, layer_position: int, experts: int, tokens: int, measured_s: float, compute_s: float,
@@ -124,10 +125,11 @@ class HybridTelemetry:
         side as calibrated, for a decode job a pace learns from (0: none)."""
         if calibrated_cpu_s > 0:
             kind = (min(experts, 3), min(int(cut_share * self.CUT_BINS), self.CUT_BINS - 1) if cut_share > 0 else -1)
-            job = self.jobs.setdefault(kind, [0, 0.0, 0.0])
+            job = self.jobs.setdefault(kind, [0, 0.0, 0.0, 0.0])
             job[0] += 1
             job[1] += calibrated_cpu_s
             job[2] += measured_s
+            job[3] += compute_s
         self.calls[layer_position] += 1
         self.experts[layer_position] += experts
         self.cuts[layer_position] += cut_share > 0
@@ -183,10 +185,10 @@ class HybridTelemetry:
     def _jobs(self) -> list[dict]:
         """The paced decode jobs by kind, whole experts first, then by the cut's share."""
         rows = []
-        for (experts, fifth), (count, calibrated, measured) in sorted(self.jobs.items()):
+        for (experts, fifth), (count, calibrated, measured, compute) in sorted(self.jobs.items()):
             cut = f"{fifth / self.CUT_BINS:.1f}-{(fifth + 1) / self.CUT_BINS:.1f}" if fifth >= 0 else None
             rows.append({"whole_experts": f"{experts}+" if experts == 3 else str(experts), "cut_share": cut,
                          "jobs": int(count), "calibrated_ms": round(1e3 * calibrated / count, 4),
-                         "measured_ms": round(1e3 * measured / count, 4),
+                         "measured_ms": round(1e3 * measured / count, 4), "compute_ms": round(1e3 * compute / count, 4),
                          "measured_over_calibrated": round(measured / calibrated, 4)})
         return rows

@@ -13,7 +13,7 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
            "pcie_gb": 1.0, "bound": {"bound_tokens_per_s": 50.0, "hybrid_bound_tokens_per_s": 75.0},
            "achieved_over_bound": 5.5, "cpu_tokens": 6, "cpu_experts": {"mode": "all", "layers": layers, "jobs": [
                {"whole_experts": "0", "cut_share": "0.0-0.2", "jobs": 3, "calibrated_ms": 1.0, "measured_ms": 2.5,
-                "measured_over_calibrated": 2.5},
+                "measured_over_calibrated": 2.5, "compute_ms": 2.1},
                {"whole_experts": "1", "cut_share": None, "jobs": 1, "calibrated_ms": 3.0, "measured_ms": 3.9,
                 "measured_over_calibrated": 1.3}]},
            "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25},
@@ -32,8 +32,8 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     jobs = lines.index("mira-cpu-all at 8GiB: the CPU's side of the decode jobs a pace learnt from, calibrated "
                        "against measured, by kind")
     assert jobs == at + 4 and lines[jobs + 1].split()[0] == "whole"
-    assert lines[jobs + 2].split() == ["0", "0.0-0.2", "3", "1.000", "2.500", "2.500"]
-    assert lines[jobs + 3].split() == ["1", "-", "1", "3.000", "3.900", "1.300"]
+    assert lines[jobs + 2].split() == ["0", "0.0-0.2", "3", "1.000", "2.500", "2.500", "2.1"]
+    assert lines[jobs + 3].split() == ["1", "-", "1", "3.000", "3.900", "1.300"]  # an older result: no compute
     assert len(lines) == jobs + 4
     row["cpu_experts"]["covers"] = "timed runs"  # what mira bench writes now (run_mira)
     assert ("mira-cpu-all at 8GiB: predicted and measured ms per MoE layer call with a CPU share (over the timed runs "
