@@ -85,6 +85,8 @@
 #   bash benchmarks/h200_suite.sh graph-share  # the CPU's share inside a replayed CUDA graph (host nodes wake the
 #                                           # worker and hold the stream), Qwen3-30B-A3B and OLMoE-1B-7B shapes:
 #                                           # the round trip's cost a layer, and 1-4 experts on the CPU (~1 min)
+#   bash benchmarks/h200_suite.sh cpu-lanes  # the same shapes' experts on the host's CPU, several at once on 15 /
+#                                           # L threads each (L = 2, 3, 5) against one at a time on 15 (~1 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -247,6 +249,8 @@ case "${1:-}" in
       --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-columns-h200.json" ;;
   graph-share)
     timeout 200 python benchmarks/graph_host_share.py --threads 15 --out "$OUT/graph-host-share-h200.json" ;;
+  cpu-lanes)
+    timeout 200 python benchmarks/cpu_lanes.py --threads 15 --lanes 1,2,3,5 --out "$OUT/cpu-lanes-h200.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
