@@ -10,7 +10,7 @@ so no CPU cache holds one from the call before), median and range over --repeats
 is the executor as it runs today.
 
     python benchmarks/cpu_lanes.py --threads 15 [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--lanes 1,2,3,5]
-        [--experts 60] [--repeats 5] [--out benchmarks/results/cpu-lanes-h200.json]
+        [--experts 150] [--repeats 5] [--out benchmarks/results/cpu-lanes-h200.json]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def lanes_pass(layout: ExpertLayout, views: list[dict], x: torch.Tensor, lanes: 
 def measure(name: str, args) -> dict:
     config = shape_config(name)
     layout = layout_for(config, "int8-shared")
-    store, blobs = blobs_for(config, layout, args.spread_gb * 1e9, pin=False)
+    _store, blobs = blobs_for(config, layout, args.spread_gb * 1e9, pin=False)  # the store holds the blobs' memory
     views = [layout.views(blob) for blob in blobs[: args.experts]]
     x = torch.randn(1, layout.hidden).to(torch.bfloat16)
     result = {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
@@ -90,7 +90,6 @@ def measure(name: str, args) -> dict:
         row["speedup"] = one / row["us_per_expert"]["median"]
         print(f"{name:16s} {lanes:>2} lanes of {row['threads_per_lane']:>2} threads  "
               f"{row['us_per_expert']['median']:8.1f} us an expert  ({row['speedup']:.2f}x one lane)", flush=True)
-    del store
     return result
 
 
@@ -99,7 +98,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True, help="torch threads in all, shared by the lanes")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b", help="presets, comma-separated")
     parser.add_argument("--lanes", default="1,2,3,5", help="lane counts, comma-separated (1: today's executor)")
-    parser.add_argument("--experts", type=int, default=60, help="distinct experts a pass computes")
+    parser.add_argument("--experts", type=int, default=150,
+                        help="distinct experts a pass computes (more bytes than the CPU's caches hold)")
     parser.add_argument("--repeats", type=int, default=5, help="passes a figure (>= 3)")
     parser.add_argument("--spread-gb", type=float, default=1.0, help="bytes of distinct blobs to draw from")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu-lanes.json")
