@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cpu_experts import blobs_for, layout_for, shape_config, summary, write_result  # noqa: E402
 
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
-from mira.runtime.host_signal import SEM_T_BYTES, HostSignal  # noqa: E402
+from mira.runtime.host_signal import SEM_T_BYTES, HostSignal, launch_host_func  # noqa: E402
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # its calls let the GIL go
 LIBC.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
@@ -85,12 +85,8 @@ class Worker:
 
 
 def _post_launcher():
-    """cuLaunchHostFunc with libc's sem_post as the host function: a graph node that wakes the worker."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    launch = cuda.cuLaunchHostFunc
-    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    launch.restype = ctypes.c_int
-    post = ctypes.cast(LIBC.sem_post, ctypes.c_void_p)
+    """A graph node that wakes the worker: cuLaunchHostFunc with libc's sem_post as the host function."""
+    launch, post = launch_host_func(), ctypes.cast(LIBC.sem_post, ctypes.c_void_p)
     return lambda stream, sem: launch(ctypes.c_void_p(stream.cuda_stream), post, ctypes.cast(sem, ctypes.c_void_p))
 
 

@@ -28,7 +28,8 @@ def _libc() -> ctypes.PyDLL:
     return libc
 
 
-def _launch_host_func():
+def launch_host_func():
+    """The driver's cuLaunchHostFunc(CUstream, CUhostFn, void *userData), returning its CUresult."""
     cuda = ctypes.CDLL("libcuda.so.1")
     launch = cuda.cuLaunchHostFunc
     launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # CUstream, CUhostFn, void *userData
@@ -51,7 +52,7 @@ class HostSignal:
         """Enqueue on `stream` (default: the current one) a wait for the next unmatched `post`."""
         stream = stream or torch.cuda.current_stream()
         if self._launch is None:
-            self._launch = _launch_host_func()
+            self._launch = launch_host_func()
         status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._wait, ctypes.cast(self._sem, ctypes.c_void_p))
         if status:
             raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
