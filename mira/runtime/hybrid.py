@@ -3,10 +3,16 @@
 Inline, a layer knows its misses before its kernel (`ExpertCache.settle_layer`). A decode call's
 rows go to the host first (`HybridExperts.copy_rows`, queued ahead of the settle's waits for the
 copies of experts it admits). `HybridExperts.start` then chooses the misses the CPU computes
-(every one, or the cost model's split), copies a larger call's rows to the host, hands the worker
-the job and hides those experts from the layer's address table (address 0: the kernel adds zero
-for them, its weights unread). The layer's kernel then computes the rest; `finish` restores the
-table and adds the CPU's partial sum into the layer's output.
+(every one, or the cost model's split), copies a larger call's rows to the host, makes the
+worker's job and hides those experts from the layer's address table (address 0: the kernel adds
+zero for them, its weights unread). The layer's kernel then computes the rest; `finish` restores
+the table and adds the CPU's partial sum into the layer's output.
+
+Who starts first. The worker takes the GIL between its operations, so once it has a job the
+host's own steps (the table updates, the kernel's launch) run several times more slowly. On CUDA,
+where the device's side is predicted the longer, `start` therefore keeps the job and `finish`
+hands it over, once the kernel is launched; otherwise (and on a CPU-only run, whose "kernel"
+computes in place) `start` hands it over at once.
 
 A one-token call may also cut one miss between the two sides (`Split.cut`): the kernel computes
 its first intermediate units, read over PCIe, while the CPU computes the rest (the table's limit
@@ -35,6 +41,7 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +124,7 @@ class CpuShare:
     cut: tuple[int, int] | None  # (expert, first unit the CPU computes), the kernel's limit for it
     tokens: int
     job: CpuJob
-    future: object  # concurrent.futures.Future of the partial sum [T, H]
+    future: Future | None  # of the partial sum [T, H]; None until the worker has the job (`finish` hands it over)
     begin: float
     predicted: tuple[float, float, float] | None  # seconds: the layer's misses served, the CPU's side, the device's
     calibrated_cpu_s: float  # the CPU's side as calibrated, before its pace (0.0 without a pace)
@@ -219,9 +226,9 @@ class HybridExperts:
     def start(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               on_device: list[tuple[int, int]], from_host: list[tuple[int, int]],
               copied: Sequence[tuple[int, int]] = ()) -> CpuShare | None:
-        """Before the layer's kernel: hand the CPU its share of the misses and hide those experts
-        from the table (the arguments after `top_k_weights`: mira.cache.cache.Settled). None when
-        the CPU gets none."""
+        """Before the layer's kernel: the CPU's share of the misses, handed to the worker now or by
+        `finish` (see "Who starts first" above), and those experts hidden from the table (the
+        arguments after `top_k_weights`: mira.cache.cache.Settled). None when the CPU gets none."""
         rows_copied, self._copied = self._copied, False
         self.collect()  # the last job recorded (a larger call's rows are copied below, over its host rows)
         if hidden.shape[0] <= DECODE_TOKENS:
@@ -249,7 +256,8 @@ class HybridExperts:
         if not rows_copied:
             rows.copy_in(hidden, top_k_index, top_k_weights)
         job = rows.job(hidden.shape[0], layer_position, computed, self._blobs[layer_position], done, cut)
-        future = self.worker.submit(job)
+        device_first = self._signal is not None and plan is not None and plan.gpu_s > plan.cpu_s
+        future = None if device_first else self.worker.submit(job)  # see "Who starts first" above
         if self._device_side is not None:
             self._device_side[0].record()
         self._tables.hide(layer_position, experts)
@@ -265,9 +273,12 @@ class HybridExperts:
                         calibrated_device)
 
     def finish(self, share: CpuShare, out: torch.Tensor) -> torch.Tensor:
-        """After the layer's kernel has been launched on `out` [T, H]: restore the table and add the
-        CPU's partial sum into `out` on the device's current stream; on CUDA without waiting for it
-        (the stream holds until the worker is through), on the CPU after it."""
+        """After the layer's kernel has been launched on `out` [T, H]: hand the worker its job if
+        `start` kept it, restore the table and add the CPU's partial sum into `out` on the device's
+        current stream; on CUDA without waiting for it (the stream holds until the worker is
+        through), on the CPU after it."""
+        if share.future is None:
+            share.future = self.worker.submit(share.job)
         self._restore(share)
         if self._signal is None:
             out = self._rows.add_into(out, share.future.result())
@@ -279,10 +290,12 @@ class HybridExperts:
         return self._rows.add_into(out, share.job.out)
 
     def abandon(self, share: CpuShare) -> None:
-        """The layer failed between `start` and `finish`: restore its table, wait until the worker is
-        through with the job (its host rows are then free) and, on CUDA, take back the post that no
-        hold will match. The worker's own error, if any, gives way to the layer's."""
+        """The layer failed between `start` and `finish`: restore its table and, if the worker has
+        the job, wait until it is through (its host rows are then free) and, on CUDA, take back the
+        post that no hold will match. The worker's own error, if any, gives way to the layer's."""
         self._restore(share)
+        if share.future is None:  # never handed over: no post will come
+            return
         share.future.exception()  # waits, raising nothing
         if self._signal is not None:
             self._signal.take()
