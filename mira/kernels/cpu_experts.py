@@ -85,6 +85,7 @@ class CpuExpertFFN:
         self._gate_up_mm = _int8_product(layout.hidden)
         self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
         self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
+        self._column_views: dict[torch.Size, torch.Tensor] = {}  # views of that buffer by shape, made once
         self._views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # id(blob) -> (blob, its views)
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
@@ -97,26 +98,26 @@ class CpuExpertFFN:
         """
         scheme = self.layout.scheme
         ranges = self._w13_ranges(first)  # the rows of w13 the cut computes (None: all)
-        w13 = _rows(views["w13"], ranges)
+        w13 = _rows(views["w13"], ranges)  # products of these: gate_up, [T, 2I] whole or a cut's [T, I'] parts
         if scheme == "none":
             dtype = views["w13"].dtype
-            gate_up = _joined([F.linear(x.to(dtype), w) for w in w13])  # [T, 2I']
+            gate_up = [F.linear(x.to(dtype), w) for w in w13]
             h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
             y = F.linear(h.to(dtype), w2)  # [T, H]
         elif scheme == "int4":  # whole experts only: the INT4 kernels cut none (no cut granule)
             if first:
                 raise ValueError("int4 experts are computed whole; the device cuts none")
-            gate_up = self._int4_mm(x, views["w13"], views["sz13"])  # [T, 2I]
+            gate_up = [self._int4_mm(x, views["w13"], views["sz13"])]
             y = self._int4_mm(self._hidden(gate_up, views, None), views["w2"], views["sz2"])  # [T, H] float32
         elif scheme == "int8-shared":
             scale = views["scale"]  # [H] bf16
             xs = _as(x, COMPUTE_DTYPE) * scale
-            gate_up = _joined([self._gate_up_mm(xs, w, unit) for w, unit in zip(w13, _rows(self._unit, ranges))])
+            gate_up = [self._gate_up_mm(xs, w, unit) for w, unit in zip(w13, _rows(self._unit, ranges))]
             h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
             y = _int8_product(w2.shape[1])(h.to(COMPUTE_DTYPE), w2, scale)
         else:
             xb = _as(x, COMPUTE_DTYPE)
-            gate_up = _joined([self._gate_up_mm(xb, w, s) for w, s in zip(w13, _rows(views["scale13"], ranges))])
+            gate_up = [self._gate_up_mm(xb, w, s) for w, s in zip(w13, _rows(views["scale13"], ranges))]
             h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
             y = _int8_product(w2.shape[1])(h.to(COMPUTE_DTYPE), w2, views["scale2"])
         if self.layout.bias and first == 0:
@@ -157,8 +158,9 @@ class CpuExpertFFN:
             if blobs[expert] is None:
                 raise ValueError(f"expert {expert} is to be computed on the CPU but no blob was given for it")
         firsts = dict([cut]) if cut is not None else {}
-        if hidden.shape[0] == 1:
-            total = self._one_token(hidden, top_k_index, top_k_weights, blobs, experts, firsts)
+        if hidden.shape[0] == 1:  # a float32 out is summed into in place (one torch call fewer)
+            into = out if out is not None and out.dtype == torch.float32 else None
+            total = self._one_token(hidden, top_k_index, top_k_weights, blobs, experts, firsts, into)
         else:
             total = torch.zeros(hidden.shape, dtype=torch.float32)  # [T, H]
             for expert in experts:
@@ -169,14 +171,16 @@ class CpuExpertFFN:
                 total.index_add_(0, token_idx, y.float() * top_k_weights[token_idx, k_pos, None].float())
         if out is None:
             return total.to(hidden.dtype)
-        return out.copy_(total)
+        return total if total is out else out.copy_(total)
 
     def _one_token(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   blobs: Sequence[torch.Tensor | None], experts: Sequence[int], firsts: dict[int, int]) -> torch.Tensor:
-        """A decode call's sum [1, H] in float32 with half the torch operations: the routing read once,
-        no gathers, one accumulation per expert (a worker thread gives the GIL up at each operation)."""
+                   blobs: Sequence[torch.Tensor | None], experts: Sequence[int], firsts: dict[int, int],
+                   total: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode call's sum [1, H] in float32 (into `total` when given) with half the torch
+        operations: the routing read once, no gathers, one accumulation per expert (a worker thread
+        gives the GIL up at each operation)."""
         route, weights = top_k_index.tolist()[0], top_k_weights.tolist()[0]  # [K] each
-        total = torch.zeros(hidden.shape, dtype=torch.float32)  # [1, H]
+        total = torch.zeros(hidden.shape, dtype=torch.float32) if total is None else total.zero_()  # [1, H]
         for expert in experts:
             if expert in route:
                 y = self.expert(hidden, self.views(blobs[expert]), firsts.get(expert, 0))  # [1, H]
@@ -201,23 +205,24 @@ class CpuExpertFFN:
             return None
         return [(first, I), (I + first, 2 * I)] if self.layout.gated else [(first, I)]
 
-    def _hidden(self, gate_up: torch.Tensor, views: dict[str, torch.Tensor],
+    def _hidden(self, gate_up: list[torch.Tensor], views: dict[str, torch.Tensor],
                 ranges: list[tuple[int, int]] | None) -> torch.Tensor:
-        """The hidden state [T, I'] in float32 from the gate-and-up output [T, 2I'] of the w13 rows in
-        `ranges` (gate columns first; up columns only when ungated): its bias added, then the family's
-        gate, act(gate) * up, or act(up)."""
-        gate_up = gate_up.float()
-        if self.layout.bias:
-            bias = views["b13"]
-            gate_up = gate_up + _joined(_rows(bias, ranges))
-        if self.gate is not None:
-            h = self.gate(gate_up)
-        elif self.layout.gated:
-            gate, up = gate_up.chunk(2, dim=-1)  # [T, I'] each
-            h = self.act(gate) * up
-        else:
-            h = self.act(gate_up)
-        return h
+        """The hidden state [T, I'] in float32 from the gate-and-up output of the w13 rows in `ranges`,
+        given as the products of those ranges ([T, 2I'] whole, or a cut's gate part and up part,
+        [T, I'] each): its bias added, then the family's gate, act(gate) * up, or act(up). Without a
+        bias or a family's gate the parts are taken as they come (no join, no split: each torch call
+        lets a worker's GIL go) and only the gate is converted, the product promoting up to float32."""
+        if self.layout.bias or self.gate is not None:
+            joined = _joined(gate_up).float()
+            if self.layout.bias:
+                joined = joined + _joined(_rows(views["b13"], ranges))
+            if self.gate is not None:
+                return self.gate(joined)
+            gate_up = [joined]
+        if not self.layout.gated:
+            return self.act(gate_up[0].float())
+        gate, up = gate_up if len(gate_up) == 2 else gate_up[0].chunk(2, dim=-1)  # [T, I'] each
+        return self.act(gate.float()) * up
 
     def reads_columns(self, share: float) -> bool:
         """Whether a cut's CPU part with `share` of the intermediate units reads only its columns of
@@ -237,9 +242,13 @@ class CpuExpertFFN:
         columns = w2[:, first:]  # [H, I'], strided
         if self.layout.scheme == "none":
             return h, columns
-        if self._columns.numel() < columns.numel():
-            self._columns = torch.empty(columns.numel(), dtype=columns.dtype)
-        return h, self._columns[:columns.numel()].view(columns.shape).copy_(columns)
+        buffer = self._column_views.get(columns.shape)
+        if buffer is None:
+            if self._columns.numel() < columns.numel():
+                self._columns = torch.empty(columns.numel(), dtype=columns.dtype)
+                self._column_views.clear()
+            buffer = self._column_views[columns.shape] = self._columns[:columns.numel()].view(columns.shape)
+        return h, buffer.copy_(columns)
 
 
 def _rows(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None) -> list[torch.Tensor]:

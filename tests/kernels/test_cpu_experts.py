@@ -499,3 +499,42 @@ def test_a_one_token_call_sums_what_a_many_token_call_does(scheme, weight_dtype)
               out=torch.empty(2, H))
     assert one.abs().sum() > 0
     torch.testing.assert_close(one, two[:1], rtol=1e-6, atol=1e-6)
+
+
+class _RecordCalls(TorchFunctionMode):
+    """Records the torch calls that run an operation (a worker thread gives its GIL up at each of
+    them), leaving out reads of a tensor's attributes, data pointer and values, and indexing."""
+
+    SKIPPED = {"__get__", "__getitem__", "is_contiguous", "data_ptr", "numel", "tolist"}
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in self.SKIPPED:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("first", [0, 64])  # I = 80: whole, and a cut's part of 0.2 reading its columns
+def test_a_decode_call_joins_splits_and_copies_nothing_it_need_not(first):
+    """Hand-worked, int8-shared, one token into a float32 out: the scale folded into x, the gate/up
+    product (a cut's gate and up rows: two), gate to float32, act, times up, the cut's columns copied,
+    h to bf16, the down product, the weighted sum written into out. Nothing joins the cut's two
+    parts, nothing copies the sum."""
+    H, I = 96, 80
+    layout = ExpertLayout("int8-shared", H, I)
+    blobs = make_blobs(layout, 2, seed=first)
+    ffn = CpuExpertFFN(layout, F.silu)
+    hidden, route, weights = torch.randn(1, H).bfloat16(), torch.tensor([[0, 1]]), torch.tensor([[0.7, 0.3]])
+    cut = (0, first) if first else None
+    out = torch.empty(1, H)
+    ffn(hidden, route, weights, blobs, [0], out=out, cut=cut)  # views made once, then recorded
+    with _RecordCalls() as recorded:
+        ffn(hidden, route, weights, blobs, [0], out=out, cut=cut)
+    products = ["_weight_int8pack_mm", "_weight_int8pack_mm", "float", "silu", "mul"] if first else \
+        ["_weight_int8pack_mm", "chunk", "float", "silu", "mul"]
+    columns = ["copy_"] if first else []
+    assert recorded.names == ["zero_", "mul", *products, *columns, "to", "_weight_int8pack_mm", "add_"]
