@@ -9,13 +9,15 @@ its own thread, in three settings of the host (this) thread:
               the loop calibration runs beside the timed CPU (mira.runtime.calibrate.keep_host_busy)
   spinning    the host runs pure Python only (it lets the GIL go at the switch interval alone)
 
-and in three forms of the job:
+and in four forms of the job:
 
   python      one int8-shared expert computed operation by operation as the executor does
               (mira.kernels.cpu_experts; its operations written out here, in one function that
               TorchScript can also compile), each operation giving the GIL up and taking it back
   scripted    that function as TorchScript, which holds no GIL while it runs
   python+switch  the python form with the interpreter's switch interval at --switch-s
+  process     the python form in a child process over a copy of the blobs in shared memory: an
+              interpreter, and a GIL, of its own (what a worker process would gain)
 
 Each figure: median and range over --repeats passes of --calls jobs over distinct blobs (a pass
 through --spread-gb of experts, so that no CPU cache holds a blob from the call before). Every
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -78,9 +81,41 @@ def job_pass(job, views: list[dict], x: torch.Tensor, unit: torch.Tensor, calls:
     return (time.perf_counter() - start) / calls
 
 
-def measure_pass(worker: CpuExpertWorker, job, views, x, unit, host: str, calls: int) -> float:
-    """Microseconds per job of one pass with the host (this thread) `host`."""
-    future = worker.call(job_pass, job, views, x, unit, calls)
+def _process_main(conn, views: list[dict], x: torch.Tensor, unit: torch.Tensor, threads: int) -> None:
+    """The child's loop: a pass of that many jobs per request, its mean seconds sent back."""
+    torch.set_num_threads(threads)
+    while (calls := conn.recv()) is not None:
+        conn.send(job_pass(_one_expert, views, x, unit, calls))
+
+
+class ProcessWorker:
+    """The python form's passes in a child process, over the blobs copied once into shared memory."""
+
+    def __init__(self, layout, blobs: list[torch.Tensor], x: torch.Tensor, unit: torch.Tensor, threads: int):
+        shared = torch.empty(len(blobs), layout.nbytes, dtype=torch.uint8).share_memory_()  # [blobs, bytes]
+        for row, blob in zip(shared, blobs):
+            row.copy_(blob)
+        context = torch.multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_process_main, daemon=True,
+                                        args=(child, [layout.views(row) for row in shared], x, unit, threads))
+        self._process.start()
+
+    def call(self, calls: int) -> Future:
+        """A pass of `calls` jobs; the future's result is its mean seconds per job (a thread of this
+        process waits for the reply, its GIL let go meanwhile)."""
+        future: Future = Future()
+        self._conn.send(calls)
+        threading.Thread(target=lambda: future.set_result(self._conn.recv()), daemon=True).start()
+        return future
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join()
+
+
+def measure_pass(future: Future, host: str) -> float:
+    """Microseconds per job of the pass `future` stands for, with the host (this thread) `host`."""
     if host == "launching":
         keep_host_busy(future)
     elif host == "spinning":
@@ -109,16 +144,21 @@ def main() -> None:
     jobs = {"python": _one_expert, "scripted": _scripted_jobs(), "python+switch": _one_expert}
     default_switch = sys.getswitchinterval()
     results: dict = {}
-    cells = [(name, host) for name in jobs for host in ("idle", "launching", "spinning")]
+    cells = [(name, host) for name in (*jobs, "process") for host in ("idle", "launching", "spinning")]
     runs: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+    child = ProcessWorker(layout, blobs, x, unit, args.threads)
     with CpuExpertWorker(ffn, args.threads) as worker:
         for job in jobs.values():  # first calls (scripting's profiling runs) untimed
             worker.call(job_pass, job, views[:2], x, unit, 4).result()
+        child.call(4).result()
         for _ in range(args.repeats):  # every cell once per round: drift over the run falls on all alike
             for name, host in cells:
                 sys.setswitchinterval(args.switch_s if name == "python+switch" else default_switch)
-                runs[name, host].append(measure_pass(worker, jobs[name], views, x, unit, host, args.calls))
+                future = child.call(args.calls) if name == "process" else \
+                    worker.call(job_pass, jobs[name], views, x, unit, args.calls)
+                runs[name, host].append(measure_pass(future, host))
         sys.setswitchinterval(default_switch)
+    child.close()
     for name, host in cells:
         row = results.setdefault(name, {})[host] = summary(runs[name, host])
         print(f"{name:14s} host {host:9s} {row['median']:10.1f} us per expert "

@@ -87,6 +87,10 @@
 #                                           # the round trip's cost a layer, and 1-4 experts on the CPU (~1 min)
 #   bash benchmarks/h200_suite.sh cpu-lanes  # the same shapes' experts on the host's CPU, several at once on 15 /
 #                                           # L threads each (L = 2, 3, 5) against one at a time on 15 (~1 min)
+#   bash benchmarks/h200_suite.sh gil       # a Mixtral-shaped expert on the CPU worker (15 threads) with the host
+#                                           # idle, launching or spinning: in the worker's thread (as python,
+#                                           # TorchScript, a short switch interval) against a child process of
+#                                           # its own GIL over shared memory (~2 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -251,6 +255,8 @@ case "${1:-}" in
     timeout 200 python benchmarks/graph_host_share.py --threads 15 --out "$OUT/graph-host-share-h200.json" ;;
   cpu-lanes)
     timeout 200 python benchmarks/cpu_lanes.py --threads 15 --lanes 1,2,3,5 --out "$OUT/cpu-lanes-h200.json" ;;
+  gil)
+    timeout 300 python benchmarks/cpu_gil.py --threads 15 --calls 16 --out "$OUT/cpu-gil-h200.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
