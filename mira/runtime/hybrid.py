@@ -251,7 +251,7 @@ class HybridExperts:
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
-        done = self._signal.post if self._signal is not None else None
+        done = self._signal
         computed = sorted(experts + [cut[0]]) if cut is not None else experts
         if not rows_copied:
             rows.copy_in(hidden, top_k_index, top_k_weights)
@@ -385,6 +385,6 @@ class HybridExperts:
         top_k = top_k_weights.shape[1]
         if rows is None or rows.hidden.shape[0] < tokens or rows.hidden.dtype != hidden.dtype \
                 or rows.top_k_index.shape[1] != top_k or rows.top_k_weights.dtype != top_k_weights.dtype:
-            self._rows = rows = HostRows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype, self._device,
-                                         top_k_weights.dtype)
+            self._rows = rows = self.worker.host_rows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype,
+                                                      self._device, top_k_weights.dtype)
         return rows
