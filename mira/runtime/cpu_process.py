@@ -80,9 +80,11 @@ class CpuExpertProcess:
     Attributes:
         threads: the count the child runs with, read inside it.
         own_threads: always true: the child's count is its own.
+        shares_gil: false: the host's work and the child's do not slow each other down.
     """
 
     own_threads = True
+    shares_gil = False
 
     def __init__(self, ffn: CpuExpertFFN, threads: int) -> None:
         if threads < 1:

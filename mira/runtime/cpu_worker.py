@@ -84,7 +84,10 @@ class CpuExpertWorker:
     Attributes:
         threads: the count the worker's thread runs with, read inside it.
         own_threads: whether the caller's count stayed its own (true under OpenMP).
+        shares_gil: true: its operations and the caller's take turns with one GIL.
     """
+
+    shares_gil = True
 
     def __init__(self, ffn: CpuExpertFFN, threads: int) -> None:
         if threads < 1:

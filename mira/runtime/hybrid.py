@@ -256,7 +256,8 @@ class HybridExperts:
         if not rows_copied:
             rows.copy_in(hidden, top_k_index, top_k_weights)
         job = rows.job(hidden.shape[0], layer_position, computed, self._blobs[layer_position], done, cut)
-        device_first = self._signal is not None and plan is not None and plan.gpu_s > plan.cpu_s
+        device_first = self.worker.shares_gil and self._signal is not None and plan is not None \
+            and plan.gpu_s > plan.cpu_s
         future = None if device_first else self.worker.submit(job)  # see "Who starts first" above
         if self._device_side is not None:
             self._device_side[0].record()

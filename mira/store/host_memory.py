@@ -20,6 +20,7 @@ import torch
 
 from mira.errors import MiraError
 
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # page tables filled at mapping, not by faults on first reads
 _uids = itertools.count(1)
 _mappings: dict[int, weakref.ref] = {}  # base address -> its mapping, while it lives
 
@@ -99,7 +100,8 @@ class SharedViews:
     def map(self, file: SharedFile) -> None:
         if file.uid not in self._maps:
             with open(file.path, "r+b") as opened:
-                self._maps[file.uid] = torch.frombuffer(mmap.mmap(opened.fileno(), file.nbytes), dtype=torch.uint8)
+                mapping = mmap.mmap(opened.fileno(), file.nbytes, flags=mmap.MAP_SHARED | POPULATE)
+            self._maps[file.uid] = torch.frombuffer(mapping, dtype=torch.uint8)
 
     def view(self, place: SharedPlace) -> torch.Tensor:
         nbytes = math.prod(place.shape) * place.dtype.itemsize
