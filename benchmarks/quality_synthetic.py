@@ -44,8 +44,7 @@ from mira.store.files import write_json_atomic  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.manifest import FORMAT_VERSION, Manifest  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
-from mira.store.host_memory import host_buffer
-from mira.store.store import ExpertStore  # noqa: E402
+from mira.store.store import ExpertStore, host_buffer  # noqa: E402
 
 REFERENCE = "none"
 SCHEMES = ("int8-shared", "int8-row", "int4")

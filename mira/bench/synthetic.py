@@ -49,8 +49,7 @@ from mira.models.registry import adapter_for
 from mira.store import int4
 from mira.store.layout import ExpertLayout
 from mira.store.manifest import Manifest, format_version
-from mira.store.host_memory import host_buffer
-from mira.store.store import ExpertStore
+from mira.store.store import ExpertStore, host_buffer
 
 # Sizes from each model's published config.json (Hugging Face model pages of the same names).
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {

@@ -32,7 +32,7 @@ from mira.cache.costmodel import HybridCosts, LinearCost
 from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.kernels.tuning import TUNING_DIR, device_key
-from mira.runtime.cpu_worker import CpuExpertWorker
+from mira.runtime.cpu_worker import CpuExpertWorker, HostRows
 from mira.store.files import write_json_atomic
 
 TOKENS = (1, 2, 4, 8)  # token counts the CPU and GPU lines are fitted over
@@ -174,7 +174,7 @@ def _time_cpu(ffn, blobs: Sequence[torch.Tensor], tokens: int, budget_s: float) 
 def _round_trip(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device) -> float:
     """Mean seconds of a job with no experts: rows to the host, the worker's wake-up, the sum back."""
     layout = worker.ffn.layout
-    rows = worker.host_rows(1, layout.hidden, 1, torch.bfloat16, device)
+    rows = HostRows(1, layout.hidden, 1, torch.bfloat16, device)
     hidden = torch.randn(1, layout.hidden, device=device).to(torch.bfloat16)
     index = torch.zeros(1, 1, dtype=torch.int64, device=device)
     weights = torch.ones(1, 1, device=device)

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from mira.kernels.cpu_experts import CpuExpertFFN
-from mira.runtime.host_signal import HostSignal
-from mira.store.host_memory import host_buffer, page_lock
 
 
 @dataclass
@@ -50,11 +48,9 @@ class CpuJob:
         blobs: length E, the host-store blob of every expert in `experts`.
         out: [T, H] host tensor the partial sum is written into (every row).
         ready: a CUDA event recorded after the copies that fill the host tensors (None on the CPU).
-        done: posted by the worker once it is through with the job, whether it failed or not.
+        done: called by the worker once it is through with the job, whether it failed or not.
         cut: (expert, first): that expert of `experts` from intermediate unit `first` on only (the
             device computes the units below); None: every expert whole.
-        copies: how many times its host rows had been filled when it was made (`HostRows.copies`): a
-            worker in another process waits for that many of the rows' posts.
         compute_s: set by the worker: seconds from the rows being ready to the partial sum written.
         finished: set by the worker: `time.perf_counter()` when it was through.
     """
@@ -67,9 +63,8 @@ class CpuJob:
     blobs: Sequence[torch.Tensor | None]
     out: torch.Tensor
     ready: torch.cuda.Event | None = None
-    done: HostSignal | None = None
+    done: Callable[[], None] | None = None
     cut: tuple[int, int] | None = None
-    copies: int = 0
     compute_s: float = 0.0
     finished: float = 0.0
 
@@ -84,10 +79,7 @@ class CpuExpertWorker:
     Attributes:
         threads: the count the worker's thread runs with, read inside it.
         own_threads: whether the caller's count stayed its own (true under OpenMP).
-        shares_gil: true: its operations and the caller's take turns with one GIL.
     """
-
-    shares_gil = True
 
     def __init__(self, ffn: CpuExpertFFN, threads: int) -> None:
         if threads < 1:
@@ -107,11 +99,6 @@ class CpuExpertWorker:
     def submit(self, job: CpuJob) -> Future:
         """Queue `job`; the future's result is `job.out` once written."""
         return self.call(self._compute, job)
-
-    def host_rows(self, max_tokens: int, hidden_size: int, top_k: int, dtype: torch.dtype,
-                  device: torch.device | str, weights_dtype: torch.dtype = torch.float32) -> HostRows:
-        """Host rows for this worker's jobs (see HostRows)."""
-        return HostRows(max_tokens, hidden_size, top_k, dtype, device, weights_dtype)
 
     def call(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` on the worker's thread (with its thread count), after the jobs queued before."""
@@ -145,12 +132,12 @@ class CpuExpertWorker:
         finally:
             job.finished = time.perf_counter()
             if job.done is not None:
-                job.done.post()
+                job.done()
 
     def _run(self, threads: int, started: Future) -> None:
         try:
             torch.set_num_threads(threads)
-            first_parallel_operation()
+            _first_parallel_operation()
         except BaseException as error:  # the constructor raises it
             started.set_exception(error)
             return
@@ -165,7 +152,7 @@ class CpuExpertWorker:
                 future.set_exception(error)
 
 
-def first_parallel_operation() -> None:
+def _first_parallel_operation() -> None:
     """An operation that enters torch's parallel loop whatever its size (elementwise ones run serially
     below a grain size and never get there), so this thread's count is fixed now."""
     torch._weight_int8pack_mm(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.int8),
@@ -180,9 +167,7 @@ class HostRows:
     `add_into` adds the worker's partial sum into the layer's output on the device. Both enqueue on
     the current stream, so a job's event also follows the previous job's return copy: the worker
     never overwrites `out` before that copy has read it. One job per buffer set is in flight at a
-    time. The buffers are memory another process can map (mira.store.host_memory), page-locked on
-    CUDA; with `posts`, each fill also posts it once the rows are there (on CUDA from a side stream
-    behind their event), for a worker in another process.
+    time.
 
     Args:
         max_tokens: most tokens of one call (T).
@@ -192,34 +177,23 @@ class HostRows:
         device: where the layer runs.
         weights_dtype: the routing weights' dtype (kept as they come: a copy that also converts
             would make a device temporary on every call).
-        posts: posted once per fill, when its rows are there (None: nothing posted).
-
-    Attributes:
-        copies: how many times the buffers have been filled.
     """
 
     def __init__(self, max_tokens: int, hidden_size: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device | str, weights_dtype: torch.dtype = torch.float32,
-                 posts: HostSignal | None = None) -> None:
+                 device: torch.device | str, weights_dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.hidden = host_buffer((max_tokens, hidden_size), dtype)  # [T, H]
-        self.top_k_index = host_buffer((max_tokens, top_k), torch.int64)  # [T, K]
-        self.top_k_weights = host_buffer((max_tokens, top_k), weights_dtype)  # [T, K]
-        self.out = host_buffer((max_tokens, hidden_size), torch.float32)  # [T, H] partial sums
-        if cuda:
-            for buffer in (self.hidden, self.top_k_index, self.top_k_weights, self.out):
-                page_lock(buffer, self, "host rows of the CPU's share")
+        self.hidden = torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=cuda)  # [T, H]
+        self.top_k_index = torch.empty(max_tokens, top_k, dtype=torch.int64, pin_memory=cuda)  # [T, K]
+        self.top_k_weights = torch.empty(max_tokens, top_k, dtype=weights_dtype, pin_memory=cuda)  # [T, K]
+        self.out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, pin_memory=cuda)  # [T, H] partial sums
         self._device_out = torch.empty(max_tokens, hidden_size, dtype=torch.float32, device=self.device) if cuda \
             else None
         self._staged = torch.cuda.Event() if cuda else None
-        self._posts = posts
-        self._posting = torch.cuda.Stream(self.device) if cuda and posts is not None else None
-        self.copies = 0
 
     def stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
-              done: HostSignal | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
+              done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
         """A job for `experts` (one of them `cut`, see CpuJob) on this call's rows, copied here
         without a host sync (the previous job must be done: its event is recorded again)."""
         self.copy_in(hidden, top_k_index, top_k_weights)
@@ -233,20 +207,14 @@ class HostRows:
             raise ValueError(f"a call of {T} tokens exceeds the {self.hidden.shape[0]} these host rows hold")
         for dst, src in zip((self.hidden, self.top_k_index, self.top_k_weights), (hidden, top_k_index, top_k_weights)):
             dst[:T].copy_(src, non_blocking=True)
-        self.copies += 1
         if self._staged is not None:
             self._staged.record()
-        if self._posting is not None:
-            self._posting.wait_event(self._staged)
-            self._posts.post_behind(self._posting)
-        elif self._posts is not None:
-            self._posts.post()
 
     def job(self, tokens: int, layer_position: int, experts: Sequence[int], blobs: Sequence[torch.Tensor | None],
-            done: HostSignal | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
+            done: Callable[[], None] | None = None, cut: tuple[int, int] | None = None) -> CpuJob:
         """A job for `experts` (one of them `cut`, see CpuJob) on the first `tokens` rows `copy_in` last copied."""
         rows = (self.hidden[:tokens], self.top_k_index[:tokens], self.top_k_weights[:tokens])
-        return CpuJob(layer_position, experts, *rows, blobs, self.out[:tokens], self._staged, done, cut, self.copies)
+        return CpuJob(layer_position, experts, *rows, blobs, self.out[:tokens], self._staged, done, cut)
 
     def add_into(self, out: torch.Tensor, job_out: torch.Tensor) -> torch.Tensor:
         """out [T, H] += the worker's partial sum `job_out`, on the current stream: on the CPU once the

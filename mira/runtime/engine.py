@@ -29,7 +29,6 @@ from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, share_keeps
-from mira.runtime.cpu_process import CpuExpertProcess
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
@@ -359,8 +358,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
     hybrid = None
     if decided.cpu_experts is not None:
-        worker = _run_worker(worker, torch_device) if worker is not None else \
-            CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
+        worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
                                CpuPace() if costs is not None else None, getattr(ffn, "cut_granule", None),
                                device_pace=config.hybrid.device_pace)
@@ -386,14 +384,6 @@ def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, dev
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
     return worker, machine_costs(worker, store, device, config.progress)
-
-
-def _run_worker(worker: CpuExpertWorker, device: torch.device):
-    """The worker that runs the CPU's share: on CUDA a process of its own (the calibration's thread closed)."""
-    if device.type != "cuda" or os.environ.get("MIRA_CPU_WORKER", "process") != "process":
-        return worker
-    worker.close()
-    return CpuExpertProcess(worker.ffn, worker.threads)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

@@ -6,11 +6,6 @@ stream's later work starts only once some thread has called `post()` as many tim
 were enqueued so far. The callback is C, not Python: it needs no GIL and waits on no thread that
 might hold it. The caller goes on enqueueing work meanwhile. Each hold must be matched by exactly
 one post, or the stream stalls for good; a post that no hold will match is taken back with `take`.
-The other way round, `post_behind(stream)` posts when the stream reaches it, for a thread that
-`wait`s.
-
-The semaphore lives in memory another process can map (mira.store.host_memory): a process that
-makes `HostSignal(memory)` on its mapping of `memory` posts and waits on the same semaphore.
 """
 
 from __future__ import annotations
@@ -21,18 +16,15 @@ import errno
 
 import torch
 
-from mira.store.host_memory import host_buffer
-
 SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit Linux; room to spare
 
 
-def _libc(dll: type[ctypes.CDLL]) -> ctypes.CDLL:
-    """libc's semaphores; a PyDLL is called with the GIL held (`post` then never waits to take the GIL
-    back), a CDLL lets it go (for `wait`)."""
-    libc = dll(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    for name in ("sem_post", "sem_trywait", "sem_wait"):
-        getattr(libc, name).argtypes = [ctypes.c_void_p]
+def _libc() -> ctypes.PyDLL:
+    """libc, called with the GIL held: `post` then never waits to take the GIL back."""
+    libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    libc.sem_post.argtypes = [ctypes.c_void_p]
+    libc.sem_trywait.argtypes = [ctypes.c_void_p]
     return libc
 
 
@@ -46,38 +38,24 @@ def launch_host_func():
 
 
 class HostSignal:
-    """A semaphore that CUDA streams wait on (`hold`) and host threads release (`post`), or the other
-    way round (`post_behind`, `wait`).
+    """A semaphore that CUDA streams wait on (`hold`) and host threads release (`post`)."""
 
-    Args:
-        memory: uint8 [SEM_T_BYTES], another process's `HostSignal.memory` mapped here: the same
-            semaphore; None: a new one (count 0) in memory of its own.
-    """
-
-    def __init__(self, memory: torch.Tensor | None = None) -> None:
-        self._libc = _libc(ctypes.PyDLL)
-        self._blocking = _libc(ctypes.CDLL)
+    def __init__(self) -> None:
+        self._libc = _libc()
         self._launch = None  # cuLaunchHostFunc, loaded by the first hold (the semaphore alone needs no GPU)
-        made = memory is None
-        self.memory = host_buffer((SEM_T_BYTES,)) if made else memory
-        self._sem = ctypes.c_void_p(self.memory.data_ptr())
-        if made and self._libc.sem_init(self._sem, 1, 0):  # 1: shared between processes
+        self._sem = ctypes.create_string_buffer(SEM_T_BYTES)
+        if self._libc.sem_init(self._sem, 0, 0):
             raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._wait = ctypes.cast(self._libc.sem_wait, ctypes.c_void_p)  # int sem_wait(sem_t *) as a CUhostFn
 
     def hold(self, stream: torch.cuda.Stream | None = None) -> None:
         """Enqueue on `stream` (default: the current one) a wait for the next unmatched `post`."""
-        self._enqueue(self._libc.sem_wait, stream)
-
-    def post_behind(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Enqueue on `stream` (default: the current one) a post, made when the stream reaches it."""
-        self._enqueue(self._libc.sem_post, stream)
-
-    def wait(self) -> None:
-        """Wait (the GIL let go) for a post and take it."""
-        while self._blocking.sem_wait(self._sem):
-            error = ctypes.get_errno()
-            if error != errno.EINTR:
-                raise OSError(error, "sem_wait failed")
+        stream = stream or torch.cuda.current_stream()
+        if self._launch is None:
+            self._launch = launch_host_func()
+        status = self._launch(ctypes.c_void_p(stream.cuda_stream), self._wait, ctypes.cast(self._sem, ctypes.c_void_p))
+        if status:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")
 
     def post(self) -> None:
         """Release one hold (from any thread)."""
@@ -96,12 +74,3 @@ class HostSignal:
             if error == errno.EAGAIN:
                 raise RuntimeError("no post is left to take back: every post has its hold")
             raise OSError(error, "sem_trywait failed")
-
-    def _enqueue(self, function, stream: torch.cuda.Stream | None) -> None:
-        """Enqueue `function(sem)` (a libc function) as a host function on `stream`."""
-        stream = stream or torch.cuda.current_stream()
-        if self._launch is None:
-            self._launch = launch_host_func()
-        status = self._launch(ctypes.c_void_p(stream.cuda_stream), ctypes.cast(function, ctypes.c_void_p), self._sem)
-        if status:
-            raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {status}")

@@ -251,13 +251,12 @@ class HybridExperts:
             return None
         rows = self._host_rows(hidden, top_k_weights)
         begin = time.perf_counter()
-        done = self._signal
+        done = self._signal.post if self._signal is not None else None
         computed = sorted(experts + [cut[0]]) if cut is not None else experts
         if not rows_copied:
             rows.copy_in(hidden, top_k_index, top_k_weights)
         job = rows.job(hidden.shape[0], layer_position, computed, self._blobs[layer_position], done, cut)
-        device_first = self.worker.shares_gil and self._signal is not None and plan is not None \
-            and plan.gpu_s > plan.cpu_s
+        device_first = self._signal is not None and plan is not None and plan.gpu_s > plan.cpu_s
         future = None if device_first else self.worker.submit(job)  # see "Who starts first" above
         if self._device_side is not None:
             self._device_side[0].record()
@@ -386,6 +385,6 @@ class HybridExperts:
         top_k = top_k_weights.shape[1]
         if rows is None or rows.hidden.shape[0] < tokens or rows.hidden.dtype != hidden.dtype \
                 or rows.top_k_index.shape[1] != top_k or rows.top_k_weights.dtype != top_k_weights.dtype:
-            self._rows = rows = self.worker.host_rows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype,
-                                                      self._device, top_k_weights.dtype)
+            self._rows = rows = HostRows(max(tokens, DECODE_TOKENS), size, top_k, hidden.dtype, self._device,
+                                         top_k_weights.dtype)
         return rows

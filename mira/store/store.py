@@ -9,26 +9,28 @@ large buffers release the GIL), and the pages of the blob buffer are first touch
 that fills them. On CUDA the filled buffer is then page-locked in place (`cudaHostRegister`)
 rather than allocated pinned up front: torch's pinned allocator rounds every allocation up to a
 power of two (a 45 GB store would pin 64 GB) and pins serially (DESIGN.md 3: 0.7 s/GB). The
-buffer is a shared mapping of its own (mira.store.host_memory), so its locked pages never overlap
-another registered range and a CPU expert process can map them too. `benchmarks/store_open.py`
-measures both ways.
+buffer is an anonymous mapping of its own, so its locked pages never overlap another registered
+range. `benchmarks/store_open.py` measures both ways.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import struct
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from mira.errors import MiraError
 from mira.store.files import CHUNK, sha256_file
-from mira.store.host_memory import host_buffer, page_lock
 from mira.store.layout import ExpertLayout
 from mira.store.manifest import Manifest
 from mira.store.verify import corrupt
@@ -95,7 +97,12 @@ class ExpertStore:
         Raises:
             MiraError: CUDA could not lock them.
         """
-        page_lock(self.data, self, f"expert store {self.path}")
+        data = self.data
+        error = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.nbytes, 0))  # 0: cudaHostRegisterDefault
+        if error:
+            raise MiraError(f"CUDA could not page-lock the {data.nbytes / 2**30:.1f} GiB expert store {self.path} "
+                            f"(cudaError {error}); free host memory or run with --device cpu")
+        weakref.finalize(self, _unlock, data)
 
     def blob(self, layer_position: int, expert: int) -> torch.Tensor:
         """Expert `expert` of the MoE layer at `layer_position` (0-based among MoE layers): uint8 [B]."""
@@ -104,6 +111,13 @@ class ExpertStore:
     @property
     def blob_bytes(self) -> int:
         return self.layout.nbytes
+
+
+def host_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """uint8 host memory of `shape` in pages of its own: an anonymous mapping, unmapped when the last
+    tensor on it goes, whose pages are faulted in (zeroed) by whichever thread first writes them."""
+    nbytes = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(shape)
 
 
 class _SharedBar:
@@ -126,6 +140,12 @@ def _wait_all(pool: ThreadPoolExecutor, jobs: list[Future]) -> None:
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
+
+
+def _unlock(data: torch.Tensor) -> None:
+    if torch.cuda.is_initialized():  # (at interpreter exit CUDA may be gone, and the locks with it)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
 
 
 def _check_file(store: Path, manifest: Manifest, rel: str) -> None:
