@@ -1,9 +1,10 @@
 """Does the page size of the host store matter? The same expert blobs in two kinds of host memory:
 
-  shared        what the expert store uses (mira.store.store.host_buffer): an anonymous shared
-                mapping, which Linux backs with 4 KiB pages unless shmem huge pages are enabled
+  shared        an anonymous shared mapping, which Linux backs with 4 KiB pages unless shmem huge
+                pages are enabled
   private-huge  an anonymous private mapping advised MADV_HUGEPAGE, which Linux backs with 2 MiB
-                pages where transparent huge pages are enabled ("always" or "madvise")
+                pages where transparent huge pages are enabled ("always" or "madvise"); what the
+                expert store uses (mira.store.store.host_buffer)
 
 and, for each kind, what reads the blobs in decoding: the CPU expert executor (one token, --threads
 threads) and, on CUDA, the device: a blob copied to a slot (pinned copy) and the decode kernel

@@ -114,10 +114,18 @@ class ExpertStore:
 
 
 def host_buffer(shape: tuple[int, ...]) -> torch.Tensor:
-    """uint8 host memory of `shape` in pages of its own: an anonymous mapping, unmapped when the last
-    tensor on it goes, whose pages are faulted in (zeroed) by whichever thread first writes them."""
+    """uint8 host memory of `shape` in pages of its own: a private anonymous mapping, unmapped when
+    the last tensor on it goes, whose pages are faulted in (zeroed) by whichever thread first writes
+    them. It asks for huge pages (2 MiB where Linux's transparent huge pages allow it), which a
+    shared mapping would not get: streaming a blob then crosses a page every 2 MiB instead of every
+    4 KiB (benchmarks/host_pages.py)."""
     nbytes = math.prod(shape)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(shape)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(shape)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(shape)
 
 
 class _SharedBar:
