@@ -91,8 +91,9 @@
 #                                           # idle, launching or spinning: in the worker's thread (as python,
 #                                           # TorchScript, a short switch interval) against a child process of
 #                                           # its own GIL over shared memory (~2 min)
-#   bash benchmarks/h200_suite.sh pages     # the store's blobs in 4 KiB against 2 MiB host pages: the CPU executor
-#                                           # (15 threads), the pinned copy and the zero-copy kernel (~2 min)
+#   bash benchmarks/h200_suite.sh pages     # expert blobs in 4 KiB against 2 MiB host pages at the Mixtral, Qwen3 and
+#                                           # OLMoE shapes: the CPU executor (15 threads), the pinned copy and the
+#                                           # zero-copy kernel (~3 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -260,7 +261,8 @@ case "${1:-}" in
   gil)
     timeout 300 python benchmarks/cpu_gil.py --threads 15 --calls 16 --out "$OUT/cpu-gil-h200.json" ;;
   pages)
-    timeout 300 python benchmarks/host_pages.py --threads 15 --spread-gb 4 --out "$OUT/host-pages-h200.json" ;;
+    timeout 400 python benchmarks/host_pages.py --threads 15 --shapes mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b \
+      --spread-gb 4 --out "$OUT/host-pages-h200.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \

@@ -14,7 +14,7 @@ blobs (--spread-gb of them per kind, so no cache holds one from the pass before)
 kind per round, --repeats rounds: median and range. The huge pages each kind actually got are
 reported (AnonHugePages and ShmemHugePages of /proc/meminfo, before and after filling it).
 
-    python benchmarks/host_pages.py --threads 15 [--shape mixtral-8x7b] [--spread-gb 2] [--out FILE]
+    python benchmarks/host_pages.py --threads 15 [--shapes mixtral-8x7b,qwen3-30b-a3b] [--spread-gb 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def one_blob(layout) -> torch.Tensor:
 
 
 def cpu_pass(ffn: CpuExpertFFN, blobs: torch.Tensor, x: torch.Tensor) -> float:
-    """Mean milliseconds per expert over one pass."""
+    """Mean microseconds per expert over one pass."""
     views = [ffn.layout.views(blob) for blob in blobs]
     start = time.perf_counter()
     for v in views:
         ffn.expert(x, v)
-    return (time.perf_counter() - start) / len(views) * 1e3
+    return (time.perf_counter() - start) / len(views) * 1e6
 
 
 class DeviceReads:
@@ -129,19 +129,11 @@ def page_lock_s_per_gb(blobs: torch.Tensor) -> float:
     return seconds / (blobs.numel() / 1e9)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU executor")
-    parser.add_argument("--shape", default="mixtral-8x7b", help="a preset of mira.bench.synthetic or HxI")
-    parser.add_argument("--spread-gb", type=float, default=2.0, help="distinct blob bytes per kind")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host-pages.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    layout = layout_for(shape_config(args.shape), "int8-shared")
+def measure_shape(shape: str, spread_gb: float, repeats: int, cuda: bool) -> dict:
+    """Every figure of one expert shape, for both kinds of memory (see the module docstring)."""
+    layout = layout_for(shape_config(shape), "int8-shared")
     blob = one_blob(layout)
-    count = max(2, math.ceil(args.spread_gb * 1e9 / layout.nbytes))
-    cuda = torch.cuda.is_available()
+    count = max(2, math.ceil(spread_gb * 1e9 / layout.nbytes))
     memory, huge_mib, lock = {}, {}, {}
     for kind in KINDS:
         before = huge_kib()
@@ -149,29 +141,47 @@ def main() -> None:
         huge_mib[kind] = (huge_kib() - before) / 1024
         if cuda:
             lock[kind] = page_lock_s_per_gb(memory[kind])
-        print(f"{kind:13s} {count} blobs, {huge_mib[kind]:.0f} MiB of them in huge pages", flush=True)
+        print(f"{shape} {kind:13s} {count} blobs, {huge_mib[kind]:.0f} MiB of them in huge pages", flush=True)
     ffn = CpuExpertFFN(layout, F.silu)
     x = torch.randn(1, layout.hidden).to(torch.bfloat16)
     reads = DeviceReads(layout, torch.device("cuda")) if cuda else None
-    measures = {"cpu_expert_ms": lambda blobs: cpu_pass(ffn, blobs, x)}
+    measures = {"cpu_expert_us": lambda blobs: cpu_pass(ffn, blobs, x)}
     if reads is not None:
         measures |= {"copy_GBps": reads.copy_GBps, "zero_copy_GBps": reads.zero_copy_GBps}
-    for name, measure in measures.items():  # first passes untimed (compilation, first touches)
+    for measure in measures.values():  # first passes untimed (compilation, first touches)
         measure(memory[KINDS[0]][:2])
     runs = {(kind, name): [] for kind in KINDS for name in measures}
-    for _ in range(args.repeats):
+    for _ in range(repeats):  # every cell once per round: drift over the run falls on all alike
         for kind in KINDS:
             for name, measure in measures.items():
                 runs[kind, name].append(measure(memory[kind]))
-    results = {kind: {"huge_page_mib": huge_mib[kind], **({"page_lock_s_per_gb": lock[kind]} if cuda else {}),
-                      **{name: summary(runs[kind, name]) for name in measures}} for kind in KINDS}
+    if cuda:
+        torch.cuda.synchronize()
+        for kind in KINDS:
+            torch.cuda.cudart().cudaHostUnregister(memory[kind].data_ptr())
+    kinds = {kind: {"huge_page_mib": huge_mib[kind], **({"page_lock_s_per_gb": lock[kind]} if cuda else {}),
+                    **{name: summary(runs[kind, name]) for name in measures}} for kind in KINDS}
     for name in measures:
-        cells = "  ".join(f"{kind} {results[kind][name]['median']:9.3f} ({results[kind][name]['min']:.3f}-"
-                          f"{results[kind][name]['max']:.3f})" for kind in KINDS)
-        print(f"{name:15s} {cells}", flush=True)
-    write_result(args.out, {"shape": args.shape, "hidden": layout.hidden, "intermediate": layout.intermediate,
-                            "blob_bytes": layout.nbytes, "blobs_per_kind": count, "threads": torch.get_num_threads(),
-                            "repeats": args.repeats, "kinds": results}, "cuda" if cuda else None)
+        cells = "  ".join(f"{kind} {kinds[kind][name]['median']:9.3f} ({kinds[kind][name]['min']:.3f}-"
+                          f"{kinds[kind][name]['max']:.3f})" for kind in KINDS)
+        print(f"{shape} {name:15s} {cells}", flush=True)
+    return {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
+            "blobs_per_kind": count, "kinds": kinds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU executor")
+    parser.add_argument("--shapes", default="mixtral-8x7b", help="comma-separated presets of mira.bench.synthetic or HxI")
+    parser.add_argument("--spread-gb", type=float, default=2.0, help="distinct blob bytes per kind and shape")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host-pages.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    shapes = {shape: measure_shape(shape, args.spread_gb, args.repeats, cuda) for shape in args.shapes.split(",")}
+    write_result(args.out, {"threads": torch.get_num_threads(), "repeats": args.repeats, "shapes": shapes},
+                 "cuda" if cuda else None)
 
 
 if __name__ == "__main__":
