@@ -10,9 +10,10 @@ and, for each kind, what reads the blobs in decoding: the CPU expert executor (o
 threads) and, on CUDA, the device: a blob copied to a slot (pinned copy) and the decode kernel
 reading it in place (zero-copy). Large pages mean fewer TLB misses for the CPU's streaming reads
 and fewer mappings for the device's reads of host memory. Every figure is a pass through distinct
-blobs (--spread-gb of them per kind, so no cache holds one from the pass before), one pass per
-kind per round, --repeats rounds: median and range. The huge pages each kind actually got are
-reported (AnonHugePages and ShmemHugePages of /proc/meminfo, before and after filling it).
+blobs (at most cpu_experts.MAX_CALLS of the --spread-gb per kind, so no cache holds one from the
+pass before), one pass per kind per round, --repeats rounds: median and range. The huge pages each
+kind actually got are reported (AnonHugePages and ShmemHugePages of /proc/meminfo, before and after
+filling it).
 
     python benchmarks/host_pages.py --threads 15 [--shapes mixtral-8x7b,qwen3-30b-a3b] [--spread-gb 2] [--out FILE]
 """
@@ -33,7 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_experts import layout_for, shape_config, summary, write_result  # noqa: E402
+from cpu_experts import (  # noqa: E402
+    MAX_CALLS, copy_pass, layout_for, shape_config, summary, time_pass, write_result,
+)
 
 from mira.kernels import make_moe_ffn  # noqa: E402
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
@@ -77,46 +80,29 @@ def one_blob(layout) -> torch.Tensor:
     return blob
 
 
-def cpu_pass(ffn: CpuExpertFFN, blobs: torch.Tensor, x: torch.Tensor) -> float:
-    """Mean microseconds per expert over one pass."""
-    views = [ffn.layout.views(blob) for blob in blobs]
-    start = time.perf_counter()
-    for v in views:
-        ffn.expert(x, v)
-    return (time.perf_counter() - start) / len(views) * 1e6
-
-
-class DeviceReads:
-    """The device's two ways of reading a host blob: a copy into a slot, and the decode kernel's
-    zero-copy read of one token routed to it."""
+class ZeroCopy:
+    """The decode kernel reading host blobs in place: one token routed to each in turn."""
 
     def __init__(self, layout, device: torch.device) -> None:
         self.device = device
-        self.slot = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         self.ffn = make_moe_ffn(device, layout, F.silu)
         self.x = torch.randn(1, layout.hidden, device=device).to(torch.bfloat16)
         self.index = torch.zeros(1, 1, dtype=torch.int64, device=device)
         self.weight = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
         self.out = torch.empty(1, layout.hidden, dtype=torch.bfloat16, device=device)
 
-    def copy_GBps(self, blobs: torch.Tensor) -> float:
-        return self._GBps(lambda i: self.slot.copy_(blobs[i], non_blocking=True), blobs)
-
-    def zero_copy_GBps(self, blobs: torch.Tensor) -> float:
-        tables = [torch.tensor([blob.data_ptr()], dtype=torch.int64, device=self.device) for blob in blobs]
-        return self._GBps(lambda i: self.ffn.forward_bases(self.x, self.index, self.weight, tables[i], out=self.out),
-                          blobs)
-
-    def _GBps(self, read, blobs: torch.Tensor) -> float:
-        """Blob bytes per second of `read(i)` for every blob i, back to back on the device."""
+    def GBps(self, blobs: torch.Tensor) -> float:
+        """Blob bytes per second over one pass (at most MAX_CALLS blobs, as `copy_pass`; CUDA events)."""
+        calls = blobs[:MAX_CALLS]
+        tables = [torch.tensor([blob.data_ptr()], dtype=torch.int64, device=self.device) for blob in calls]
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         begin.record()
-        for i in range(len(blobs)):
-            read(i)
+        for table in tables:
+            self.ffn.forward_bases(self.x, self.index, self.weight, table, out=self.out)
         end.record()
         end.synchronize()
-        return blobs.numel() / (begin.elapsed_time(end) / 1e3) / 1e9
+        return calls.numel() / (begin.elapsed_time(end) / 1e3) / 1e9
 
 
 def page_lock_s_per_gb(blobs: torch.Tensor) -> float:
@@ -144,10 +130,11 @@ def measure_shape(shape: str, spread_gb: float, repeats: int, cuda: bool) -> dic
         print(f"{shape} {kind:13s} {count} blobs, {huge_mib[kind]:.0f} MiB of them in huge pages", flush=True)
     ffn = CpuExpertFFN(layout, F.silu)
     x = torch.randn(1, layout.hidden).to(torch.bfloat16)
-    reads = DeviceReads(layout, torch.device("cuda")) if cuda else None
-    measures = {"cpu_expert_us": lambda blobs: cpu_pass(ffn, blobs, x)}
-    if reads is not None:
-        measures |= {"copy_GBps": reads.copy_GBps, "zero_copy_GBps": reads.zero_copy_GBps}
+    measures = {"cpu_expert_us": lambda blobs: time_pass(ffn, list(blobs), x) * 1e6}
+    if cuda:
+        slot = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+        measures |= {"copy_GBps": lambda blobs: layout.nbytes / copy_pass(list(blobs), slot) / 1e9,
+                     "zero_copy_GBps": ZeroCopy(layout, torch.device("cuda")).GBps}
     for measure in measures.values():  # first passes untimed (compilation, first touches)
         measure(memory[KINDS[0]][:2])
     runs = {(kind, name): [] for kind in KINDS for name in measures}
@@ -172,7 +159,8 @@ def measure_shape(shape: str, spread_gb: float, repeats: int, cuda: bool) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU executor")
-    parser.add_argument("--shapes", default="mixtral-8x7b", help="comma-separated presets of mira.bench.synthetic or HxI")
+    parser.add_argument("--shapes", default="mixtral-8x7b",
+                        help="comma-separated presets of mira.bench.synthetic or HxI")
     parser.add_argument("--spread-gb", type=float, default=2.0, help="distinct blob bytes per kind and shape")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host-pages.json")
