@@ -20,6 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from mira.kernels.machine import machine
+from mira.bench import hostcpu
 from mira.bench.bound import decode_bound
 from mira.bench.variety import decode_route_changes
 from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
@@ -133,11 +134,17 @@ TIMED = ("ttft_s", "decode_tokens_per_s", "e2e_tokens_per_s", "total_s")
 def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[], None] | None = None) -> dict:
     """`run` once untimed (then `after_untimed`, if given), then `repeats` times: the last run's
     summary with each timed figure replaced by the median over the repeats, its range beside it
-    (`<figure>_range`), and every repeat's figures (with its `Timing.of_run`) under `repeats`."""
+    (`<figure>_range`), and every repeat's figures (with its `Timing.of_run`) under `repeats`; on
+    Linux also the share of the host's CPU time stolen from this machine over the timed runs and in
+    each (`host_cpu_stolen`, mira.bench.hostcpu)."""
     run()
     if after_untimed is not None:
         after_untimed()
-    timings = [run() for _ in range(repeats)]
+    readings = [hostcpu.read()]
+    timings = []
+    for _ in range(repeats):
+        timings.append(run())
+        readings.append(hostcpu.read())
     summaries = [timing.summary() for timing in timings]
     result = dict(summaries[-1])
     for key in TIMED:
@@ -146,7 +153,16 @@ def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[]
             result[key] = round(statistics.median(values), 4)
             result[f"{key}_range"] = [min(values), max(values)]
     result["repeats"] = [{key: s[key] for key in TIMED} | timing.of_run for s, timing in zip(summaries, timings)]
+    stolen = [hostcpu.stolen_share(a, b) for a, b in zip(readings, readings[1:])]
+    if readings[0] is not None:
+        result["host_cpu_stolen"] = _rounded(hostcpu.stolen_share(readings[0], readings[-1]))
+        for figures, share in zip(result["repeats"], stolen):
+            figures["host_cpu_stolen"] = _rounded(share)
     return result
+
+
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1,

@@ -92,9 +92,17 @@ def cpu_share_lines(result: dict) -> list[str]:
     return ["", "the CPU's share against GPU-only mira in the same run:", *lines] if lines else []
 
 
+def stolen_note(figures: dict) -> str:
+    """", 6.1% of the host's CPU stolen" for a run (or repeat) whose host lost CPU time to its
+    hypervisor (mira.bench.hostcpu); empty where none was lost or none was recorded."""
+    share = figures.get("host_cpu_stolen")
+    return f", {100 * share:.1f}% of the host's CPU stolen" if share else ""
+
+
 def _repeat(figures: dict) -> str:
     """One repeat's decode tokens/s and the CPU's experts in it (whole, and cut with the device),
-    with their mean compute time, and each side's pace at the repeat's end."""
+    with their mean compute time, each side's pace at the repeat's end, and the host's CPU time
+    stolen in it."""
     speed = figures.get("decode_tokens_per_s")
     text = f"{speed:.3g} tokens/s" if speed is not None else "no decode timing"
     text += f", {figures['cpu_experts']:,} experts on the CPU"
@@ -108,7 +116,7 @@ def _repeat(figures: dict) -> str:
             text += f" ({figures['cpu_cut_pace']:.3g}x with a cut)"
     if figures.get("device_pace") is not None:
         text += f", the device's side at {figures['device_pace']:.3g}x"
-    return text
+    return text + stolen_note(figures)
 
 
 def layer_times(result: dict) -> list[str]:

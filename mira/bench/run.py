@@ -35,6 +35,7 @@ import torch
 
 from mira.bench import hf
 from mira.bench.measure import repeated, run_mira, time_generation
+from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
 from mira.bench.sources import Source
@@ -423,7 +424,7 @@ def _brief(row: dict) -> str:
         return f"{name:>10} {row['budget']:>7}: skipped ({row['skipped']})"
     beams = f" beams={row['num_beams']}" if row.get("num_beams", 1) > 1 else ""
     return (f"{name:>10} {row['budget']:>7}{beams}: TTFT {row.get('ttft_s')} s, decode "
-            f"{row.get('decode_tokens_per_s')} tok/s, e2e {row.get('e2e_tokens_per_s')} tok/s")
+            f"{row.get('decode_tokens_per_s')} tok/s, e2e {row.get('e2e_tokens_per_s')} tok/s{stolen_note(row)}")
 
 
 def _header(source: Source, setup: BenchSetup, device: torch.device, command: str) -> dict:

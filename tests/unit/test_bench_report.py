@@ -16,9 +16,10 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
                 "measured_over_calibrated": 2.5, "compute_ms": 2.1},
                {"whole_experts": "1", "cut_share": None, "jobs": 1, "calibrated_ms": 3.0, "measured_ms": 3.9,
                 "measured_over_calibrated": 1.3}]},
-           "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25},
+           "repeats": [{"decode_tokens_per_s": 9.5, "cpu_experts": 1234, "cpu_cuts": 56, "cpu_compute_ms_per_expert": 3.25,
+                        "host_cpu_stolen": 0.0},
                        {"decode_tokens_per_s": 9.0, "cpu_experts": 1200, "cpu_compute_ms_per_expert": None,
-                        "cpu_pace": 1.4412, "cpu_cut_pace": 2.2, "device_pace": 1.1749}]}
+                        "cpu_pace": 1.4412, "cpu_cut_pace": 2.2, "device_pace": 1.1749, "host_cpu_stolen": 0.0613}]}
     gpu = {**row, "config": "mira", "cpu_tokens": 0, "cpu_experts": {"mode": "off"}, "decode_tokens_per_s": 6.0,
            "bound": {"bound_tokens_per_s": 50.0}, "repeats": [{"decode_tokens_per_s": 6.0}]}
     result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row, gpu]}
@@ -42,7 +43,8 @@ def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_a
     assert lines[compared + 1] == "8GiB: mira-cpu-all 9 tokens/s, 1.500x mira (GPU only), 0.180x the caching bound"
     assert lines[compared + 2] == "  repeat 1: 9.5 tokens/s, 1,234 experts on the CPU and 56 in part at 3.25 ms each"
     assert lines[compared + 3] == ("  repeat 2: 9 tokens/s, 1,200 experts on the CPU, the CPU's side priced at 1.44x "
-                                   "its calibration (2.2x with a cut), the device's side at 1.17x")
+                                   "its calibration (2.2x with a cut), the device's side at 1.17x, 6.1% of the "
+                                   "host's CPU stolen")
 
 
 def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_their_names():
