@@ -20,11 +20,11 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from mira.kernels.machine import machine
-from mira.bench import hostcpu
 from mira.bench.bound import decode_bound
 from mira.bench.variety import decode_route_changes
 from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
 from mira.models.registry import adapter_for
+from mira.runtime import hostcpu
 from mira.runtime.engine import MiraModel
 from mira.runtime.tracing import RoutingRecorder
 
@@ -136,7 +136,7 @@ def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[]
     summary with each timed figure replaced by the median over the repeats, its range beside it
     (`<figure>_range`), and every repeat's figures (with its `Timing.of_run`) under `repeats`; on
     Linux also the share of the host's CPU time stolen from this machine over the timed runs and in
-    each (`host_cpu_stolen`, mira.bench.hostcpu)."""
+    each (`host_cpu_stolen`, mira.runtime.hostcpu)."""
     run()
     if after_untimed is not None:
         after_untimed()

@@ -94,7 +94,7 @@ def cpu_share_lines(result: dict) -> list[str]:
 
 def stolen_note(figures: dict) -> str:
     """", 6.1% of the host's CPU stolen" for a run (or repeat) whose host lost CPU time to its
-    hypervisor (mira.bench.hostcpu); empty where none was lost or none was recorded."""
+    hypervisor (mira.runtime.hostcpu); empty where none was lost or none was recorded."""
     share = figures.get("host_cpu_stolen")
     return f", {100 * share:.1f}% of the host's CPU stolen" if share else ""
 

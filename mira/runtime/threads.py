@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from mira.runtime import hostcpu
+
 BUSY_SAMPLE_S = 0.1  # how long CPU use is sampled before choosing
 
 
@@ -72,18 +74,9 @@ def busy_cpus(cpus: list[int], interval: float = BUSY_SAMPLE_S) -> float:
 
 def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
     """{cpu: (idle + iowait ticks, all ticks)} from /proc/stat."""
-    wanted = {f"cpu{cpu}": cpu for cpu in cpus}
-    times = {}
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return times
-    for line in lines:
-        name, *fields = line.split()
-        if name in wanted:
-            ticks = [int(field) for field in fields[:8]]  # user nice system idle iowait irq softirq steal
-            times[wanted[name]] = (ticks[3] + ticks[4], sum(ticks))
-    return times
+    lines = hostcpu.ticks()
+    return {cpu: (ticks[hostcpu.IDLE] + ticks[hostcpu.IOWAIT], sum(ticks)) for cpu in cpus
+            if (ticks := lines.get(f"cpu{cpu}")) is not None}
 
 
 def _usable_cpus() -> list[int]:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mira.bench import hostcpu
+from mira.runtime import hostcpu
 from mira.bench.measure import Timing, repeated
 
 STAT = """cpu  100 20 30 800 10 5 5 30 0 0
@@ -13,11 +13,13 @@ intr 12345
 """
 
 
-def test_the_aggregate_line_sums_eight_fields_and_takes_the_eighth_as_steal():
-    assert hostcpu.parse(STAT) == hostcpu.CpuTimes(total=1000, steal=30)
-    assert hostcpu.parse("cpu 1 2 3 4\n") == hostcpu.CpuTimes(total=10, steal=0)  # no steal field
-    with pytest.raises(ValueError, match="aggregate 'cpu' line"):
-        hostcpu.parse("cpu0 1 2 3 4 5 6 7 8\n")
+def test_each_cpu_line_gives_eight_fields_and_the_aggregate_its_total_and_steal(tmp_path):
+    assert hostcpu.parse(STAT) == {"cpu": [100, 20, 30, 800, 10, 5, 5, 30], "cpu0": [50, 10, 15, 400, 5, 2, 3, 15]}
+    assert hostcpu.parse("cpu 1 2 3 4\n") == {"cpu": [1, 2, 3, 4, 0, 0, 0, 0]}  # an old kernel: no steal field
+    (tmp_path / "stat").write_text(STAT)
+    assert hostcpu.read(tmp_path / "stat") == hostcpu.CpuTimes(total=1000, steal=30)
+    (tmp_path / "stat").write_text("cpu0 1 2 3 4 5 6 7 8\n")
+    assert hostcpu.read(tmp_path / "stat") is None  # no aggregate line
 
 
 def test_the_stolen_share_is_the_steal_over_all_time_between_readings():
