@@ -210,7 +210,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "misses, CUDA only), all (every miss the policy leaves in host memory) or off. On, MoE "
                              "layers run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
-                        help="compute threads of the CPU that computes missed experts (default: --threads less one)")
+                        help="compute threads of the CPU that computes missed experts (default: --threads less one); "
+                             "each job waits for its slowest thread, so use fewer where other work shares the cores")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")
