@@ -75,8 +75,8 @@ def busy_cpus(cpus: list[int], interval: float = BUSY_SAMPLE_S) -> float:
 def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
     """{cpu: (idle + iowait ticks, all ticks)} from /proc/stat."""
     lines = hostcpu.ticks()
-    return {cpu: (ticks[hostcpu.IDLE] + ticks[hostcpu.IOWAIT], sum(ticks)) for cpu in cpus
-            if (ticks := lines.get(f"cpu{cpu}")) is not None}
+    return {cpu: (line[hostcpu.IDLE] + line[hostcpu.IOWAIT], sum(line)) for cpu in cpus
+            if (line := lines.get(f"cpu{cpu}")) is not None}
 
 
 def _usable_cpus() -> list[int]:
