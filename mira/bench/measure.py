@@ -153,11 +153,10 @@ def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[]
             result[key] = round(statistics.median(values), 4)
             result[f"{key}_range"] = [min(values), max(values)]
     result["repeats"] = [{key: s[key] for key in TIMED} | timing.of_run for s, timing in zip(summaries, timings)]
-    stolen = [hostcpu.stolen_share(a, b) for a, b in zip(readings, readings[1:])]
     if readings[0] is not None:
         result["host_cpu_stolen"] = _rounded(hostcpu.stolen_share(readings[0], readings[-1]))
-        for figures, share in zip(result["repeats"], stolen):
-            figures["host_cpu_stolen"] = _rounded(share)
+        for figures, before, after in zip(result["repeats"], readings, readings[1:]):
+            figures["host_cpu_stolen"] = _rounded(hostcpu.stolen_share(before, after))
     return result
 
 
