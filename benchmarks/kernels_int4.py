@@ -94,14 +94,9 @@ DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:
 # twice the warps of a step's lanes (threads share a lane's rows): about half the registers a thread,
 # so that grids of one tile a program keep more warps on each SM (half2, the conversion tuned)
 GATE_UP += [GemvConfig(64, 1024, unroll=unroll, num_warps=8, cvt="half2") for unroll in (8, 16)]
-# four words of a column a thread (a 16-byte load), whole groups an iteration (half2)
-GATE_UP += [GemvConfig(64, 2048, unroll=16, num_warps=8, cvt="half2"),
-            GemvConfig(64, 512, unroll=16, num_warps=2, cvt="half2")]
 DOWN += [GemvConfig(64, 256, unroll=8, num_warps=2, split=28, cvt="half2"),
          GemvConfig(64, 512, unroll=8, num_warps=4, split=14, cvt="half2"),
-         GemvConfig(64, 512, unroll=8, num_warps=4, split=28, cvt="half2"),
-         GemvConfig(64, 256, unroll=16, num_warps=1, split=28, cvt="half2"),
-         GemvConfig(64, 512, unroll=16, num_warps=2, split=14, cvt="half2")]
+         GemvConfig(64, 512, unroll=8, num_warps=4, split=28, cvt="half2")]
 GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),

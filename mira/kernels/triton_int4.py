@@ -153,6 +153,17 @@ def _half2_fma(w, x2, a, b, c, d, magic16):
 
 
 @triton.jit
+def _half2_sums(a, b):
+    """fp16 pair sums of bytes (0, 2) and (1, 3) [NT, LANES, HALF / 4] -> [NT, LANES, HALF] fp32 in the
+    order of `_codes`."""
+    a0 = (a & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    a2 = (a >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b1 = (b & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    b3 = (b >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(b1, b3)), [a.shape[0], a.shape[1], 4 * a.shape[2]])
+
+
+@triton.jit
 def _group_scales(w, BIAS: tl.constexpr):
     """Group (s, z) words of a scale section read as uint32 -> (s, z - BIAS s) in fp32: a weight is
     s (q - 8 + BIAS) + (z - BIAS s), for codes taken as q - 8 + BIAS."""
@@ -162,86 +173,14 @@ def _group_scales(w, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _f16_pair(h):
-    """uint32 words of f16 pairs [..] -> (low f16, high f16) [..] as fp32."""
-    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _add_group(acc, sums, at, x_sum):
-    """acc + s sums + z x_sum for the rows whose (s, z) words are at the pointers `at` [..]."""
-    sz = tl.load(at)
-    return acc + sums * (sz << 16).to(tl.float32, bitcast=True) + x_sum * (sz & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _word_rows(b0, b1, b2, b3):
-    """Sums by byte of words [NT, HALF / 4] (byte k of word w: row 4 w + k) -> [NT, HALF] in row order."""
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [b0.shape[0], 4 * b0.shape[1]])
-
-
-@triton.jit
-def _tiles_dot_half2(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
-                     LANES: tl.constexpr, UNROLL: tl.constexpr):
-    """`_tiles_dot` with "half2", in the layout the codes load in ([NT, LANES, HALF / 4] words of a
-    column: rows 4 w to 4 w + 3 of each half tile): x is read in that shape, a group's f16 pair
-    sums are scaled per word and byte, and the rows are put in order once, at the end."""
-    lane = tl.arange(0, LANES)
-    word = tl.arange(0, HALF_W // 4)[None, None, :]
-    tiles = tl.minimum(tiles, R // TILE_W - 1)[:, None, None]  # [NT, 1, 1]
-    tile_words = codes.to(tl.pointer_type(tl.uint32)) + tiles * (HALF_W // 4 * C) + word  # [NT, 1, HALF / 4]
-    row0 = tiles * TILE_W + 4 * word  # [NT, 1, HALF / 4]: the row of each word's byte 0
-    acc = tl.zeros([tiles.shape[0], LANES, HALF_W // 4], dtype=tl.float32)
-    r0, r1, r2, r3, r4, r5, r6, r7 = acc, acc, acc, acc, acc, acc, acc, acc  # rows 4 w + k, then HALF further
-    words = tl.zeros([tiles.shape[0], LANES, HALF_W // 4], dtype=tl.uint32)
-    magic16 = (magic + (0x64006400 - 0x4B000000)).to(tl.uint32)  # 1024 twice in f16, at run time
-    for g0 in range(group_start, group_end, LANES // LPG_W):
-        group = g0 + lane[None, :, None] // LPG_W  # [1, LANES, 1]
-        in_cols = group < group_end
-        group = tl.minimum(group, group_end - 1)
-        col0 = group * GROUP_W + lane[None, :, None] % LPG_W
-        h_a, h_b, h_c, h_d = words, words, words, words  # f16 pair sums of the group
-        x_sum = tl.zeros([1, LANES, 1], dtype=tl.float32)
-        for k0 in range(0, GROUP_W // LPG_W, UNROLL):
-            for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
-                col = col0 + (k0 + u) * LPG_W
-                x = tl.load(x_row + col, mask=in_cols, other=0.0).to(tl.float32) * 0.00390625  # [1, LANES, 1]
-                w = tl.load(tile_words + col * (HALF_W // 4), eviction_policy="evict_first")  # [NT, LANES, HALF / 4]
-                x16 = x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-                h_a, h_b, h_c, h_d = _half2_fma(w, tl.broadcast_to(x16 | (x16 << 16), w.shape), h_a, h_b, h_c, h_d,
-                                                magic16)
-                x_sum += x
-        at = sz_words + group * R + row0  # sums of (q - 8) x 2**-8 and of x 2**-8
-        lo, hi = _f16_pair(h_a)  # low nibbles of bytes 0 and 2
-        r0 = _add_group(r0, lo, at, x_sum)
-        r2 = _add_group(r2, hi, at + 2, x_sum)
-        lo, hi = _f16_pair(h_b)  # bytes 1 and 3
-        r1 = _add_group(r1, lo, at + 1, x_sum)
-        r3 = _add_group(r3, hi, at + 3, x_sum)
-        lo, hi = _f16_pair(h_c)  # high nibbles: rows HALF further
-        r4 = _add_group(r4, lo, at + HALF_W, x_sum)
-        r6 = _add_group(r6, hi, at + HALF_W + 2, x_sum)
-        lo, hi = _f16_pair(h_d)
-        r5 = _add_group(r5, lo, at + HALF_W + 1, x_sum)
-        r7 = _add_group(r7, hi, at + HALF_W + 3, x_sum)
-    lo = _word_rows(tl.sum(r0, axis=1), tl.sum(r1, axis=1), tl.sum(r2, axis=1), tl.sum(r3, axis=1))
-    hi = _word_rows(tl.sum(r4, axis=1), tl.sum(r5, axis=1), tl.sum(r6, axis=1), tl.sum(r7, axis=1))
-    return lo * 256.0, hi * 256.0
-
-
-@triton.jit
 def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic,
                LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr):
     """Tiles [NT] of one matrix ([R, C] as tiled codes at `codes`, (s, z) words [C / G, R] at
     sz_words) against the vector at x_row over groups [group_start, group_end) -> (lo, hi) [NT, HALF]
     fp32: rows TILE t + j and TILE t + HALF + j of each tile t (tiles past R give rows of the last).
     A step covers LANES / 4 groups; lanes past group_end read the last group against zeros.
-    CVT: how codes meet x ("bits": `_codes`; "fold": `_code_floats`; "half2": `_tiles_dot_half2`).
+    CVT: how codes meet x ("bits": `_codes`; "fold": `_code_floats`; "half2": `_half2_fma`).
     magic: see `_codes`."""
-    if CVT == "half2":
-        return _tiles_dot_half2(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magic, LANES, UNROLL)
     lane = tl.arange(0, LANES)
     j = tl.arange(0, HALF_W)[None, None, :]
     lo_unit, hi_unit = _code_units(j)
@@ -251,6 +190,8 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
     lo_rows = tiles * TILE_W + j  # [NT, 1, HALF]
     acc_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
     acc_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+    words = tl.zeros([tiles.shape[0], LANES, HALF_W // 4], dtype=tl.uint32)  # the shape of a column's words
+    magic16 = (magic + (0x64006400 - 0x4B000000)).to(tl.uint32)  # "half2": 1024 twice in f16, at run time
     for g0 in range(group_start, group_end, LANES // LPG_W):
         group = g0 + lane // LPG_W  # [LANES]
         in_cols = group < group_end
@@ -258,6 +199,7 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
         col0 = group * GROUP_W + lane % LPG_W
         p_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
+        h_a, h_b, h_c, h_d = words, words, words, words  # "half2": f16 pair sums of the group (zeros)
         x_sum = tl.zeros([LANES], dtype=tl.float32)
         for k0 in range(0, GROUP_W // LPG_W, UNROLL):
             for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
@@ -265,16 +207,26 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                 x = tl.load(x_row + col, mask=in_cols, other=0.0).to(tl.float32)
                 w = tl.load(tile_words + col[None, :, None] * (HALF_W // 4),
                             eviction_policy="evict_first")  # [NT, LANES, HALF / 4]
-                if CVT == "fold":
-                    lo, hi = _code_floats(w, magic)
+                if CVT == "half2":
+                    x16 = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+                    x2 = tl.broadcast_to((x16 | (x16 << 16))[None, :, None], w.shape)
+                    h_a, h_b, h_c, h_d = _half2_fma(w, x2, h_a, h_b, h_c, h_d, magic16)
                 else:
-                    lo, hi = _codes(w, magic, lo_unit, hi_unit)
-                p_lo += lo * x[None, :, None]
-                p_hi += hi * x[None, :, None]
+                    if CVT == "fold":
+                        lo, hi = _code_floats(w, magic)
+                    else:
+                        lo, hi = _codes(w, magic, lo_unit, hi_unit)
+                    p_lo += lo * x[None, :, None]
+                    p_hi += hi * x[None, :, None]
                 x_sum += x
         at = sz_words + group[None, :, None] * R + lo_rows
         x_sum = x_sum[None, :, None]
-        if CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
+        if CVT == "half2":  # sums of (q - 8) x 2**-8
+            s, z = _group_scales(tl.load(at), 0)
+            acc_lo += _half2_sums(h_a, h_b) * (s * 256.0) + x_sum * z
+            s, z = _group_scales(tl.load(at + HALF_W), 0)
+            acc_hi += _half2_sums(h_c, h_d) * (s * 256.0) + x_sum * z
+        elif CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
             s, zz = _group_scales(tl.load(at), 8)
             acc_lo += (p_lo - 8388608.0 * x_sum) * (s * (1.0 / 32768)) + x_sum * zz
             s, zz = _group_scales(tl.load(at + HALF_W), 8)
