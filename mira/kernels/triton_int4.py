@@ -201,12 +201,12 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
         p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         h_a, h_b, h_c, h_d = words, words, words, words  # "half2": f16 pair sums of the group (zeros)
         x_sum = tl.zeros([LANES], dtype=tl.float32)
+        x_at = x_row + col0  # [LANES]: each sub-step's loads at constant offsets from these
+        w_at = tile_words + col0[None, :, None] * (HALF_W // 4)  # [NT, LANES, HALF / 4]
         for k0 in range(0, GROUP_W // LPG_W, UNROLL):
             for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
-                col = col0 + (k0 + u) * LPG_W
-                x = tl.load(x_row + col, mask=in_cols, other=0.0).to(tl.float32)
-                w = tl.load(tile_words + col[None, :, None] * (HALF_W // 4),
-                            eviction_policy="evict_first")  # [NT, LANES, HALF / 4]
+                x = tl.load(x_at + (k0 + u) * LPG_W, mask=in_cols, other=0.0).to(tl.float32)
+                w = tl.load(w_at + (k0 + u) * (LPG_W * HALF_W // 4))  # [NT, LANES, HALF / 4]
                 if CVT == "half2":
                     x16 = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
                     x2 = tl.broadcast_to((x16 | (x16 << 16))[None, :, None], w.shape)
