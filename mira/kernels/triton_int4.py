@@ -169,6 +169,8 @@ def _group_scales(w, BIAS: tl.constexpr):
     s (q - 8 + BIAS) + (z - BIAS s), for codes taken as q - 8 + BIAS."""
     s = (w << 16).to(tl.float32, bitcast=True)
     z = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if BIAS == 0:  # no multiply by zero left for the compiler to keep (it cannot fold 0 s: s may be inf)
+        return s, z
     return s, z - BIAS * s
 
 
@@ -221,11 +223,12 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                 x_sum += x
         at = sz_words + group[None, :, None] * R + lo_rows
         x_sum = x_sum[None, :, None]
-        if CVT == "half2":  # sums of (q - 8) x 2**-8
+        if CVT == "half2":  # sums of (q - 8) x 2**-8: the sums stay in units of 2**-8 until the end
+            x_sum = x_sum * 0.00390625
             s, z = _group_scales(tl.load(at), 0)
-            acc_lo += _half2_sums(h_a, h_b) * (s * 256.0) + x_sum * z
+            acc_lo += _half2_sums(h_a, h_b) * s + x_sum * z
             s, z = _group_scales(tl.load(at + HALF_W), 0)
-            acc_hi += _half2_sums(h_c, h_d) * (s * 256.0) + x_sum * z
+            acc_hi += _half2_sums(h_c, h_d) * s + x_sum * z
         elif CVT == "fold":  # sums of (2**23 + q 2**15) x and (2**23 + q 2**19) x
             s, zz = _group_scales(tl.load(at), 8)
             acc_lo += (p_lo - 8388608.0 * x_sum) * (s * (1.0 / 32768)) + x_sum * zz
@@ -238,6 +241,8 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
             s, zz = _group_scales(tl.load(at + HALF_W), 8)
             acc_hi += p_hi * s
             acc_hi += x_sum * zz
+    if CVT == "half2":
+        return tl.sum(acc_lo, axis=1) * 256.0, tl.sum(acc_hi, axis=1) * 256.0
     return tl.sum(acc_lo, axis=1), tl.sum(acc_hi, axis=1)
 
 
