@@ -11,6 +11,8 @@ activations):
   beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach),
   and of reads in the decode launches' pattern (a program per tile of codes, 4 lanes a group, with
   and without the groups' scales and zeros), which tells the codes' reads from the scales' apart;
+- on a GPU, the gate/up launch's reads alone from HBM, in its grid (a program per unit tile: its
+  gate tile, then its up tile; with and without the scales): what its access pattern allows;
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -119,15 +121,10 @@ def random_int4_slots(layout: ExpertLayout, count: int, device: torch.device, ge
 
 
 @triton.jit
-def _read_tiles_at(table_ptr, W_OFF, SZ_OFF, R, C, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr):
-    """Reads one tiled matrix of the blob at table_ptr[0] as the decode launches do, without their
-    arithmetic: a program per tile of codes ([R, C / 2] bytes, read as int32 words), LANES lanes a
-    step (4 per group, each a column a sub-step: 128 contiguous bytes per 4 lanes), and with SCALES
-    each step's (s, z) words [C / G, R] of the tile's rows."""
-    base = tl.load(table_ptr)
-    tile = tl.program_id(0)
-    words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * C) + tl.arange(0, 8)[None, :]
-    sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :]
+def _read_tile(words, sz, R, C, LANES: tl.constexpr, SCALES: tl.constexpr):
+    """The sum of one tile's codes (int32 words at `words` [1, 8] of its first column) and, with
+    SCALES, of its rows' (s, z) words (at `sz` [1, 64]), read as the decode launches read them: LANES
+    lanes a step (4 per group, each a column a sub-step: 128 contiguous bytes per 4 lanes)."""
     lane = tl.arange(0, LANES)
     codes = tl.zeros([LANES, 8], dtype=tl.int32)
     values = tl.zeros([LANES, 64], dtype=tl.int32)
@@ -136,10 +133,36 @@ def _read_tiles_at(table_ptr, W_OFF, SZ_OFF, R, C, sink_ptr, LANES: tl.constexpr
         in_cols = group < C // 64
         for k in tl.static_range(16):  # the loads issued together, as an unrolled decode step's
             col = group * 64 + lane % 4 + 4 * k
-            codes += tl.load(words + col[:, None] * 8, mask=in_cols[:, None], other=0, eviction_policy="evict_first")
+            codes += tl.load(words + col[:, None] * 8, mask=in_cols[:, None], other=0)
         if SCALES:
             values += tl.load(sz + group[:, None] * R, mask=in_cols[:, None], other=0)
-    tl.store(sink_ptr + tile, (tl.sum(codes) + tl.sum(values)).to(tl.float32))
+    return tl.sum(codes) + tl.sum(values)
+
+
+@triton.jit
+def _read_tiles_at(table_ptr, W_OFF, SZ_OFF, R, C, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr):
+    """Reads one tiled matrix ([R, C / 2] bytes) of the blob at table_ptr[0] as the decode launches
+    do, without their arithmetic: a program per tile (`_read_tile`)."""
+    base = tl.load(table_ptr)
+    tile = tl.program_id(0)
+    words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * C) + tl.arange(0, 8)[None, :]
+    sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :]
+    tl.store(sink_ptr + tile, _read_tile(words, sz, R, C, LANES, SCALES).to(tl.float32))
+
+
+@triton.jit
+def _read_unit_tiles_at(table_ptr, W_OFF, SZ_OFF, I, H, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr):
+    """Reads w13 ([2I, H / 2] bytes) of the blob at table_ptr[0] as the gate/up decode launch does
+    with one unit tile a program: its gate tile, then its up tile I / TILE tiles further."""
+    base = tl.load(table_ptr)
+    unit = tl.program_id(0)
+    total = 0
+    for half in tl.static_range(2):
+        tile = unit + half * (I // 64)
+        words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * H) + tl.arange(0, 8)[None, :]
+        sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :]
+        total += _read_tile(words, sz, 2 * I, H, LANES, SCALES)
+    tl.store(sink_ptr + unit, total.to(tl.float32))
 
 
 def addresses(rows, device) -> torch.Tensor:
@@ -230,6 +253,15 @@ class Workload:
                 _read_tiles_at[(rows // TILE,)](host_tables[r], w, sz, rows, cols, sink, LANES=lanes, SCALES=scales,
                                                 num_warps=lanes // 16)
         return self.timer.graph(read, len(host_tables))
+
+    def gate_up_tile_read(self, scales: bool, lanes: int = 64, warps: int = 8) -> float:
+        """`_read_unit_tiles_at` over the blobs in device slots: the gate/up launch's reads alone, from
+        HBM, in its grid (one unit tile a program; the stored tuning's lanes and warps by default)."""
+        I, H = self.layout.intermediate, self.layout.hidden
+        sink = torch.empty(I // TILE, dtype=torch.float32, device=self.slots.device)
+        w, sz = self.layout.sections["w13"].offset, self.layout.sections["sz13"].offset
+        return self.timer.graph(lambda i: _read_unit_tiles_at[(I // TILE,)](
+            self.one_tables[i], w, sz, I, H, sink, LANES=lanes, SCALES=scales, num_warps=warps), self.inputs["calls"])
 
     def _read_grid(self) -> tuple[int, torch.Tensor]:
         """The plain reads' program count and their sink [programs]."""
@@ -417,6 +449,8 @@ def main() -> None:
             figures["zero_copy_read_s"] = spread(read_zero)
             figures["zero_copy_read_fraction_of_copy_bandwidth"] = spread(
                 [copy / read for (copy, _, _), read in zip(misses, read_zero)])
+            for key, scales in (("codes", False), ("codes_and_scales", True)):
+                figures[f"gate_up_tile_read_{key}_s"] = spread([work4.gate_up_tile_read(scales) for _ in range(repeats)])
             codes_bytes = layout4.sections["w13"].nbytes + layout4.sections["w2"].nbytes
             for key, scales, nbytes in (("codes", False, codes_bytes), ("codes_and_scales", True, layout4.nbytes)):
                 tiles_read = [work4.zero_copy_tile_read(args.smoke, scales) for _ in range(repeats)]
