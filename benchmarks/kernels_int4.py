@@ -90,17 +90,8 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
     GemvConfig(64, 2048, unroll=8, num_warps=8, split=7), GemvConfig(128, 1024, unroll=4, num_warps=4, split=7),
     GemvConfig(64, 1024, unroll=8, num_warps=4, split=4), GemvConfig(64, 1024, unroll=8, num_warps=4),
 ]
-GATE_UP_SPLIT = [  # gate/up with the reduction over H split: more, shorter programs (224 a Mixtral pair unsplit)
-    GemvConfig(64, 1024, unroll=8, num_warps=4, split=2, cvt="half2"),
-    GemvConfig(64, 1024, unroll=8, num_warps=4, split=4, cvt="half2"),
-    GemvConfig(64, 512, unroll=8, num_warps=2, split=4, cvt="half2"),
-    GemvConfig(64, 512, unroll=8, num_warps=2, split=8, cvt="half2"),
-    GemvConfig(64, 256, unroll=8, num_warps=1, split=8, cvt="half2"),
-    GemvConfig(64, 256, unroll=8, num_warps=1, split=16, cvt="half2"),
-    GemvConfig(128, 1024, unroll=8, num_warps=4, split=4, cvt="half2"),
-]
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
-GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]] + GATE_UP_SPLIT
+GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
 # twice the warps of a step's lanes (threads share a lane's rows): about half the registers a thread,
 # so that grids of one tile a program keep more warps on each SM (half2, the conversion tuned)

@@ -16,10 +16,8 @@ decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole
     of a tile), GROUP / 4 sub-steps per group. A lane sums its codes times x over its columns of
     the group (one fma per code, no exchange between threads) before the group's scale and zero
     apply; the lanes are added once, at the end of the program.
-    1. gate/up, grid (P, unit tiles / tiles per program, splits): a program's gate tiles, then the
-       up tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I];
-       with `split` the reduction over H is shared as the down launch's is, the last program to
-       arrive gating the summed partials (`_store_act`).
+    1. gate/up, grid (P, unit tiles / tiles per program): a program's gate tiles, then the up
+       tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I].
     2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
        routing weights; with `split` the reduction over I is shared by several programs, whose
        partial sums the last to arrive adds in a fixed order (`_store_down_rows`).
@@ -39,7 +37,7 @@ for the INT4 GEMVs:
     cvt: how codes meet x: "bits" (exact fp32 codes, `_codes`), "fold" (codes offset by 2**23
         summed as they are, one fma per code fewer: `_code_floats`) or "half2" (fp16 pairs summed
         in fp16 within a group, inline PTX: `_half2_fma`; compiled GPUs only, elsewhere "bits").
-    mma: not implemented; programs_per_sm as for INT8; split for both launches (INT8: down only).
+    mma: not implemented; programs_per_sm and split as for INT8.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
 
@@ -257,69 +255,34 @@ def _tile_rows(lo, hi):
 @triton.jit
 def _gate_up_gemv4(
     hidden_ptr, stride_ht, index_ptr, bases_ptr, act_ptr,  # [T, H], [P], [E] int64, [P, I] fp32
-    partial_ptr, count_ptr,  # [P, unit blocks, SPLIT, 2 BLOCK_U] fp32, [P, unit blocks] int32 zeros (SPLIT > 1)
-    H, I, K, SZ13_OFF, B13_OFF, TILES, SPAN, MAGIC,
-    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
+    H, I, K, SZ13_OFF, B13_OFF, TILES, MAGIC,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
     NAN_ABSENT: tl.constexpr,
 ):
-    """Decode launch 1: program (pair, b, s) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
-    BLOCK_T at a time: their gate tiles, then their up tiles, over columns [s SPAN, (s + 1) SPAN) of
-    H; split sums are added by the last program of a unit block to arrive, in split order, before
-    the gating (`_store_act`)."""
+    """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
+    BLOCK_T at a time: their gate tiles, then their up tiles."""
     pair = tl.program_id(0)
     tile_start = tl.program_id(1) * TILES
-    split = tl.program_id(2)
     tile_end = tl.minimum(tile_start + TILES, I // TILE_W)
     token = pair // K
     base = tl.load(bases_ptr + tl.load(index_ptr + pair))
     present = base != 0  # an expert routed without a blob yields NaN (or zero), not a fault
     w13 = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
     sz13 = tl.multiple_of((base + SZ13_OFF).to(tl.pointer_type(tl.uint32)), 16)
-    group_start = split * (SPAN // GROUP_W)
-    group_end = tl.where(present, tl.minimum(group_start + SPAN // GROUP_W, H // GROUP_W), group_start)
+    groups = tl.where(present, H // GROUP_W, 0)  # an absent expert's loops do not run
     x_row = hidden_ptr + token * stride_ht
     unit_end = tl.where(present, tile_end * TILE_W, 0)  # the units whose biases are read
     for t0 in range(tile_start, tile_end, BLOCK_T):
         tiles = t0 + tl.arange(0, BLOCK_T)
-        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, group_start, group_end, MAGIC, LANES, UNROLL,
+        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL, CVT)
+        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL,
                                 CVT)
-        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, group_start, group_end, MAGIC,
-                                LANES, UNROLL, CVT)
         units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
-        _store_act(act_ptr + pair * I + units, _tile_rows(g_lo, g_hi), _tile_rows(u_lo, u_hi), base, B13_OFF, I,
-                   units, units < unit_end, units < tile_end * TILE_W, present, partial_ptr, count_ptr,
-                   pair * tl.cdiv(I // TILE_W, BLOCK_T) + t0 // BLOCK_T, split, SPLIT, BLOCK_T * TILE_W,
-                   HAS_BIAS, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
-
-
-@triton.jit
-def _store_act(act_row, g, u, base, B13_OFF, I, units, biased, in_units, present, partial_ptr, count_ptr, unit_block,
-               split, SPLIT: tl.constexpr, BLOCK_U: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr,
-               LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr):
-    """A gate/up program's units of one pair: gated and stored at once, or, split over SPLIT programs,
-    its partial sums (gate, then up) stored and the last program to arrive adds them all in a fixed
-    order, then adds the biases and gates (as `_store_down_rows`)."""
-    if SPLIT > 1:
-        partials = partial_ptr + unit_block * SPLIT * 2 * BLOCK_U + tl.arange(0, BLOCK_U)
-        tl.store(partials + split * 2 * BLOCK_U, g)
-        tl.store(partials + split * 2 * BLOCK_U + BLOCK_U, u)
-        tl.debug_barrier()  # every thread's partial is stored before the count moves
-        arrived = tl.atomic_add(count_ptr + unit_block, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
-            g = tl.zeros([BLOCK_U], dtype=tl.float32)
-            u = tl.zeros([BLOCK_U], dtype=tl.float32)
-            for s in range(0, SPLIT):
-                g += tl.load(partials + s * 2 * BLOCK_U, cache_modifier=".cg")  # from L2, not a stale L1 line
-                u += tl.load(partials + s * 2 * BLOCK_U + BLOCK_U, cache_modifier=".cg")
-            g += _bias(base, B13_OFF, units, biased, HAS_BIAS)
-            u += _bias(base, B13_OFF, units + I, biased, HAS_BIAS)
-            tl.store(act_row, _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT), mask=in_units)
-            tl.atomic_xchg(count_ptr + unit_block, 0)  # ready for the next call
-    else:
-        g += _bias(base, B13_OFF, units, biased, HAS_BIAS)
-        u += _bias(base, B13_OFF, units + I, biased, HAS_BIAS)
-        tl.store(act_row, _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT), mask=in_units)
+        g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
+        u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
+        act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
+        tl.store(act_ptr + pair * I + units, act, mask=units < tile_end * TILE_W)
 
 
 @triton.jit
@@ -510,20 +473,6 @@ class TritonInt4MoEFFN(TritonMoEFFN):
 
     schemes = {"int4": None}  # one scheme, whose scales are the sz sections
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # a split gate/up launch's partial sums and arrival counts, as the down launch's
-        up, I = self.config.gate_up_gemv, self.layout.intermediate
-        self._up_span, splits = split_span(self.layout.hidden, dataclasses.replace(up, unroll=1))
-        unit_blocks = self.config.decode_max_pairs * triton.cdiv(I // TILE, up.block_rows // TILE) if splits > 1 else 0
-        self._up_partials = torch.empty(unit_blocks * splits * 2 * up.block_rows, dtype=torch.float32,
-                                        device=self.device)
-        self._up_counts = torch.zeros(unit_blocks, dtype=torch.int32, device=self.device)
-
-    def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
-        """`TritonMoEFFN.workspace_bytes` and a split gate/up launch's partial sums and counts."""
-        return super().workspace_bytes(tokens, top_k, dtype) + (self._up_partials.numel() + self._up_counts.numel()) * 4
-
     def _stored_config(self, device_name: str, hidden: int, intermediate: int) -> KernelConfig:
         """The stored INT4 tuning of this device and shape, else `default_int4_config`."""
         return load_int4_config(device_name, hidden, intermediate)
@@ -554,13 +503,10 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
         tiles = self._rows_per_program(T * K, up) // TILE
-        up_span = self._up_span
-        up_splits = triton.cdiv(H, up_span)
-        _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles), up_splits)](
-            hidden, hidden.stride(0), index, bases, self._decode_act, self._up_partials, self._up_counts,
-            H, I, K, self._s_in_off, self._b13_off, tiles, up_span, MAGIC, BLOCK_T=up.block_rows // TILE,
-            LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up), SPLIT=up_splits, num_warps=up.num_warps,
-            num_stages=up.num_stages, **self._after_up,
+        _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
+            hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
+            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up),
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)

@@ -59,14 +59,6 @@ DECODE_CONFIGS = {
     "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
                               down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     "default": default_int4_config(H, I),
-    # gate/up: the reduction over H split in 2 (a group each), two unit tiles per program (the
-    # second program's second tile past I), the last program to arrive gating the summed partials
-    "gemv-split-up": KernelConfig(gate_up_gemv=GemvConfig(128, 64, unroll=4, num_warps=1, split=2),
-                                  down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1)),
-    # the same split over runs of tiles per program (programs_per_sm): a count per unit tile
-    "gemv-split-up-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 64, unroll=4, num_warps=1, programs_per_sm=1,
-                                                               split=2),
-                                       down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     # the "fold" conversion (runs everywhere) in the ragged launch shapes
     "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, cvt="fold"),
                               down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, cvt="fold")),
@@ -112,7 +104,7 @@ def random_blobs(layout: ExpertLayout, experts: int, seed: int, device: str) -> 
 def poisoned_ffn(layout: ExpertLayout, config: KernelConfig, tokens: int, dtype: torch.dtype) -> TritonInt4MoEFFN:
     """A kernel object whose workspaces are all NaN."""
     ffn = TritonInt4MoEFFN(layout, DEVICE, config=config, num_experts=E, max_tokens=tokens, top_k=K, dtype=dtype)
-    for buffer in (ffn._decode_act, ffn._split_partials, ffn._up_partials, *ffn._prefill.values()):
+    for buffer in (ffn._decode_act, ffn._split_partials, *ffn._prefill.values()):
         buffer.fill_(float("nan"))
     return ffn
 
@@ -176,19 +168,17 @@ def test_repeated_experts(small, config, tokens):
     assert relative_error(out, moe_ffn_reference(hidden, index, weights, blobs, layout, F.silu)) < FP32_TOL
 
 
-@pytest.mark.parametrize("config", ["gemv-ragged", "gemv-split-up"])
-def test_split_launches_reset_their_counts(small, config):
-    """Split launches' arrival counts are back at zero after a call, so the next call is summed
-    again, in the same order: equal to a fresh object's result."""
+def test_split_down_resets_its_counts(small):
+    """A split down launch's arrival counts are back at zero after a call, so the next call is
+    summed again, in the same order: equal to a fresh object's result."""
     layout, blobs = small
-    config = DECODE_CONFIGS[config]
+    config = DECODE_CONFIGS["gemv-ragged"]
     ffn = poisoned_ffn(layout, config, 2, torch.float32)
     first = torch.randn(2, H, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     second = torch.randn(1, H, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     index, weights = routing(2, E, K, seed=11)
     run_poisoned(ffn, first, index, weights, blobs)
     assert int(ffn._split_counts.count_nonzero()) == 0
-    assert int(ffn._up_counts.count_nonzero()) == 0
     again = run_poisoned(ffn, second, index[:1], weights[:1], blobs)
     fresh = run_poisoned(poisoned_ffn(layout, config, 2, torch.float32), second, index[:1], weights[:1], blobs)
     assert torch.equal(again, fresh)
@@ -270,7 +260,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 REAL_SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
                "olmoe-1b-7b": (2048, 1024)}
 REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program, 8 warps, one warp, split 4,
-    # more warps than a step's lanes fill (threads sharing a lane's rows), and gate/up split over H
+    # and more warps than a step's lanes fill (threads sharing a lane's rows)
     "shared-lanes": KernelConfig(gate_up_gemv=GemvConfig(64, 1024, unroll=8, num_warps=8),
                                  down_gemv=GemvConfig(64, 256, unroll=8, num_warps=2, split=4)),
     "two-tiles": KernelConfig(gate_up_gemv=GemvConfig(128, 1024, unroll=4, num_warps=4),
@@ -280,8 +270,6 @@ REAL_CONFIGS = {  # launch shapes beside the stored tuning: two tiles a program,
     "one-warp": KernelConfig(gate_up_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, programs_per_sm=8),
                              down_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, split=4),
                              gemm=GemmConfig(32, 64, 32, num_warps=4, num_stages=2)),
-    "split-up": KernelConfig(gate_up_gemv=GemvConfig(64, 512, unroll=8, num_warps=2, split=4),
-                             down_gemv=GemvConfig(64, 256, unroll=8, num_warps=1, split=4)),
 }
 
 
@@ -370,8 +358,7 @@ def test_zero_copy_pinned_blob_gives_the_slot_result(real_blobs, shape, tokens):
 
 @pytest.mark.gpu
 @gpu
-# the stored tuning; split down and runs of gate/up tiles; both launches split
-@pytest.mark.parametrize("config", [None, "one-warp", "split-up"])
+@pytest.mark.parametrize("config", [None, "one-warp"])  # the stored tuning; split down, runs of gate/up tiles
 def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, config):
     layout, blobs = real_blobs("qwen3-30b-a3b")
     ffn = make_moe_ffn("cuda", layout, F.silu, num_experts=8, config=REAL_CONFIGS.get(config))
@@ -396,7 +383,7 @@ def test_decode_step_allocates_nothing_and_never_syncs(real_blobs, config):
 @gpu
 def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs):
     layout, blobs = real_blobs("deepseek-v2-lite")
-    config = KernelConfig(gate_up_gemv=GemvConfig(64, 512, unroll=4, num_warps=2, programs_per_sm=4, split=2),
+    config = KernelConfig(gate_up_gemv=GemvConfig(64, 512, unroll=4, num_warps=2, programs_per_sm=4),
                           down_gemv=GemvConfig(64, 512, unroll=4, num_warps=2, split=3))
     ffn = TritonInt4MoEFFN(layout, "cuda", config=config, num_experts=8)
     bases = torch.tensor([b.data_ptr() for b in blobs], dtype=torch.int64, device="cuda")
@@ -422,4 +409,3 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
         graph.replay()
         assert torch.equal(out, first)
     assert int(ffn._split_counts.count_nonzero()) == 0
-    assert int(ffn._up_counts.count_nonzero()) == 0

@@ -40,9 +40,9 @@ class GemvConfig:
     programs_per_sm: (the gate/up launch on the CUDA cores) spread a routed pair's rows over about
         this many programs per SM (the device's SM count divided among the pairs), each walking a
         contiguous run of row blocks; 0: one row block per program.
-    split: (the down launch on the CUDA cores; INT4's gate/up too) split each row's reduction
-        between this many programs, for more programs than rows / block_rows; the last to finish
-        adds the partial sums, in a fixed order.
+    split: (the down launch on the CUDA cores) split each row's reduction over I between this
+        many programs, for more programs than H / block_rows; the last to finish adds the
+        partial sums, in a fixed order.
     """
 
     block_rows: int = 16
