@@ -12,7 +12,8 @@ activations):
   and of reads in the decode launches' pattern (a program per tile of codes, 4 lanes a group, with
   and without the groups' scales and zeros), which tells the codes' reads from the scales' apart;
 - on a GPU, the gate/up launch's reads alone from HBM, in its grid (a program per unit tile: its
-  gate tile, then its up tile; with and without the scales): what its access pattern allows;
+  gate tile, then its up tile; with and without the scales): what its access pattern allows; and
+  the same reads split over H (SPLIT_READS);
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -90,6 +91,9 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
     GemvConfig(64, 2048, unroll=8, num_warps=8, split=7), GemvConfig(128, 1024, unroll=4, num_warps=4, split=7),
     GemvConfig(64, 1024, unroll=8, num_warps=4, split=4), GemvConfig(64, 1024, unroll=8, num_warps=4),
 ]
+# gate/up reads alone with the reduction over H split (split, lanes, warps): split launches that a
+# read-only kernel suggests (the split gate/up kernel itself is in 5afef31's history: none was faster)
+SPLIT_READS = [(2, 64, 8), (4, 64, 4), (8, 32, 4), (8, 16, 1)]
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
@@ -151,18 +155,23 @@ def _read_tiles_at(table_ptr, W_OFF, SZ_OFF, R, C, sink_ptr, LANES: tl.constexpr
 
 
 @triton.jit
-def _read_unit_tiles_at(table_ptr, W_OFF, SZ_OFF, I, H, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr):
+def _read_unit_tiles_at(table_ptr, W_OFF, SZ_OFF, I, H, sink_ptr, LANES: tl.constexpr, SCALES: tl.constexpr,
+                        SPLIT: tl.constexpr):
     """Reads w13 ([2I, H / 2] bytes) of the blob at table_ptr[0] as the gate/up decode launch does
-    with one unit tile a program: its gate tile, then its up tile I / TILE tiles further."""
+    with one unit tile a program: its gate tile, then its up tile I / TILE tiles further; with
+    SPLIT > 1, program (unit, s) reads columns [s H / SPLIT, (s + 1) H / SPLIT) of both."""
     base = tl.load(table_ptr)
     unit = tl.program_id(0)
+    split = tl.program_id(1)
     total = 0
     for half in tl.static_range(2):
         tile = unit + half * (I // 64)
-        words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * H) + tl.arange(0, 8)[None, :]
-        sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :]
-        total += _read_tile(words, sz, 2 * I, H, LANES, SCALES)
-    tl.store(sink_ptr + unit, total.to(tl.float32))
+        words = (base + W_OFF).to(tl.pointer_type(tl.int32)) + tile * (8 * H) + tl.arange(0, 8)[None, :] \
+            + split * (H // SPLIT * 8)
+        sz = (base + SZ_OFF).to(tl.pointer_type(tl.int32)) + tile * 64 + tl.arange(0, 64)[None, :] \
+            + split * (H // SPLIT // 64 * 2 * I)
+        total += _read_tile(words, sz, 2 * I, H // SPLIT, LANES, SCALES)
+    tl.store(sink_ptr + unit * SPLIT + split, total.to(tl.float32))
 
 
 def addresses(rows, device) -> torch.Tensor:
@@ -254,14 +263,16 @@ class Workload:
                                                 num_warps=lanes // 16)
         return self.timer.graph(read, len(host_tables))
 
-    def gate_up_tile_read(self, scales: bool, lanes: int = 64, warps: int = 8) -> float:
+    def gate_up_tile_read(self, scales: bool, lanes: int = 64, warps: int = 8, split: int = 1) -> float:
         """`_read_unit_tiles_at` over the blobs in device slots: the gate/up launch's reads alone, from
-        HBM, in its grid (one unit tile a program; the stored tuning's lanes and warps by default)."""
+        HBM, in its grid (one unit tile a program, or `split` programs over H; the stored tuning's
+        lanes and warps by default)."""
         I, H = self.layout.intermediate, self.layout.hidden
-        sink = torch.empty(I // TILE, dtype=torch.float32, device=self.slots.device)
+        sink = torch.empty(I // TILE * split, dtype=torch.float32, device=self.slots.device)
         w, sz = self.layout.sections["w13"].offset, self.layout.sections["sz13"].offset
-        return self.timer.graph(lambda i: _read_unit_tiles_at[(I // TILE,)](
-            self.one_tables[i], w, sz, I, H, sink, LANES=lanes, SCALES=scales, num_warps=warps), self.inputs["calls"])
+        return self.timer.graph(lambda i: _read_unit_tiles_at[(I // TILE, split)](
+            self.one_tables[i], w, sz, I, H, sink, LANES=lanes, SCALES=scales, SPLIT=split, num_warps=warps),
+            self.inputs["calls"])
 
     def _read_grid(self) -> tuple[int, torch.Tensor]:
         """The plain reads' program count and their sink [programs]."""
@@ -451,6 +462,9 @@ def main() -> None:
                 [copy / read for (copy, _, _), read in zip(misses, read_zero)])
             for key, scales in (("codes", False), ("codes_and_scales", True)):
                 figures[f"gate_up_tile_read_{key}_s"] = spread([work4.gate_up_tile_read(scales) for _ in range(repeats)])
+            for split, lanes, warps in SPLIT_READS:  # the same reads with the reduction over H split
+                figures[f"gate_up_tile_read_split{split}_{lanes}lanes_{warps}warps_s"] = spread(
+                    [work4.gate_up_tile_read(True, lanes, warps, split) for _ in range(repeats)])
             codes_bytes = layout4.sections["w13"].nbytes + layout4.sections["w2"].nbytes
             for key, scales, nbytes in (("codes", False, codes_bytes), ("codes_and_scales", True, layout4.nbytes)):
                 tiles_read = [work4.zero_copy_tile_read(args.smoke, scales) for _ in range(repeats)]
