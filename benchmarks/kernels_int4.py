@@ -91,8 +91,8 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
     GemvConfig(64, 2048, unroll=8, num_warps=8, split=7), GemvConfig(128, 1024, unroll=4, num_warps=4, split=7),
     GemvConfig(64, 1024, unroll=8, num_warps=4, split=4), GemvConfig(64, 1024, unroll=8, num_warps=4),
 ]
-# gate/up reads alone with the reduction over H split (split, lanes, warps): split launches that a
-# read-only kernel suggests (the split gate/up kernel itself is in 5afef31's history: none was faster)
+# gate/up reads alone, split over H (split, lanes, warps): the shapes of the split gate/up launches
+# (5afef31's history), so that what their reads alone take stands beside what the launches took
 SPLIT_READS = [(2, 64, 8), (4, 64, 4), (8, 32, 4), (8, 16, 1)]
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
