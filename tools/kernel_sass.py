@@ -1,14 +1,19 @@
 """What the decode GEMV launches compile to, read without a GPU (issue #5).
 
-Compiles `_gate_up_gemv` and `_down_gemv` for a CUDA target (sm_90 by default) with the Triton
-installed here, at one expert shape and a list of launch configurations, and reports from the
-machine code (the `cuobjdump` that Triton ships): registers per thread, barriers (`BAR`) in the
-whole kernel and inside its loops, shared-memory stores, and 16-byte weight loads (`LDG.E.EF.128`,
-the evict-first loads of the INT8 tiles). The arguments that the JIT would specialize as multiples of 16
-at this shape (pointers, strides, sizes, offsets) get the same hint here, so the code matches what
-a launch compiles. Triton versions differ: the GPU machine's may schedule differently.
+Compiles the decode launches of one scheme for a CUDA target (sm_90 by default) with the Triton
+installed here, at one expert shape: `_gate_up_gemv` and `_down_gemv` (int8-shared) at a list of
+launch configurations, or `_gate_up_gemv4` and `_down_gemv4` (int4) at the stored H200 tuning.
+It reports from the machine code (the `cuobjdump` that Triton ships): registers per thread,
+barriers (`BAR`) in the whole kernel and inside its loops, shared-memory stores, loads with an
+evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), and the instructions inside loops
+with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble conversions),
+which tell the arithmetic a loop step costs beside its bookkeeping. The arguments that the JIT would
+specialize as multiples of 16 at this shape (pointers, strides, sizes, offsets) get the same hint
+here, so the code matches what a launch compiles. Triton versions differ: the GPU machine's may
+schedule differently.
 
-    python tools/kernel_sass.py [--hidden 4096 --intermediate 14336] [--arch 90] [--json] [--out FILE]
+    python tools/kernel_sass.py [--scheme int8|int4] [--hidden 4096 --intermediate 14336] [--arch 90]
+                                [--json] [--out FILE]
 
 (Not under TRITON_INTERPRET=1, which replaces the kernels with interpreted functions.)
 """
@@ -30,7 +35,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mira.bench.provenance import result_header
-from mira.kernels import triton_ffn
+from mira.kernels import triton_ffn, triton_int4
 from mira.kernels.tuning import GemvConfig
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
@@ -72,6 +77,38 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
 
 
+def compile_launch4(launch: str, config: GemvConfig, hidden: int, intermediate: int, arch: int) -> bytes:
+    """The cubin of one INT4 decode launch at this shape (bf16 activations, K = 2, SwiGLU)."""
+    if launch == "gate_up":
+        fn = triton_int4._gate_up_gemv4
+        signature = {"hidden_ptr": "*bf16", "stride_ht": I32, "index_ptr": "*i64", "bases_ptr": "*i64",
+                     "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "SZ13_OFF": I32, "B13_OFF": I32,
+                     "TILES": I32, "MAGIC": I32}
+        constants = {"HAS_BIAS": False, "ALPHA": 1.0, "LIMIT": 0.0, "UP_OFFSET": 0.0, "NAN_ABSENT": True}
+    else:
+        fn = triton_int4._down_gemv4
+        signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
+                     "out_ptr": "*bf16", "stride_ot": I32, "partial_ptr": "*fp32", "count_ptr": "*i32",
+                     "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "SZ2_OFF": I32, "B2_OFF": I32, "SPAN": I32,
+                     "MAGIC": I32}
+        span, splits = triton_ffn.split_span(intermediate, dataclasses.replace(config, unroll=1))
+        constants = {"SPLIT": splits, "HAS_BIAS": False, "NAN_ABSENT": True}
+    constants |= {"BLOCK_T": config.block_rows // triton_int4.TILE, "LANES": triton_int4._lanes(config),
+                  "UNROLL": config.unroll, "CVT": config.cvt}
+    small = {"K", "TILES", "MAGIC"}  # K = 2, tiles a program and 2**23's bits: no multiples of 16
+    hinted = {(fn.arg_names.index(name),): DIV16 for name in signature if name not in small}
+    signature |= {name: "constexpr" for name in constants}
+    source = ASTSource(fn, signature=signature, constexprs=constants, attrs=hinted)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+
+
+def int4_candidates(hidden: int, intermediate: int) -> dict[str, list[GemvConfig]]:
+    """The INT4 launches as the H200's stored tuning has them at this shape (its defaults elsewhere)."""
+    config = triton_int4.load_int4_config("NVIDIA H200", hidden, intermediate)
+    return {"gate_up": [config.gate_up_gemv], "down": [config.down_gemv]}
+
+
 def sass_figures(cubin: bytes) -> dict:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
@@ -81,20 +118,28 @@ def sass_figures(cubin: bytes) -> dict:
         usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
                                check=True).stdout
     registers = next(int(word[4:]) for word in usage.split() if word.startswith("REG:"))
-    return {"registers": registers, "barriers": sass.count("BAR.SYNC"), "barriers_in_loops": _barriers_in_loops(sass),
-            "shared_stores": sass.count(" STS"), "weight_loads_128": sass.count("LDG.E.EF.128")}
+    in_loops = _in_loops(sass)
+    return {"registers": registers, "barriers": sass.count("BAR.SYNC"),
+            "barriers_in_loops": sum("BAR.SYNC" in text for text in in_loops),
+            "shared_stores": sass.count(" STS"), "weight_loads_128": sass.count("LDG.E.EF.128"),
+            "evict_first_loads": sass.count("LDG.E.EF"),
+            "instructions_in_loops": len(in_loops),
+            "half2_fmas_in_loops": sum(re.search(r"(^|\s)HFMA2[ .]", text) is not None for text in in_loops)}
 
 
-def _barriers_in_loops(sass: str) -> int:
-    """Barriers between the target and the address of some backward branch (inside a loop)."""
+def _in_loops(sass: str) -> list[str]:
+    """The instructions between the target and the address of some backward branch (inside a loop),
+    each once, without its predicate."""
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(target, 16), address) for address, text in code
              for target in re.findall(r"BRA (?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < address]
-    return sum("BAR.SYNC" in text and any(start <= address <= end for start, end in loops) for address, text in code)
+    return [text for address, text in code if any(start <= address <= end for start, end in loops)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scheme", choices=("int8", "int4"), default="int8",
+                        help="int8: the int8-shared launches at CANDIDATES; int4: the INT4 launches as stored")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper (default)")
@@ -104,25 +149,30 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this tool compiles")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default the GPU machine's Triton uses
+    candidates, compile_one = CANDIDATES, compile_launch
+    if args.scheme == "int4":
+        candidates, compile_one = int4_candidates(args.hidden, args.intermediate), compile_launch4
     rows = [{"launch": launch, "config": dataclasses.asdict(config),
-             **sass_figures(compile_launch(launch, config, args.hidden, args.intermediate, args.arch))}
-            for launch, configs in CANDIDATES.items() for config in configs]
+             **sass_figures(compile_one(launch, config, args.hidden, args.intermediate, args.arch))}
+            for launch, configs in candidates.items() for config in configs]
     if args.out:
         command = " ".join(["python", "tools/kernel_sass.py", *sys.argv[1:]])
         result = {**result_header(command), "triton": triton.__version__, "target": f"sm_{args.arch}",
-                  "shape": {"hidden": args.hidden, "intermediate": args.intermediate}, "rows": rows}
+                  "scheme": args.scheme, "shape": {"hidden": args.hidden, "intermediate": args.intermediate},
+                  "rows": rows}
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(rows))
         return
     print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'regs':>5} {'BAR':>4} {'in loops':>8} "
-          f"{'STS':>4} {'LDG.128 (weights)':>17}")
+          f"{'STS':>4} {'LDG.128 (weights)':>17} {'loop instr':>10} {'HFMA2':>6}")
     for row in rows:
         config = row["config"]
         shape = f"{config['block_rows']} x {config['block_cols']}"
         print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
               f"{row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
-              f"{row['shared_stores']:>4} {row['weight_loads_128']:>17}")
+              f"{row['shared_stores']:>4} {row['weight_loads_128']:>17} {row['instructions_in_loops']:>10} "
+              f"{row['half2_fmas_in_loops']:>6}")
 
 
 if __name__ == "__main__":

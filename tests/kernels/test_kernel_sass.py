@@ -23,3 +23,24 @@ def test_tuned_decode_launches_broadcast_through_shared_memory():
         assert broadcast["barriers"] > 4 and broadcast["shared_stores"] > 1
         assert broadcast["barriers_in_loops"] > 4
         assert broadcast["weight_loads_128"] > 0  # the weights read as 16-byte vectors
+
+
+def test_int4_gate_up_loop_is_its_half2_arithmetic_and_little_else():
+    """The stored INT4 gate/up launch (64 x 1024, unroll 16, 8 warps, half2) at Mixtral's shape: a
+    loop step of each of its two matrices gives each of 256 threads 16 sub-steps of 2 words (8 codes
+    each), so 256 codes, whose products take one HFMA2 a pair of codes (128) and whose high nibbles
+    one more a pair (64): 192 a matrix, 384 in all. Everything else in the loops (loads, addresses,
+    low-nibble conversions, the group's scales) stays under 4.5 instructions a code in all, and no
+    load carries an eviction hint (each built its cache policy in the loop; measured no faster)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(TOOL), "--scheme", "int4", "--json"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    gate_up = next(r for r in json.loads(run.stdout) if r["launch"] == "gate_up")
+    config = gate_up["config"]
+    assert (config["block_rows"], config["block_cols"], config["unroll"], config["num_warps"], config["cvt"]) == \
+        (64, 1024, 16, 8, "half2")  # the shape the counts below are worked out for
+    codes = 2 * 256
+    assert gate_up["half2_fmas_in_loops"] >= codes * 3 // 4
+    assert gate_up["instructions_in_loops"] < 4.5 * codes
+    assert gate_up["evict_first_loads"] == 0
