@@ -5,9 +5,9 @@ installed here, at one expert shape: `_gate_up_gemv` and `_down_gemv` (int8-shar
 launch configurations, or `_gate_up_gemv4` and `_down_gemv4` (int4) at the stored H200 tuning.
 It reports from the machine code (the `cuobjdump` that Triton ships): registers per thread,
 barriers (`BAR`) in the whole kernel and inside its loops, shared-memory stores, loads with an
-evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), and the instructions inside loops
-with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble conversions),
-which tell the arithmetic a loop step costs beside its bookkeeping. The arguments that the JIT would
+evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), and the instructions
+inside loops with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble
+conversions), which tell the arithmetic a loop step costs beside its bookkeeping. The arguments that the JIT would
 specialize as multiples of 16 at this shape (pointers, strides, sizes, offsets) get the same hint
 here, so the code matches what a launch compiles. Triton versions differ: the GPU machine's may
 schedule differently.
@@ -91,7 +91,7 @@ def compile_launch4(launch: str, config: GemvConfig, hidden: int, intermediate: 
                      "out_ptr": "*bf16", "stride_ot": I32, "partial_ptr": "*fp32", "count_ptr": "*i32",
                      "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "SZ2_OFF": I32, "B2_OFF": I32, "SPAN": I32,
                      "MAGIC": I32}
-        span, splits = triton_ffn.split_span(intermediate, dataclasses.replace(config, unroll=1))
+        splits = triton_ffn.split_span(intermediate, dataclasses.replace(config, unroll=1))[1]
         constants = {"SPLIT": splits, "HAS_BIAS": False, "NAN_ABSENT": True}
     constants |= {"BLOCK_T": config.block_rows // triton_int4.TILE, "LANES": triton_int4._lanes(config),
                   "UNROLL": config.unroll, "CVT": config.cvt}
@@ -129,7 +129,7 @@ def sass_figures(cubin: bytes) -> dict:
 
 def _in_loops(sass: str) -> list[str]:
     """The instructions between the target and the address of some backward branch (inside a loop),
-    each once, without its predicate."""
+    each once (nested loops too), with its predicate where it has one."""
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(target, 16), address) for address, text in code
              for target in re.findall(r"BRA (?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < address]
