@@ -117,38 +117,40 @@ def _code_floats(w, magic):
 
 
 @triton.jit
-def _half2_fma(w, x2, a, b, c, d, magic16):
+def _half2_fma(w, x2, a, b, c, d, e, magic16):
     """One column's uint32 words [NT, LANES, HALF / 4] into fp16 pair sums ("half2"; inline PTX): x2
     is x 2**-8 twice as f16x2; a and b gain (q - 8) x2 of the low nibbles of bytes (0, 2) and (1, 3),
-    c and d of the high ones. A pair of nibbles becomes two exact f16 by one mask-and-or with
-    magic16 (1024's f16 bits twice, a run-time value as `_codes`' magic: 1024 + q or 1024 + 16 q) and
-    one f16x2 subtract or fma: two codes for three instructions."""
+    c and d of the high ones, and e gains x2 (the column sum the zeros take). A pair of nibbles becomes
+    two exact f16 by one mask-and-or with magic16 (1024's f16 bits twice, a run-time value as
+    `_codes`' magic: 1024 + q or 1024 + 16 q) and one f16x2 subtract or fma: two codes for three
+    instructions."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t, u, k1, k2, k3;
         mov.b32 k1, 0x64086408;
         mov.b32 k2, 0x2C002C00;
         mov.b32 k3, 0xD480D480;
-        shr.b32 u, $4, 8;
-        and.b32 t, $4, 0x000F000F;
-        or.b32 t, t, $10;
+        shr.b32 u, $5, 8;
+        and.b32 t, $5, 0x000F000F;
+        or.b32 t, t, $12;
         sub.f16x2 t, t, k1;
-        fma.rn.f16x2 $0, t, $5, $6;
+        fma.rn.f16x2 $0, t, $6, $7;
         and.b32 t, u, 0x000F000F;
-        or.b32 t, t, $10;
+        or.b32 t, t, $12;
         sub.f16x2 t, t, k1;
-        fma.rn.f16x2 $1, t, $5, $7;
-        and.b32 t, $4, 0x00F000F0;
-        or.b32 t, t, $10;
+        fma.rn.f16x2 $1, t, $6, $8;
+        and.b32 t, $5, 0x00F000F0;
+        or.b32 t, t, $12;
         fma.rn.f16x2 t, t, k2, k3;
-        fma.rn.f16x2 $2, t, $5, $8;
+        fma.rn.f16x2 $2, t, $6, $9;
         and.b32 t, u, 0x00F000F0;
-        or.b32 t, t, $10;
+        or.b32 t, t, $12;
         fma.rn.f16x2 t, t, k2, k3;
-        fma.rn.f16x2 $3, t, $5, $9;
+        fma.rn.f16x2 $3, t, $6, $10;
+        add.rn.f16x2 $4, $6, $11;
         }""",
-        constraints="=r,=r,=r,=r,r,r,r,r,r,r,r", args=[w, x2, a, b, c, d, tl.broadcast_to(magic16, w.shape)],
-        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1,
+        constraints="=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", args=[w, x2, a, b, c, d, e, tl.broadcast_to(magic16, w.shape)],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1,
     )
 
 
@@ -201,30 +203,31 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
         col0 = group * GROUP_W + lane % LPG_W
         p_lo = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
         p_hi = tl.zeros([tiles.shape[0], LANES, HALF_W], dtype=tl.float32)
-        h_a, h_b, h_c, h_d = words, words, words, words  # "half2": f16 pair sums of the group (zeros)
-        x_sum = tl.zeros([LANES], dtype=tl.float32)
-        x_at = x_row + col0  # [LANES]: each sub-step's loads at constant offsets from these
+        h_a, h_b, h_c, h_d, h_x = words, words, words, words, words  # "half2": f16 pair sums of the group (zeros)
+        x_sum = tl.zeros([1, LANES, 1], dtype=tl.float32)
+        x_at = x_row + col0[None, :, None]  # [1, LANES, 1]: each sub-step's loads at constant offsets from these
+        x_in = in_cols[None, :, None]
         w_at = tile_words + col0[None, :, None] * (HALF_W // 4)  # [NT, LANES, HALF / 4]
         for k0 in range(0, GROUP_W // LPG_W, UNROLL):
             for u in tl.static_range(UNROLL):  # unrolled: the loads are issued together
-                x = tl.load(x_at + (k0 + u) * LPG_W, mask=in_cols, other=0.0).to(tl.float32)
+                x = tl.load(x_at + (k0 + u) * LPG_W, mask=x_in, other=0.0).to(tl.float32)
                 w = tl.load(w_at + (k0 + u) * (LPG_W * HALF_W // 4))  # [NT, LANES, HALF / 4]
                 if CVT == "half2":
                     x16 = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-                    x2 = tl.broadcast_to((x16 | (x16 << 16))[None, :, None], w.shape)
-                    h_a, h_b, h_c, h_d = _half2_fma(w, x2, h_a, h_b, h_c, h_d, magic16)
+                    x2 = tl.broadcast_to(x16 | (x16 << 16), w.shape)
+                    h_a, h_b, h_c, h_d, h_x = _half2_fma(w, x2, h_a, h_b, h_c, h_d, h_x, magic16)
                 else:
                     if CVT == "fold":
                         lo, hi = _code_floats(w, magic)
                     else:
                         lo, hi = _codes(w, magic, lo_unit, hi_unit)
-                    p_lo += lo * x[None, :, None]
-                    p_hi += hi * x[None, :, None]
-                x_sum += x
+                    p_lo += lo * x
+                    p_hi += hi * x
+                    x_sum += x
         at = sz_words + group[None, :, None] * R + lo_rows
-        x_sum = x_sum[None, :, None]
         if CVT == "half2":  # sums of (q - 8) x 2**-8: the sums stay in units of 2**-8 until the end
-            x_sum = x_sum * 0.00390625
+            x_sum = tl.max((h_x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), axis=2,
+                           keep_dims=True)  # [NT, LANES, 1]: every word's copy of the group's column sum
             s, z = _group_scales(tl.load(at), 0)
             acc_lo += _half2_sums(h_a, h_b) * s + x_sum * z
             s, z = _group_scales(tl.load(at + HALF_W), 0)
