@@ -155,6 +155,13 @@ def _half2_fma(w, x2, a, b, c, d, e, magic16):
 
 
 @triton.jit
+def _f16_pair(x):
+    """fp32 x -> x rounded to f16, twice, as the bits of an f16x2 (inline PTX: one instruction)."""
+    return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $1, $1;", constraints="=r,r", args=[x],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _half2_sums(a, b):
     """fp16 pair sums of bytes (0, 2) and (1, 3) [NT, LANES, HALF / 4] -> [NT, LANES, HALF] fp32 in the
     order of `_codes`."""
@@ -213,8 +220,7 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                 x = tl.load(x_at + (k0 + u) * LPG_W, mask=x_in, other=0.0).to(tl.float32)
                 w = tl.load(w_at + (k0 + u) * (LPG_W * HALF_W // 4))  # [NT, LANES, HALF / 4]
                 if CVT == "half2":
-                    x16 = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-                    x2 = tl.broadcast_to(x16 | (x16 << 16), w.shape)
+                    x2 = tl.broadcast_to(_f16_pair(x * 0.00390625), w.shape)
                     h_a, h_b, h_c, h_d, h_x = _half2_fma(w, x2, h_a, h_b, h_c, h_d, h_x, magic16)
                 else:
                     if CVT == "fold":
