@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mira.charts import save_png
+
 
 def format_table(result: dict) -> str:
     """One line per run: budget, configuration, speed, where tokens were served, PCIe, the bound."""
@@ -210,7 +212,7 @@ def plot(result: dict, path: str) -> None:
     figure.suptitle(f"{result['model']} ({result['routing']} routing), {result['prompt_set']}; {result['machine']}",
                     fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_png(figure, path, dpi=110)
     pyplot.close(figure)
 
 

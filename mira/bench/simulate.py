@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mira.cache.belady import belady_misses
+from mira.charts import save_png
 from mira.kernels.machine import machine
 from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
 from mira.cache.config import CacheConfig
@@ -448,5 +449,5 @@ def plot_sweep(results: Sequence[dict], path: str, title: str = "") -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_png(figure, path, dpi=120)
     pyplot.close(figure)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mira.charts import save_png
+
 
 def top_experts(scores: np.ndarray, k: int) -> np.ndarray:
     """The k best-scored experts of each row, ties to the lower id.
@@ -182,5 +184,5 @@ def plot_coverage(result: dict, path: str, title: str = "") -> None:
     figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     figure.suptitle(title)
     figure.tight_layout(rect=(0, 0.07, 1, 1))
-    figure.savefig(path, dpi=120)
+    save_png(figure, path, dpi=120)
     pyplot.close(figure)

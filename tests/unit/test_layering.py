@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mira"
 LAYERS = [
     ["errors"],
     ["models"],
-    ["store"],
+    ["store", "charts"],
     ["kernels"],
     ["cache"],
     ["predict"],
