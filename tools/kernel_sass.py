@@ -5,12 +5,13 @@ installed here, at one expert shape: `_gate_up_gemv` and `_down_gemv` (int8-shar
 launch configurations, or `_gate_up_gemv4` and `_down_gemv4` (int4) at the stored H200 tuning.
 It reports from the machine code (the `cuobjdump` that Triton ships): registers per thread,
 barriers (`BAR`) in the whole kernel and inside its loops, shared-memory stores, loads with an
-evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), and the instructions
+evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), the instructions
 inside loops with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble
-conversions), which tell the arithmetic a loop step costs beside its bookkeeping. The arguments that the JIT would
-specialize as multiples of 16 at this shape (pointers, strides, sizes, offsets) get the same hint
-here, so the code matches what a launch compiles. Triton versions differ: the GPU machine's may
-schedule differently.
+conversions), which tell the arithmetic a loop step costs beside its bookkeeping, and the
+instructions of each innermost loop (one step of a reduction, without the code around it). The
+arguments that the JIT would specialize as multiples of 16 at this shape (pointers, strides,
+sizes, offsets) get the same hint here, so the code matches what a launch compiles. Triton
+versions differ: the GPU machine's may schedule differently.
 
     python tools/kernel_sass.py [--scheme int8|int4] [--hidden 4096 --intermediate 14336] [--arch 90]
                                 [--json] [--out FILE]
@@ -118,22 +119,27 @@ def sass_figures(cubin: bytes) -> dict:
         usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True,
                                check=True).stdout
     registers = next(int(word[4:]) for word in usage.split() if word.startswith("REG:"))
-    in_loops = _in_loops(sass)
+    in_loops, innermost = _in_loops(sass)
     return {"registers": registers, "barriers": sass.count("BAR.SYNC"),
             "barriers_in_loops": sum("BAR.SYNC" in text for text in in_loops),
             "shared_stores": sass.count(" STS"), "weight_loads_128": sass.count("LDG.E.EF.128"),
             "evict_first_loads": sass.count("LDG.E.EF"),
             "instructions_in_loops": len(in_loops),
+            "instructions_in_innermost_loops": [len(body) for body in innermost],
             "half2_fmas_in_loops": sum(re.search(r"(^|\s)HFMA2[ .]", text) is not None for text in in_loops)}
 
 
-def _in_loops(sass: str) -> list[str]:
+def _in_loops(sass: str) -> tuple[list[str], list[list[str]]]:
     """The instructions between the target and the address of some backward branch (inside a loop),
-    each once (nested loops too), with its predicate where it has one."""
+    each once (nested loops too), with its predicate where it has one; and the body of each innermost
+    loop (one that holds no other), in address order: what one step of a loop costs."""
     code = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(target, 16), address) for address, text in code
              for target in re.findall(r"BRA (?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < address]
-    return [text for address, text in code if any(start <= address <= end for start, end in loops)]
+    innermost = sorted(loop for loop in loops
+                       if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in loops))
+    return ([text for address, text in code if any(start <= address <= end for start, end in loops)],
+            [[text for address, text in code if start <= address <= end] for start, end in innermost])
 
 
 def main() -> None:
@@ -165,14 +171,14 @@ def main() -> None:
         print(json.dumps(rows))
         return
     print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'regs':>5} {'BAR':>4} {'in loops':>8} "
-          f"{'STS':>4} {'LDG.128 (weights)':>17} {'loop instr':>10} {'HFMA2':>6}")
+          f"{'STS':>4} {'LDG.128 (weights)':>17} {'loop instr':>10} {'HFMA2':>6}  innermost loops")
     for row in rows:
         config = row["config"]
         shape = f"{config['block_rows']} x {config['block_cols']}"
         print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
               f"{row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
               f"{row['shared_stores']:>4} {row['weight_loads_128']:>17} {row['instructions_in_loops']:>10} "
-              f"{row['half2_fmas_in_loops']:>6}")
+              f"{row['half2_fmas_in_loops']:>6}  {', '.join(map(str, row['instructions_in_innermost_loops']))}")
 
 
 if __name__ == "__main__":

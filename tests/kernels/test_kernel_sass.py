@@ -43,4 +43,7 @@ def test_int4_gate_up_loop_is_its_half2_arithmetic_and_little_else():
     codes = 2 * 256
     assert gate_up["half2_fmas_in_loops"] >= codes * 3 // 4
     assert gate_up["instructions_in_loops"] < 4.5 * codes
+    # one innermost loop a matrix (gate, then up), each a step with at least its 192 HFMA2s, inside the rest
+    steps = gate_up["instructions_in_innermost_loops"]
+    assert len(steps) == 2 and min(steps) >= codes // 2 * 3 // 4 and sum(steps) <= gate_up["instructions_in_loops"]
     assert gate_up["evict_first_loads"] == 0
