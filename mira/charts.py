@@ -1,8 +1,8 @@
 """Charts saved as PNG files small enough to commit beside the results they plot.
 
 A chart of lines and markers has few colours of its own; the anti-aliased edges add thousands of
-near ones. Quantised to a palette of COLOURS (median cut, no dithering) it looks the same and takes
-about a third of the bytes, which matters where dozens of charts travel with the source tree.
+near ones. Quantised to a palette of COLOURS (median cut, no dithering) it looks the same in far
+fewer bytes, which matters where dozens of charts travel with the source tree.
 """
 
 from __future__ import annotations
