@@ -4,7 +4,7 @@ Compiles the decode launches of one scheme for a CUDA target (sm_90 by default) 
 installed here, at one expert shape: `_gate_up_gemv` and `_down_gemv` (int8-shared) at a list of
 launch configurations, or `_gate_up_gemv4` and `_down_gemv4` (int4) at the stored H200 tuning.
 It reports from the machine code (the `cuobjdump` that Triton ships): registers per thread,
-barriers (`BAR`) in the whole kernel and inside its loops, shared-memory stores, loads with an
+barriers (`BAR`) in the whole kernel, inside its loops and inside each innermost loop, shared-memory stores, loads with an
 evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), the instructions
 inside loops with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble
 conversions), which tell the arithmetic a loop step costs beside its bookkeeping, and the
@@ -126,6 +126,7 @@ def sass_figures(cubin: bytes) -> dict:
             "evict_first_loads": sass.count("LDG.E.EF"),
             "instructions_in_loops": len(in_loops),
             "instructions_in_innermost_loops": [len(body) for body in innermost],
+            "barriers_in_innermost_loops": [sum("BAR.SYNC" in text for text in body) for body in innermost],
             "half2_fmas_in_loops": sum(re.search(r"(^|\s)HFMA2[ .]", text) is not None for text in in_loops)}
 
 
@@ -178,7 +179,9 @@ def main() -> None:
         print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
               f"{row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
               f"{row['shared_stores']:>4} {row['weight_loads_128']:>17} {row['instructions_in_loops']:>10} "
-              f"{row['half2_fmas_in_loops']:>6}  {', '.join(map(str, row['instructions_in_innermost_loops']))}")
+              f"{row['half2_fmas_in_loops']:>6}  "
+              + ", ".join(f"{n} ({b} BAR)" for n, b in zip(row["instructions_in_innermost_loops"],
+                                                          row["barriers_in_innermost_loops"])))
 
 
 if __name__ == "__main__":
