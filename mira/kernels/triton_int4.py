@@ -36,7 +36,8 @@ for the INT4 GEMVs:
     unroll: sub-steps whose loads a loop iteration issues together (a divisor of GROUP / 4).
     cvt: how codes meet x: "bits" (exact fp32 codes, `_codes`), "fold" (codes offset by 2**23
         summed as they are, one fma per code fewer: `_code_floats`) or "half2" (fp16 pairs summed
-        in fp16 within a group, inline PTX: `_half2_fma`; compiled GPUs only, elsewhere "bits").
+        in fp16 within a group, inline PTX: `_half2_fma`; interpreted, the same arithmetic in Triton
+        operations).
     mma: not implemented; programs_per_sm and split as for INT8.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -67,13 +69,16 @@ from mira.store.layout import ExpertLayout
 TILE, HALF, GROUP = int4.TILE, int4.HALF, int4.GROUP
 LANES_PER_GROUP = 4  # adjacent columns read together: 4 x 32 bytes of a tile
 SUB_STEPS = GROUP // LANES_PER_GROUP  # columns of a group each decode lane reads
-CVTS = ("bits", "fold", "half2")  # the decode conversions (GemvConfig.cvt); "half2" compiled only
+CVTS = ("bits", "fold", "half2")  # the decode conversions (GemvConfig.cvt)
 MAGIC = 0x4B000000  # the bits of 2**23, a kernel argument (`_codes`)
 DESIGN_SMS = 132  # the H200's SMs, which the untuned configuration fills
 TILE_W: tl.constexpr = tl.constexpr(TILE)  # the same, for the kernels
 HALF_W: tl.constexpr = tl.constexpr(HALF)
 GROUP_W: tl.constexpr = tl.constexpr(GROUP)
 LPG_W: tl.constexpr = tl.constexpr(LANES_PER_GROUP)
+# inline PTX where the kernels compile; the interpreter runs `_half2_fma` and `_f16_pair` as the same
+# f16 arithmetic in Triton operations
+PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -123,7 +128,11 @@ def _half2_fma(w, x2, a, b, c, d, e, magic16):
     c and d of the high ones, and e gains x2 (the column sum the zeros take). A pair of nibbles becomes
     two exact f16 by one mask-and-or with magic16 (1024's f16 bits twice, a run-time value as
     `_codes`' magic: 1024 + q or 1024 + 16 q) and one f16x2 subtract or fma: two codes for three
-    instructions."""
+    instructions. Interpreted, each product and sum is taken in fp32 and rounded to f16."""
+    if not PTX:
+        return (_f16_fma_pair(w & 0xF, (w >> 16) & 0xF, x2, a), _f16_fma_pair((w >> 8) & 0xF, (w >> 24) & 0xF, x2, b),
+                _f16_fma_pair((w >> 4) & 0xF, (w >> 20) & 0xF, x2, c), _f16_fma_pair((w >> 12) & 0xF, w >> 28, x2, d),
+                _f16_twice(_f16_lo(e) + _f16_lo(x2)))
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t, u, k1, k2, k3;
@@ -155,21 +164,53 @@ def _half2_fma(w, x2, a, b, c, d, e, magic16):
 
 
 @triton.jit
+def _f16_fma_pair(q_lo, q_hi, x2, acc):
+    """f16x2 bits acc + (q - 8) x2 for codes (q_lo, q_hi) (uint32) and x2 = x twice: one
+    fma.rn.f16x2 of `_half2_fma`, taken in fp32 and rounded to f16 (the interpreter's)."""
+    x = _f16_lo(x2)
+    return _f16_bits(_f16_lo(acc) + (q_lo.to(tl.int32) - 8).to(tl.float32) * x) \
+        | (_f16_bits(_f16_hi(acc) + (q_hi.to(tl.int32) - 8).to(tl.float32) * x) << 16)
+
+
+@triton.jit
 def _f16_pair(x):
     """fp32 x -> x rounded to f16, twice, as the bits of an f16x2 (inline PTX: one instruction)."""
+    if not PTX:
+        return _f16_twice(x)
     return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $1, $1;", constraints="=r,r", args=[x],
                                      dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_bits(v):
+    """fp32 v rounded to f16 -> its bits in the low half of a uint32."""
+    return v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _f16_twice(v):
+    """fp32 v rounded to f16, in both halves of f16x2 bits."""
+    return _f16_bits(v) * 0x10001
+
+
+@triton.jit
+def _f16_lo(h):
+    """The low f16 of f16x2 bits h, as fp32."""
+    return (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _f16_hi(h):
+    """The high f16 of f16x2 bits h, as fp32."""
+    return (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _half2_sums(a, b):
     """fp16 pair sums of bytes (0, 2) and (1, 3) [NT, LANES, HALF / 4] -> [NT, LANES, HALF] fp32 in the
     order of `_codes`."""
-    a0 = (a & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    a2 = (a >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    b1 = (b & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    b3 = (b >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(b1, b3)), [a.shape[0], a.shape[1], 4 * a.shape[2]])
+    return tl.reshape(tl.join(tl.join(_f16_lo(a), _f16_hi(a)), tl.join(_f16_lo(b), _f16_hi(b))),
+                      [a.shape[0], a.shape[1], 4 * a.shape[2]])
 
 
 @triton.jit
@@ -232,8 +273,7 @@ def _tiles_dot(x_row, codes, sz_words, tiles, R, C, group_start, group_end, magi
                     x_sum += x
         at = sz_words + group[None, :, None] * R + lo_rows
         if CVT == "half2":  # sums of (q - 8) x 2**-8: the sums stay in units of 2**-8 until the end
-            x_sum = tl.max((h_x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32), axis=2,
-                           keep_dims=True)  # [NT, LANES, 1]: every word's copy of the group's column sum
+            x_sum = tl.max(_f16_lo(h_x), axis=2, keep_dims=True)  # [NT, LANES, 1]: each word has the column sum
             s, z = _group_scales(tl.load(at), 0)
             acc_lo += _half2_sums(h_a, h_b) * s + x_sum * z
             s, z = _group_scales(tl.load(at + HALF_W), 0)
@@ -497,11 +537,6 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         """Spans of whole steps of block_cols (here unroll counts sub-steps inside a group)."""
         return split_span(intermediate, dataclasses.replace(down, unroll=1))
 
-    def _cvt4(self, gemv: GemvConfig) -> str:
-        """The decode conversion: "half2" needs compiled code (the interpreter has no inline PTX),
-        which runs "bits" instead."""
-        return "bits" if gemv.cvt == "half2" and self.device.type != "cuda" else gemv.cvt
-
     @property
     def cut_granule(self) -> None:
         """The INT4 GEMVs do not cut experts."""
@@ -514,7 +549,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         tiles = self._rows_per_program(T * K, up) // TILE
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
-            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=self._cvt4(up),
+            MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=up.cvt,
             num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
         )
         span = self._down_span
@@ -522,7 +557,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
-            LANES=_lanes(down), UNROLL=down.unroll, CVT=self._cvt4(down), SPLIT=splits, num_warps=down.num_warps,
+            LANES=_lanes(down), UNROLL=down.unroll, CVT=down.cvt, SPLIT=splits, num_warps=down.num_warps,
             num_stages=down.num_stages, **self._after_down,
         )
 
