@@ -59,6 +59,10 @@ DECODE_CONFIGS = {
     "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
                               down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     "default": default_int4_config(H, I),
+    # a step of one group: gate/up two steps over H, down three over I, each step's scales after
+    # the previous step's (with "half2", loaded a step ahead where the kernel does)
+    "gemv-steps": KernelConfig(gate_up_gemv=GemvConfig(64, 64, unroll=4, num_warps=1),
+                               down_gemv=GemvConfig(64, 64, unroll=8, num_warps=1)),
     # the "fold" conversion (runs everywhere) in the ragged launch shapes
     "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, cvt="fold"),
                               down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, cvt="fold")),
@@ -325,11 +329,13 @@ def test_real_shape_launch_shapes_match_fp32_reference(real_blobs, shape, config
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_half2_decode_matches_reference(small, tokens):
+@pytest.mark.parametrize("config", ["gemv-ragged", "gemv-steps"])
+def test_half2_decode_matches_reference(small, config, tokens):
     """The "half2" conversion (inline PTX compiled; interpreted, the same f16 arithmetic) in the
-    ragged launch shapes: fp16 sums within a group, so a bf16-level tolerance."""
+    ragged launch shapes and in loops of several steps: fp16 sums within a group, so a bf16-level
+    tolerance."""
     layout, blobs = small
-    gemvs = DECODE_CONFIGS["gemv-ragged"]
+    gemvs = DECODE_CONFIGS[config]
     config = dataclasses.replace(gemvs, gate_up_gemv=dataclasses.replace(gemvs.gate_up_gemv, cvt="half2"),
                                  down_gemv=dataclasses.replace(gemvs.down_gemv, cvt="half2"))
     hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
