@@ -4,11 +4,12 @@ Compiles the decode launches of one scheme for a CUDA target (sm_90 by default) 
 installed here, at one expert shape: `_gate_up_gemv` and `_down_gemv` (int8-shared) at a list of
 launch configurations, or `_gate_up_gemv4` and `_down_gemv4` (int4) at the stored H200 tuning.
 It reports from the machine code (the `cuobjdump` that Triton ships): registers per thread,
-barriers (`BAR`) in the whole kernel, inside its loops and inside each innermost loop, shared-memory stores, loads with an
+barriers (`BAR`) in the whole kernel and inside its loops, shared-memory stores, loads with an
 evict-first hint (`LDG.E.EF`; `LDG.E.EF.128`: the INT8 tiles' 16-byte ones), the instructions
 inside loops with the f16 pair multiply-adds among them (`HFMA2`: INT4's products and high-nibble
 conversions), which tell the arithmetic a loop step costs beside its bookkeeping, and the
-instructions of each innermost loop (one step of a reduction, without the code around it). The
+instructions and barriers of each innermost loop (one step of a reduction, without the code
+around it; a step with barriers keeps a program's warps in lock-step). The
 arguments that the JIT would specialize as multiples of 16 at this shape (pointers, strides,
 sizes, offsets) get the same hint here, so the code matches what a launch compiles. Triton
 versions differ: the GPU machine's may schedule differently.

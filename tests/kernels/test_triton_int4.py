@@ -59,8 +59,8 @@ DECODE_CONFIGS = {
     "gemv-runs": KernelConfig(gate_up_gemv=GemvConfig(64, 128, unroll=4, num_warps=1, programs_per_sm=1),
                               down_gemv=GemvConfig(128, 256, unroll=16, num_warps=1)),
     "default": default_int4_config(H, I),
-    # a step of one group: gate/up two steps over H, down three over I, each step's scales after
-    # the previous step's (with "half2", loaded a step ahead where the kernel does)
+    # a step of one group: gate/up two steps over H, down three over I (what a loop carries from
+    # one step to the next)
     "gemv-steps": KernelConfig(gate_up_gemv=GemvConfig(64, 64, unroll=4, num_warps=1),
                                down_gemv=GemvConfig(64, 64, unroll=8, num_warps=1)),
     # the "fold" conversion (runs everywhere) in the ragged launch shapes
