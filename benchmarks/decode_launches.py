@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import random_slots  # noqa: E402  (sets TRITON_INTERPRET without a GPU)
+from kernels_int8 import random_slots  # noqa: E402  (sets TRITON_INTERPRET without a GPU)
 from kernels_int4 import SHAPES, addresses, random_int4_slots  # noqa: E402
 
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402

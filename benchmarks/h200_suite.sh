@@ -31,7 +31,7 @@
 #   bash benchmarks/h200_suite.sh staging   # prefetching staged on the device under lagged residency
 #                                           # (mira+p-lagged) against inline Mira+P and lagged Mira: the
 #                                           # DeepSeek-V2-Lite shape at 8 / 12 GiB, the bundled model at 10 / 25% (~5 min)
-#   bash benchmarks/h200_suite.sh kernels   # kernels.py --autotune, three shapes, and top-2 with the experts
+#   bash benchmarks/h200_suite.sh kernels   # kernels_int8.py --autotune, three shapes, and top-2 with the experts
 #                                           # spread over 40 GB as in a large model's slot pool; writes the
 #                                           # tuning file too (~5 min)
 #   bash benchmarks/h200_suite.sh profile   # where a decode step's time goes, mira+p / mira / lru / static:
@@ -187,7 +187,7 @@ case "${1:-}" in
       --out "$OUT/bench-mira-tiny-moe-staging.json" --quiet --resume ;;
   kernels)
     # the tuning goes to $OUT, not into mira/kernels/tuning, which a bench on another GPU may be reading
-    timeout 500 python benchmarks/kernels.py --autotune --spread-gb 40 --tuning-dir "$OUT" \
+    timeout 500 python benchmarks/kernels_int8.py --autotune --spread-gb 40 --tuning-dir "$OUT" \
       --out "$OUT/kernels-h200.json" 2>&1 | tee "$OUT/kernels-h200-autotune.log" ;;
   profile)
     timeout 330 python benchmarks/profile_decode.py --synthetic mixtral-8x7b --budgets 24GiB \

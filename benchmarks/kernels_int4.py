@@ -23,7 +23,7 @@ gate/up, then down, each also with the "fold" and "half2" conversions, then the 
 checked against the reference) and writes the
 fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir). A decode launch is chosen
 by its time from HBM, except that among those within ZERO_COPY_TOLERANCE of the fastest the one
-reading a pinned expert fastest wins if it reads it ZERO_COPY_MIN_GAIN faster (kernels.py's rule:
+reading a pinned expert fastest wins if it reads it ZERO_COPY_MIN_GAIN faster (kernels_int8.py's rule:
 under a budget the misses, read zero-copy, take most of a decode step).
 
     python benchmarks/kernels_int4.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import (  # noqa: E402
+from kernels_int8 import (  # noqa: E402
     HBM_DESIGN_BPS, PINNED_BYTES, ROTATE_BYTES, Timer, _read_words, _read_words_at, random_slots, zero_copy_reader,
 )
 
@@ -234,7 +234,7 @@ class Workload:
         return relative_error(ffn.forward_bases(x, index, weight, self.layer_tables[0]), ref)
 
     def read_ceiling(self) -> float:
-        """A plain read of one blob's bytes in one launch (the fastest read we know, from kernels.py)."""
+        """A plain read of one blob's bytes in one launch (the fastest read we know, from kernels_int8.py)."""
         programs, sink = self._read_grid()
         words = self.slots.view(torch.int32)
         n = self.slots.shape[0]

@@ -74,7 +74,7 @@ _SHARED, _ROW = 0, 1
 # one 16-byte load, which the compiler's layout gives one thread when a tile has at least 16
 # columns per thread (as every tuned launch has), so that sum needs no exchange between threads.
 # Against whole-tile accumulators they need far fewer registers (tools/kernel_sass.py shows how
-# many), so more programs fit per SM (benchmarks/kernels.py times both).
+# many), so more programs fit per SM (benchmarks/kernels_int8.py times both).
 PARTIAL_SUM = 16
 CUT_PARTS = 32  # shares of an expert's units a cut may fall between where the down loads are masked
 _SCHEME_IDS = {"int8-shared": _SHARED, "int8-row": _ROW}

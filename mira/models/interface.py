@@ -25,13 +25,18 @@ def moe_integration() -> ModuleType:
     """transformers' experts integration module.
 
     Raises:
-        MiraError: this transformers has no experts interface (it predates it).
+        MiraError: this transformers has no experts interface (it predates it), or importing it failed.
     """
     import transformers
 
     try:
         module = importlib.import_module(INTERFACE_MODULE)
-    except ImportError:
+    except ImportError as error:
+        missing = getattr(error, "name", None)
+        if not (isinstance(error, ModuleNotFoundError) and f"{INTERFACE_MODULE}.".startswith(f"{missing}.")):
+            # the module is there but failed: a dependency missing, or a local file named like one
+            raise MiraError(f"transformers {transformers.__version__} could not import {INTERFACE_MODULE}: {error}") \
+                from error
         module = None
     if module is None or not hasattr(module, "use_experts_implementation"):
         raise MiraError(f"transformers {transformers.__version__} has no experts interface ({INTERFACE_MODULE}."

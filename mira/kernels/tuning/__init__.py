@@ -1,6 +1,6 @@
 """Launch configurations of the fused expert kernels, stored as data per device and shape.
 
-`benchmarks/kernels.py --autotune` times candidate configurations on a GPU and writes the best per
+`benchmarks/kernels_int8.py --autotune` times candidate configurations on a GPU and writes the best per
 expert shape into `<device>.json` beside this file (device: the GPU's name, lower-cased, spaces to
 dashes: "NVIDIA H200" -> `nvidia-h200.json`). The runtime reads that file; a shape or device with
 no stored entry gets `default_config`, a reasonable configuration chosen from the shape alone.
@@ -115,7 +115,7 @@ def load_config(device_name: str, hidden: int, intermediate: int, directory: Pat
 
     Raises:
         ValueError: the device's file exists but cannot be read as tuning data (fix or delete it;
-            `python benchmarks/kernels.py --autotune` rewrites it).
+            `python benchmarks/kernels_int8.py --autotune` rewrites it).
     """
     path = directory / f"{device_key(device_name)}.json"
     if not path.exists():
@@ -127,7 +127,7 @@ def load_config(device_name: str, hidden: int, intermediate: int, directory: Pat
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(
             f"{path} is not valid kernel tuning data ({error}); delete it or rerun "
-            "`python benchmarks/kernels.py --autotune` on that GPU"
+            "`python benchmarks/kernels_int8.py --autotune` on that GPU"
         ) from error
 
 

@@ -26,8 +26,8 @@ ZERO_COPY_TOLERANCE of the fastest the one reading a layer's pinned (missed) exp
 wins if it reads them ZERO_COPY_MIN_GAIN faster than the fastest does (one token routed to all 8
 experts: as many pairs as top-6 / top-8 models route).
 
-    python benchmarks/kernels.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
-    python benchmarks/kernels.py --smoke     # tiny shapes, few repeats: checks the script runs
+    python benchmarks/kernels_int8.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
+    python benchmarks/kernels_int8.py --smoke     # tiny shapes, few repeats: checks the script runs
 """
 
 from __future__ import annotations
