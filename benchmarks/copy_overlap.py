@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernels import Timer, random_slots, relative_error  # noqa: E402
+from benchmarks.kernels_int8 import Timer, random_slots, relative_error  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.cache.transfer import Transfer  # noqa: E402

@@ -12,8 +12,8 @@ so the share is a lower bound.)
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from mira.runtime.experts import MiraExperts
 from mira.runtime.generate import encode_prompt
 from mira.cache.transfer import Transfer
 from mira.bench.provenance import result_header
+from mira.store.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,10 @@ def _overlap(interval: tuple[float, float], others: list[tuple[float, float]]) -
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, help="the JSON result to write",
+                        default=ROOT / "benchmarks" / "results" / "prefetch-overlap-h200.json")
+    args = parser.parse_args()
     probe = mira.load(device="cuda", vram_budget=64 << 30, progress=False)
     quarter = probe.store.num_layers * probe.store.num_experts // 4
     budget = probe.plan.reserve_bytes + quarter * probe.store.blob_bytes
@@ -101,8 +106,7 @@ def main() -> None:
                      "note": "events bracket each prefetch copy and each expert FFN call; overlap with "
                              "attention is not counted"},
            "figures": figures}
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "prefetch-overlap-h200.json"
-    target.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    write_json_atomic(args.out, json.loads(json.dumps(out, default=str)))
 
 
 if __name__ == "__main__":
