@@ -4,11 +4,12 @@ Runs `mira generate --prompt "How do I sort a list in Python?" --max-new-tokens 
 with an empty MIRA_CACHE, so the bundled model is converted on first use, and records the wall
 time, the text and the run's statistics.
 
-    python benchmarks/first_run.py
+    python benchmarks/first_run.py [--out benchmarks/results/first-run-cpu.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,12 +17,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from mira.bench.provenance import result_header
+from mira.store.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "first-run-cpu.json",
+                        help="the JSON result to write (default: %(default)s)")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         stats = Path(cache) / "stats.json"
         command = [sys.executable, "-m", "mira.cli", "generate", "--prompt", "How do I sort a list in Python?",
@@ -33,8 +40,8 @@ def main() -> None:
             raise SystemExit(run.stderr)
         figures = {"wall_s": wall, "text": run.stdout.strip(), "stats": json.loads(stats.read_text())}
     print(f"{wall:.1f} s in total\n{figures['text']}")
-    result = {**result_header("python benchmarks/first_run.py"), "runs": " ".join(command[1:]), "figures": figures}
-    (ROOT / "benchmarks" / "results" / "first-run-cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    command_line = " ".join(["python benchmarks/first_run.py", *sys.argv[1:]])
+    write_json_atomic(args.out, {**result_header(command_line), "runs": " ".join(command[1:]), "figures": figures})
 
 
 if __name__ == "__main__":
