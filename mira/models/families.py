@@ -1,12 +1,14 @@
 """Which MoE families of this transformers Mira runs, read from their Experts classes alone.
 
 Each family's Experts class is built from the family's default config on the meta device (no
-memory) and its spec checked as a model's is (mira.models.registry.check_supported).
+memory), as its first layer's when the class takes a layer index, and its spec checked as a model's
+is (mira.models.registry.check_supported).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +38,9 @@ def _status(family: Family) -> FamilyStatus:
         config = AutoConfig.for_model(family.model_type).get_text_config()
         module = importlib.import_module(_modeling_module(family))
         experts_class = getattr(module, family.experts_classes[0])
+        layer = (0,) if "layer_idx" in inspect.signature(experts_class).parameters else ()  # per-layer settings
         with torch.device("meta"):
-            experts = experts_class(config)
+            experts = experts_class(config, *layer)
     except Exception as error:  # a default config without experts (a dense default): say so, go on
         return FamilyStatus(family, None, problem=f"its default config builds no {family.experts_classes[0]} "
                                                   f"({type(error).__name__}); convert a checkpoint to find out")
