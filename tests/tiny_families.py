@@ -24,8 +24,13 @@ FAMILY_SIZES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "zaya": dict(num_experts_per_tok=1),
+    # MoE only when asked; per-layer inputs sized like the vocabulary and the hidden size
+    **{family: dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=VOCAB,
+                    hidden_size_per_layer_input=16,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+       for family in ("gemma4", "gemma4_text")},
 }
-PER_LAYER_LISTS = ("layer_types", "mlp_layer_types")  # the default's lists are sized to the default's layers
+PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "per_layer_config")  # sized to the default's layers
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
@@ -34,10 +39,19 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     text = getattr(default, "text_config", None)
     target = text if isinstance(text, PretrainedConfig) else default
     family = FAMILY_SIZES.get(model_type, {})
-    sizes = {k: v for k, v in {**SIZES, **family}.items() if hasattr(target, k) or k in family}
+    sizes = {k: v for k, v in {**SIZES, **family}.items() if _has(target, k) or k in family}
     if getattr(target, "kv_lora_rank", None):  # multi-head latent attention: head_dim is the rope dims
         sizes.pop("head_dim", None)
     if target is default:
         return AutoConfig.for_model(model_type, **sizes)
-    text_fields = {k: v for k, v in text.to_dict().items() if k not in PER_LAYER_LISTS}
+    text_fields = {k: v for k, v in text.to_dict().items() if k not in PER_LAYER_FIELDS}
     return AutoConfig.for_model(model_type, text_config={**text_fields, **sizes})
+
+
+def _has(config: PretrainedConfig, name: str) -> bool:
+    """Whether the config has `name`; a heterogeneous config (Gemma 4's) refuses to read a per-layer
+    field globally, which still means it has it."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return name in (getattr(config, "per_layer_attributes", None) or ())

@@ -52,11 +52,27 @@ def kv_values_per_token(config: PretrainedConfig) -> int:
 
 
 def standard_kv_values(config: PretrainedConfig) -> int:
-    """2 x attending layers x kv heads x head dim: grouped-query attention caching keys and values."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    layer_types = getattr(config, "layer_types", None)
+    """2 x kv heads x head dim, summed over the layers that attend: grouped-query attention caching
+    keys and values (each layer's own sizes where the config gives layers their own)."""
     layers = config.num_hidden_layers
+    head_dims = _per_layer(layer_values(config, "head_dim"), layers)
+    kv_heads = _per_layer(layer_values(config, "num_key_value_heads"), layers)
+    layer_types = getattr(config, "layer_types", None)
+    attends = [True] * layers
     if isinstance(layer_types, (list, tuple)) and layer_types:
-        layers = sum(1 for kind in layer_types if "attention" in str(kind) and "linear" not in str(kind))
-    return 2 * layers * kv_heads * head_dim
+        attends = ["attention" in str(kind) and "linear" not in str(kind) for kind in layer_types]
+    heads = config.num_attention_heads
+    return sum(2 * (kv_heads[i] or heads) * (head_dims[i] or config.hidden_size // heads)
+               for i in range(layers) if attends[i])
+
+
+def layer_values(config: PretrainedConfig, name: str) -> list:
+    """`name` at each layer where the config gives layers their own (transformers' heterogeneous
+    configs, `per_layer_config`, which refuse to read such a field globally), else its one value."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(config.per_layer_config[i], name, None) for i in range(config.num_hidden_layers)]
+    return [getattr(config, name, None)]
+
+
+def _per_layer(values: list, layers: int) -> list:
+    return values if len(values) == layers else values * layers

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mira.errors import MiraError
-from mira.models.base import Adapter
+from mira.models.base import Adapter, layer_values
 from mira.models.registry import adapter_for
 
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -35,9 +35,9 @@ INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_interme
 
 def routed_per_token(config) -> int | None:
     """Experts each token is routed to, by the names the families' configs give it (Aria's
-    moe_topk, DBRX's ffn_config.moe_top_k); None where the config sets none."""
+    moe_topk, DBRX's ffn_config.moe_top_k, Gemma 4's top_k_experts); None where the config sets none."""
     for holder in (config, getattr(config, "ffn_config", None)):
-        for name in ("num_experts_per_tok", "moe_topk", "moe_top_k"):
+        for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k_experts"):
             value = getattr(holder, name, None)
             if isinstance(value, int) and value > 0:
                 return value
@@ -98,9 +98,10 @@ def read_config(model_dir: Path) -> PretrainedConfig:
         raise MiraError(f"cannot read {model_dir / 'config.json'}: {error}; fix the file or pass another "
                         "model") from None
     for name in INTEGER_FIELDS:
-        value = getattr(config, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise MiraError(f"{model_dir / 'config.json'} has {name} {value!r}, not a whole number; fix config.json")
+        for value in layer_values(config, name):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise MiraError(f"{model_dir / 'config.json'} has {name} {value!r}, not a whole number; "
+                                "fix config.json")
     return config
 
 

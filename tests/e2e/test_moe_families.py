@@ -37,7 +37,7 @@ from tiny_models import write_tokenizer
 # The families verified to pass; those of them this transformers offers are tested.
 FAMILIES = [
     "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss",
+    "deepseek_v4", "dots1", "ernie4_5_moe", "gemma4", "gemma4_text", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss",
     "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
     "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
     "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
@@ -179,7 +179,7 @@ def test_int8_store_is_exactly_the_dequantized_model(family, family_store, famil
 
 # Families with their own gating or activation, outside the derived bound: their int8 stores are checked
 # by test_int8_store_is_exactly_the_dequantized_model (weights within half a step, Mira = that model).
-OWN_ARITHMETIC = {"beam", "deepseek_v4", "gpt_oss", "hy_v4", "minimax_m3_vl_text", "nemotron_h"}
+OWN_ARITHMETIC = {"beam", "deepseek_v4", "gemma4", "gemma4_text", "gpt_oss", "hy_v4", "minimax_m3_vl_text", "nemotron_h"}
 SILU_GATED = [family for family in CASES if family not in OWN_ARITHMETIC]
 
 
