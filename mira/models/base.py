@@ -41,9 +41,12 @@ class Adapter:
 
 
 def kv_values_per_token(config: PretrainedConfig) -> int:
-    """K and V values one token caches, all layers: multi-head latent attention (DeepSeek-V2/V3 style,
-    transformers caches full per-head keys, nope + rope dims, and values), else grouped-query
-    attention over the layers that attend (`layer_types`, where hybrid models name them)."""
+    """K and V values one token caches, all layers: multi-head latent attention (DeepSeek-V2/V3 style)
+    as full per-head keys, nope + rope dims, and values (as transformers cached them; 5.25 caches the
+    compressed latent, so this overestimates there), else grouped-query attention over the
+    layers that attend (`layer_types`, where hybrid models name them). A multimodal model's config
+    is read through its text model's."""
+    config = config.get_text_config()
     if all(getattr(config, name, None) for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                      "v_head_dim")):
         key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim

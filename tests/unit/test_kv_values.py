@@ -30,3 +30,14 @@ def test_a_layer_with_its_own_head_dim_caches_by_it():
     assert layer_values(config, "head_dim") == [16, 16, 32]
     assert layer_values(config, "num_key_value_heads") == [2]  # one value for every layer
     assert kv_values_per_token(config) == 2 * 2 * (16 + 16 + 32)
+
+
+def test_a_multimodal_config_is_read_through_its_text_model():
+    """Gemma 4's checkpoints are multimodal: the model Mira builds keeps the whole config, whose text
+    part holds the layers (the whole one has no num_hidden_layers)."""
+    text = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                per_layer_config={2: {"head_dim": 32}})
+    config = AutoConfig.for_model("gemma4", text_config=text)
+    assert not hasattr(config, "num_hidden_layers")
+    assert kv_values_per_token(config) == kv_values_per_token(config.get_text_config()) == 2 * 2 * (16 + 16 + 32)
