@@ -23,10 +23,10 @@ from mira.kernels.machine import machine
 from mira.bench.bound import decode_bound
 from mira.bench.variety import decode_route_changes
 from mira.bench.prompts import FIRST_ID, BenchPrompt, prompt_ids
-from mira.models.registry import adapter_for
 from mira.runtime import hostcpu
 from mira.runtime.engine import MiraModel
 from mira.runtime.tracing import RoutingRecorder
+from mira.models.kvcache import kv_values_per_token
 
 
 class _Clock:
@@ -290,7 +290,7 @@ def _weight_bytes_per_step(hf_model) -> int:
 
 
 def _kv_bytes_per_token(hf_model) -> int:
-    return adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * hf_model.dtype.itemsize
+    return kv_values_per_token(hf_model.config) * hf_model.dtype.itemsize
 
 
 def _synchronize(device) -> None:

@@ -3,7 +3,8 @@
 Everything is derived from transformers: the Experts class Mira stands in for, its sizes and
 layout (mira.models.spec), where its tensors lie in a checkpoint (mira.models.expert_keys). The one
 thing transformers does not say is how many KV-cache values a token costs, which the budget needs:
-`kv_values_per_token` reads it from the config.
+mira.models.kvcache measures it; `kv_values_per_token` here works it out from the config, where
+that cannot run.
 """
 
 from __future__ import annotations

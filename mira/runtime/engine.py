@@ -24,6 +24,7 @@ from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, make_moe_ffn
 from mira.models.hub import locate
+from mira.models.kvcache import kv_values_per_token
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
@@ -476,7 +477,7 @@ def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int)
 def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: int) -> tuple[int, int, int]:
     """Bytes a budget holds before any expert slot: non-expert weights, KV cache, workspaces."""
     non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
-    kv_bytes = adapter_for(hf_model.config).kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
+    kv_bytes = kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
     workspace = ACTIVATION_WORKSPACE if device.type == "cuda" else 0
     return non_expert, kv_bytes, workspace
 

@@ -26,6 +26,7 @@ import mira
 from mira.kernels import is_silu
 from mira.kernels.reference import moe_ffn_reference
 from mira.models.interface import moe_families, uses_experts_interface
+from mira.models.kvcache import kv_values_per_token
 from mira.models.registry import adapter_for
 from mira.models.spec import GluForm
 from mira.store.convert import convert
@@ -37,11 +38,12 @@ from tiny_models import write_tokenizer
 # The families verified to pass; those of them this transformers offers are tested.
 FAMILIES = [
     "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v4", "dots1", "ernie4_5_moe", "gemma4", "gemma4_text", "exaone_moe", "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss",
-    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
-    "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "mellum", "mimo_v2_flash",
-    "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe", "qwen2_moe",
-    "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe", "solar_open", "zaya",
+    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
+    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
+    "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h",
+    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
+    "sarvam_moe", "solar_open", "zaya",
 ]
 OFFERED = {family.model_type for family in moe_families()}
 CASES = [family for family in FAMILIES if family in OFFERED]
@@ -146,6 +148,26 @@ def test_unquantized_store_matches_transformers_exactly(family, family_store, fa
 
 
 @pytest.mark.parametrize("family", CASES)
+def test_a_budget_reserves_the_kv_cache_transformers_keeps(family, family_store, family_reference):
+    """The reserve's KV cache per token is the growth of transformers' own cache in a forward of the
+    checkpoint (4 tokens, then 8), whatever the family's attention."""
+    checkpoint, store = family_store(family, "none")
+    reference = family_reference(checkpoint)
+    with torch.no_grad():
+        held = [_cache_values(reference(_prompt(length=n), use_cache=True)["cache"]) for n in (4, 8)]
+    per_token = (held[1] - held[0]) // 4
+    assert per_token > 0 and kv_values_per_token(reference.config) == per_token
+    model = mira.load(store, device="cpu", progress=False, vram_budget=1 << 30, max_context=64)
+    weights = sum(t.nbytes for t in (*model.hf_model.parameters(), *model.hf_model.buffers()))
+    assert model.plan.reserve_bytes - weights == per_token * 64 * 4  # fp32 on the CPU, no workspaces
+
+
+def _cache_values(cache) -> int:
+    tensors = (getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values"))
+    return sum(t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.dim() >= 3)
+
+
+@pytest.mark.parametrize("family", CASES)
 def test_int8_store_is_exactly_the_dequantized_model(family, family_store, family_reference):
     checkpoint, store_dir = family_store(family, "int8-shared")
     store = ExpertStore.open(store_dir, progress=False)
@@ -179,7 +201,8 @@ def test_int8_store_is_exactly_the_dequantized_model(family, family_store, famil
 
 # Families with their own gating or activation, outside the derived bound: their int8 stores are checked
 # by test_int8_store_is_exactly_the_dequantized_model (weights within half a step, Mira = that model).
-OWN_ARITHMETIC = {"beam", "deepseek_v4", "gemma4", "gemma4_text", "gpt_oss", "hy_v4", "minimax_m3_vl_text", "nemotron_h"}
+OWN_ARITHMETIC = {"beam", "deepseek_v4", "gemma4", "gemma4_text", "gpt_oss", "hy_v4", "minimax_m3_vl_text",
+                  "nemotron_h"}
 SILU_GATED = [family for family in CASES if family not in OWN_ARITHMETIC]
 
 

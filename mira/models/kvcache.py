@@ -1,0 +1,63 @@
+"""The key and value entries one token adds to the KV cache, as transformers' own code caches them.
+
+The model is built on the meta device (no memory) with stand-ins for its Experts modules and run for
+a few tokens with transformers' dynamic cache; the cache's growth per token is what a token costs,
+whatever the family's attention: grouped-query, latent (MLA), sliding, hybrid, sizes per layer.
+Where that forward cannot run on the meta device, the config rule of mira.models.base stands in.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from mira.models.loader import ExpertsPlaceholder, experts_swapped
+from mira.models.registry import adapter_for
+
+PROBE_TOKENS = (4, 8)  # prompt lengths whose caches are compared: below any sliding window
+
+
+class _ZeroExperts(ExpertsPlaceholder):
+    """Stands for the Experts modules in the probe: their output's shape is all the cache needs."""
+
+    def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros_like(hidden)
+
+
+def kv_values_per_token(config: PretrainedConfig) -> int:
+    """K and V values one token adds to the cache of the model of `config` (a multimodal one's text
+    model); measured once per config in a process (a bench plans many budgets of one model)."""
+    text = config.get_text_config()
+    key = text.to_json_string(use_diff=False)
+    if key not in _MEASURED:
+        try:
+            _MEASURED[key] = _measured(text)
+        except Exception:  # a family whose forward the meta device cannot trace (data-dependent code)
+            _MEASURED[key] = adapter_for(text).kv_values_per_token(text)
+    return _MEASURED[key]
+
+
+_MEASURED: dict[str, int] = {}  # config JSON -> values per token
+
+
+def _measured(config: PretrainedConfig) -> int:
+    with experts_swapped(adapter_for(config), _ZeroExperts), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    cached = []
+    with torch.no_grad():
+        for tokens in PROBE_TOKENS:
+            ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+            output = model(ids, use_cache=True)
+            cached.append(_cache_values(output["cache"] if "cache" in output else output["past_key_values"]))
+    grown, tokens = cached[1] - cached[0], PROBE_TOKENS[1] - PROBE_TOKENS[0]
+    if grown <= 0 or grown % tokens:
+        raise ValueError(f"the cache grew by {grown} values over {tokens} tokens")
+    return grown // tokens
+
+
+def _cache_values(cache) -> int:
+    """Key and value entries held by a transformers cache (per-layer tensors of [batch, heads, tokens,
+    dim], or a latent's), not counting recurrent states, which keep their size."""
+    return sum(tensor.numel() for layer in getattr(cache, "layers", ())
+               for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(tensor, torch.Tensor) and tensor.dim() >= 3)
