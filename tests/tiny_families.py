@@ -24,7 +24,7 @@ FAMILY_SIZES: dict[str, dict] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "zaya": dict(num_experts_per_tok=1),
-    # MoE only when asked; per-layer inputs sized like the vocabulary and the hidden size
+    # MoE only when asked (the default is dense); the per-layer input embeddings shrunk with the vocabulary
     **{family: dict(enable_moe_block=True, top_k_experts=2, vocab_size_per_layer_input=VOCAB,
                     hidden_size_per_layer_input=16,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"])
