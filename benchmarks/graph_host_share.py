@@ -2,19 +2,34 @@
 
 Decoding replays a captured graph per step on the small shapes (mira.runtime.graphs), and the CPU's
 share needs the host between a layer's routing and its output, so today it runs eagerly. This measures
-the share's floor under replay. Each of --layers layers is captured as: the hidden row copied to
-pinned memory; a host node that posts the worker's semaphore (libc's sem_post as the CUhostFn); a hold
-(mira.runtime.host_signal) until the worker has written its sum; that sum copied back and added. The
-worker, a Python thread of --threads torch threads, waits on its semaphore with the GIL released,
-computes n experts of the shape on distinct synthetic blobs (mira.kernels.cpu_experts), writes the
-sum to pinned memory and releases the hold. Per layer, median and range over --repeats passes:
+the share's floor under replay, signalled two ways. Each of --layers layers is captured as: the hidden
+row copied to pinned memory; a signal to the worker; a wait until the worker has written its sum;
+that sum copied back and added.
 
-  copies_us     the two copies and the add, no host node
-  experts_us    with the host nodes, n experts a layer, for n in --experts (0: the round trip alone)
+- Host functions: a host node posts the worker's semaphore (libc's sem_post as the CUhostFn) and a
+  hold (mira.runtime.host_signal) waits. The worker, a Python thread of --threads torch threads,
+  waits on its semaphore with the GIL released.
+- Stream memory operations: the graph writes a flag in pinned memory (cuStreamWriteValue64, after a
+  memory barrier, so the row is there first) and waits for another (cuStreamWaitValue64), which the
+  worker writes; no host node, no CUDA callback thread. The worker polls its flag, letting the GIL go
+  at each look. With L lanes (--lanes) the experts are dealt to L such threads of threads / L torch
+  threads each, one pair of flags and one sum row a lane, summed on the device.
+
+The worker computes n experts of the shape on distinct synthetic blobs (mira.kernels.cpu_experts) and
+writes the sum to pinned memory. After the timings, one replay's sum on the device is checked against
+the sums the worker wrote. Per layer, median and range over --repeats passes:
+
+  copies_us     the two copies and the add, no signal
+  experts_us    host functions, n experts a layer, for n in --experts (0: the round trip alone)
+  memop_us      stream memory operations, per lane count
+  split         a layer of --misses misses: all read by the device (device_alone_us: the blobs copied to
+                the device in the graph, no signal), then n of them (--cpu-shares) computed by the CPU
+                while the device reads the rest, signalled by stream memory operations, per lane count
   cpu_us        n experts called with no graph around them, in a thread of as many torch threads
 
     python benchmarks/graph_host_share.py --threads 15 [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--experts 0,1,2,4]
-        [--layers 48] [--steps 20] [--repeats 5] [--out benchmarks/results/graph-host-share-h200.json]
+        [--lanes 1,2] [--misses 6] [--cpu-shares 1,2,3] [--layers 48] [--steps 20] [--repeats 5]
+        [--out benchmarks/results/graph-host-share-memops-h200.json]
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ import ctypes.util
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +58,9 @@ from mira.runtime.host_signal import SEM_T_BYTES, HostSignal, launch_host_func  
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # its calls let the GIL go
 LIBC.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 LIBC.sem_wait.argtypes = [ctypes.c_void_p]
+CU_STREAM_WAIT_VALUE_EQ = 0x1  # cuStreamWaitValue64: until *addr == value
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # cuStreamWriteValue64: a memory barrier before the write
+CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2 = 122
 
 
 class Worker:
@@ -52,6 +71,7 @@ class Worker:
         self.views = [ffn.layout.views(blob) for blob in blobs]
         self.rows = torch.zeros(1, hidden, dtype=torch.bfloat16).pin_memory()  # the layer's hidden row
         self.out = torch.zeros(1, hidden, dtype=torch.bfloat16).pin_memory()  # the CPU's sum
+        self.written = torch.zeros(1, hidden)  # every sum written since `written` was zeroed, in float32
         self.request = ctypes.create_string_buffer(SEM_T_BYTES)
         if LIBC.sem_init(self.request, 0, 0):
             raise OSError(ctypes.get_errno(), "sem_init failed")
@@ -76,12 +96,139 @@ class Worker:
             if self.stopping:
                 return
             self.out.copy_(self.experts(self.rows, self.n))
+            self.written += self.out
             self.done.post()
 
     def stop(self) -> None:
         self.stopping = True
         LIBC.sem_post(self.request)
         self._thread.join()
+
+
+class PollingWorker:
+    """`lanes` threads, each waiting for its flag that a graph writes (stream memory operations),
+    computing every lanes-th of n experts, writing its sum row and raising the flag the graph waits on."""
+
+    POST, DONE = 0, 1  # a lane's two flags: the graph raises POST, the lane raises DONE
+
+    def __init__(self, ffn: CpuExpertFFN, blobs: list[torch.Tensor], threads: int, hidden: int, lanes: int) -> None:
+        self.ffn, self.n, self.lanes = ffn, 0, lanes
+        self.threads = max(1, threads // lanes)
+        self.views = [ffn.layout.views(blob) for blob in blobs]
+        self.rows = torch.zeros(1, hidden, dtype=torch.bfloat16).pin_memory()  # the layer's hidden row
+        self.out = torch.zeros(lanes, hidden, dtype=torch.bfloat16).pin_memory()  # [L, H] each lane's sum
+        self.flags = torch.zeros(lanes, 2, dtype=torch.int64).pin_memory()  # [L, (POST, DONE)]
+        self.written = torch.zeros(lanes, hidden)  # [L, H] every sum written since zeroed, in float32
+        self.stopping = False
+        self._threads = [threading.Thread(target=self._serve, args=(lane,), daemon=True) for lane in range(lanes)]
+        for thread in self._threads:
+            thread.start()
+
+    def flag(self, lane: int, which: int) -> int:
+        """The address of one of a lane's flags (pinned, so the device reads and writes it in place)."""
+        return self.flags.data_ptr() + (lane * 2 + which) * self.flags.element_size()
+
+    def _serve(self, lane: int) -> None:
+        torch.set_num_threads(self.threads)
+        post = ctypes.c_int64.from_address(self.flag(lane, self.POST))
+        done = ctypes.c_int64.from_address(self.flag(lane, self.DONE))
+        x, call = self.rows, 0
+        while True:
+            while post.value != 1:
+                if self.stopping:
+                    return
+                time.sleep(0)  # lets the GIL go: the caller and the other lanes run meanwhile
+            post.value = 0
+            total = torch.zeros(x.shape, dtype=torch.float32)
+            for j in range(lane, self.n, self.lanes):  # expert j of this call, on the call's j-th distinct blob
+                total += self.ffn.expert(x, self.views[(call * self.n + j) % len(self.views)]).float()
+            self.out[lane].copy_(total[0])
+            self.written[lane] += self.out[lane]
+            done.value = 1  # after the row: x86 stores become visible in order
+            call += 1
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self._threads:
+            thread.join()
+
+
+def _mem_ops() -> tuple[Callable, Callable]:
+    """The driver's cuStreamWriteValue64 and cuStreamWaitValue64 (v2), (stream, address, value, flags)
+    each; they are captured into graphs as memory-operation nodes.
+
+    Raises:
+        RuntimeError: the device does not take 64-bit stream memory operations.
+    """
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, supported = ctypes.c_int(), ctypes.c_int()
+    failed = cuda.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()) or cuda.cuDeviceGetAttribute(
+        ctypes.byref(supported), CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2, device)
+    if failed or not supported.value:
+        raise RuntimeError("this device does not take 64-bit stream memory operations")
+    ops = []
+    for name in ("cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2"):
+        op = getattr(cuda, name)
+        op.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]  # stream, address, value, how
+        op.restype = ctypes.c_int  # CUresult
+
+        def checked(stream: torch.cuda.Stream, address: int, value: int, flags: int, op=op, name=name) -> None:
+            if status := op(ctypes.c_void_p(stream.cuda_stream), address, value, flags):
+                raise RuntimeError(f"{name} failed with CUresult {status}")
+        ops.append(checked)
+    return ops[0], ops[1]
+
+
+def capture_polled(worker: PollingWorker, layers: int, device_reads: list[list[torch.Tensor]] | None = None,
+                   signal: bool = True) -> torch.cuda.CUDAGraph:
+    """A graph of `layers` layers: the row to the host, each lane's flag raised and its answer awaited
+    (then lowered for the next layer), the lanes' sums back, summed and added. `device_reads[layer]`:
+    pinned blobs copied to the device between the flags, as the device's own misses would be read
+    over PCIe while the CPU computes; `signal` False leaves the flags out (those reads alone)."""
+    write, wait = _mem_ops()
+    x = torch.randn(1, worker.rows.shape[1], dtype=torch.bfloat16, device="cuda")
+    back, acc = torch.empty(worker.out.shape, dtype=torch.bfloat16, device="cuda"), torch.zeros(x.shape, device="cuda")
+    reads = device_reads or [[] for _ in range(layers)]
+    width = max((len(blobs) for blobs in reads), default=0)
+    scratch = torch.empty(width, reads[0][0].numel() if width else 0, dtype=torch.uint8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream = torch.cuda.current_stream()
+        for layer in range(layers):
+            worker.rows.copy_(x, non_blocking=True)
+            for lane in range(worker.lanes if signal else 0):
+                write(stream, worker.flag(lane, worker.POST), 1, CU_STREAM_WRITE_VALUE_DEFAULT)
+            for row, blob in enumerate(reads[layer]):
+                scratch[row].copy_(blob, non_blocking=True)
+            for lane in range(worker.lanes if signal else 0):
+                wait(stream, worker.flag(lane, worker.DONE), 1, CU_STREAM_WAIT_VALUE_EQ)
+                write(stream, worker.flag(lane, worker.DONE), 0, CU_STREAM_WRITE_VALUE_DEFAULT)
+            back.copy_(worker.out, non_blocking=True)
+            acc.add_(back.float().sum(0, keepdim=True))
+    graph.keep = (x, back, scratch, acc)  # the graph's buffers live as long as it
+    return graph
+
+
+def layer_reads(blobs: list[torch.Tensor], layers: int, count: int) -> list[list[torch.Tensor]]:
+    """`count` distinct blobs a layer, a different set for each layer."""
+    return [[blobs[(layer * count + i) % len(blobs)] for i in range(count)] for layer in range(layers)]
+
+
+def check_sums(graph: torch.cuda.CUDAGraph, worker) -> None:
+    """One replay's sum on the device equals the sums the worker wrote (none lost, none read stale).
+
+    Raises:
+        AssertionError: they differ.
+    """
+    acc = graph.keep[-1]
+    torch.cuda.synchronize()
+    acc.zero_()
+    worker.written.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = worker.written.sum(0, keepdim=True)
+    if not torch.allclose(acc.cpu(), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item()):
+        raise AssertionError(f"the replayed sum differs from the worker's: {(acc.cpu() - expected).abs().max().item()}")
 
 
 def _post_launcher():
@@ -94,7 +241,7 @@ def capture(worker: Worker, layers: int, host_nodes: bool) -> torch.cuda.CUDAGra
     """A graph of `layers` layers: the row to the host, (the worker's round trip), its sum back, added."""
     launch = _post_launcher()
     x = torch.randn(1, worker.rows.shape[1], dtype=torch.bfloat16, device="cuda")
-    back, acc = torch.empty_like(x), torch.zeros_like(x)
+    back, acc = torch.empty_like(x), torch.zeros(x.shape, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         stream = torch.cuda.current_stream()
@@ -120,6 +267,12 @@ def replay_pass(graph: torch.cuda.CUDAGraph, steps: int, layers: int) -> float:
     return (time.perf_counter() - start) / (steps * layers)
 
 
+def timed(graph: torch.cuda.CUDAGraph, args) -> dict:
+    """Per layer: one untimed pass, then --repeats passes of --steps replays."""
+    replay_pass(graph, 2, args.layers)
+    return summary([replay_pass(graph, args.steps, args.layers) * 1e6 for _ in range(args.repeats)])
+
+
 def cpu_pass(worker: Worker, n: int, calls: int) -> float:
     """Mean seconds per call of n experts, in a thread of the worker's threads (no graph)."""
     seconds: list[float] = []
@@ -142,27 +295,50 @@ def measure(name: str, args) -> dict:
     config = shape_config(name)
     layout = layout_for(config, "int8-shared")
     store, blobs = blobs_for(config, layout, args.spread_gb * 1e9, pin=True)
+    result = {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
+              "distinct_blobs": len(blobs), "experts": {str(n): {"memop_us": {}} for n in args.experts}}
     worker = Worker(CpuExpertFFN(layout, F.silu), blobs, args.threads, layout.hidden)
     try:
-        result = {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
-                  "distinct_blobs": len(blobs)}
-        plain = capture(worker, args.layers, host_nodes=False)
-        replay_pass(plain, 2, args.layers)
-        result["copies_us"] = summary([replay_pass(plain, args.steps, args.layers) * 1e6 for _ in range(args.repeats)])
+        result["copies_us"] = timed(capture(worker, args.layers, host_nodes=False), args)
         shared = capture(worker, args.layers, host_nodes=True)
-        result["experts"] = {}
         for n in args.experts:
             worker.n = n
-            replay_pass(shared, 2, args.layers)
-            row = {"experts_us": summary([replay_pass(shared, args.steps, args.layers) * 1e6
-                                          for _ in range(args.repeats)]),
-                   "cpu_us": summary([cpu_pass(worker, n, args.steps * 4) * 1e6 for _ in range(args.repeats)])}
-            result["experts"][str(n)] = row
-            print(f"{name:16s} {n} experts  replayed {row['experts_us']['median']:8.1f} us a layer  "
-                  f"(copies alone {result['copies_us']['median']:6.1f})  "
-                  f"outside a graph {row['cpu_us']['median']:8.1f} us")
+            row = result["experts"][str(n)]
+            row["experts_us"] = timed(shared, args)
+            check_sums(shared, worker)
+            row["cpu_us"] = summary([cpu_pass(worker, n, args.steps * 4) * 1e6 for _ in range(args.repeats)])
     finally:
         worker.stop()
+    result["split"] = {"misses": args.misses, "cpu": {str(n): {} for n in args.cpu_shares}}
+    for lanes in args.lanes:
+        polling = PollingWorker(CpuExpertFFN(layout, F.silu), blobs, args.threads, layout.hidden, lanes)
+        try:
+            polled = capture_polled(polling, args.layers)
+            for n in args.experts:
+                polling.n = n
+                result["experts"][str(n)]["memop_us"][str(lanes)] = timed(polled, args)
+                check_sums(polled, polling)
+            if "device_alone_us" not in result["split"]:
+                alone = capture_polled(polling, args.layers, layer_reads(blobs, args.layers, args.misses), signal=False)
+                result["split"]["device_alone_us"] = timed(alone, args)
+            for n in args.cpu_shares:
+                polling.n = n
+                split = capture_polled(polling, args.layers, layer_reads(blobs, args.layers, args.misses - n))
+                result["split"]["cpu"][str(n)][str(lanes)] = timed(split, args)
+                check_sums(split, polling)
+        finally:
+            polling.stop()
+    for n, row in result["experts"].items():
+        memops = "  ".join(f"{lanes} lane(s) {figure['median']:7.1f}" for lanes, figure in row["memop_us"].items())
+        print(f"{name:16s} {n} experts  host functions {row['experts_us']['median']:7.1f} us a layer  "
+              f"memory operations {memops}  (copies alone {result['copies_us']['median']:5.1f})  "
+              f"outside a graph {row['cpu_us']['median']:7.1f} us")
+    split = result["split"]
+    alone = split["device_alone_us"]["median"]
+    print(f"{name:16s} {args.misses} misses a layer, all read by the device: {alone:7.1f} us")
+    for n, row in split["cpu"].items():
+        figures = "  ".join(f"{lanes} lane(s) {figure['median']:7.1f}" for lanes, figure in row.items())
+        print(f"{name:16s}   {n} computed by the CPU meanwhile: {figures}")
     result["page_locked"] = store.data.is_pinned()
     return result
 
@@ -172,19 +348,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU worker")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b", help="presets, comma-separated")
     parser.add_argument("--experts", default="0,1,2,4", help="experts the worker computes a layer, comma-separated")
+    parser.add_argument("--lanes", default="1,2", help="lane counts of the polling worker, comma-separated")
+    parser.add_argument("--misses", type=int, default=6, help="misses a layer in the split timings")
+    parser.add_argument("--cpu-shares", default="1,2,3", help="of those, the CPU's, comma-separated")
     parser.add_argument("--layers", type=int, default=48, help="layers captured in the graph")
     parser.add_argument("--steps", type=int, default=20, help="replays a pass")
     parser.add_argument("--repeats", type=int, default=5, help="passes a figure (>= 3)")
     parser.add_argument("--spread-gb", type=float, default=2.0, help="distinct expert bytes the worker cycles through")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/graph-host-share-h200.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/graph-host-share-memops-h200.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU: it replays CUDA graphs")
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (a median and a range)")
     args.experts = [int(n) for n in args.experts.split(",")]
+    args.lanes = [int(n) for n in args.lanes.split(",")]
+    args.cpu_shares = [int(n) for n in args.cpu_shares.split(",")]
+    if min(args.cpu_shares) < 0 or max(args.cpu_shares) > args.misses:
+        parser.error(f"--cpu-shares must be between 0 and --misses ({args.misses})")
+    if min(args.lanes) < 1 or max(args.lanes) > args.threads:
+        parser.error(f"--lanes must be between 1 and --threads ({args.threads})")
     shapes = {name: measure(name, args) for name in args.shapes.split(",")}
-    write_result(args.out, {"threads": args.threads, "layers": args.layers, "steps": args.steps,
+    write_result(args.out, {"threads": args.threads, "lanes": args.lanes, "misses": args.misses,
+                            "cpu_shares": args.cpu_shares, "layers": args.layers, "steps": args.steps,
                             "repeats": args.repeats, "spread_gb": args.spread_gb, "shapes": shapes},
                  "cuda")
 

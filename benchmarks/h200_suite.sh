@@ -255,7 +255,7 @@ case "${1:-}" in
     timeout 300 python benchmarks/cpu_experts.py --threads "${THREADS:-15}" --shapes mixtral-8x7b --schemes int8-shared \
       --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-columns-h200.json" ;;
   graph-share)
-    timeout 200 python benchmarks/graph_host_share.py --threads 15 --out "$OUT/graph-host-share-h200.json" ;;
+    timeout 400 python benchmarks/graph_host_share.py --threads 15 --lanes 1,2 --out "$OUT/graph-host-share-memops-h200.json" ;;
   cpu-lanes)
     timeout 200 python benchmarks/cpu_lanes.py --threads 15 --lanes 1,2,3,5 --out "$OUT/cpu-lanes-h200.json" ;;
   gil)
