@@ -8,7 +8,7 @@ import pytest
 
 from mira.cache.costmodel import (
     INLINE_LAYER_S, KEEP_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays,
-    cpu_saving, paced_saving, share_keeps, split,
+    cpu_saving, lane_quota, paced_saving, share_keeps, split,
 )
 
 MB = 1 << 20
@@ -403,3 +403,43 @@ def test_experts_too_small_to_pay_on_any_link_skip_the_calibration():
     fastest_cpu = HybridCosts(blob_bytes=MB, cpu=LinearCost(0.0, 0.0), cpu_call_s=0.0, pcie_bytes_per_s=1e9)
     for top_k, blob in ((2, 197_120), (2, 600_000), (4, 240_000)):  # every miss free on the CPU, PCIe at 1 GB/s
         assert cpu_pays(fastest_cpu, top_k, blob) == cpu_may_pay(top_k, blob)
+
+
+def test_lane_quota_hand_worked():
+    # two routed experts, each missing half the time: 0, 1, 2 misses with chances 1/4, 1/2, 1/4
+    # quota 0: 1/2 * 1 + 1/4 * 2 = 1.0 (PCIe alone, 1 s a miss)
+    # lanes 1, 0.5 s an expert, 0.1 s a round trip; quota 1: 1/4 * 0.1 + 1/2 * 0.6 + 1/4 * max(0.6, 1) = 0.575
+    # quota 2: 1/4 * 0.1 + 1/2 * 0.6 + 1/4 * 1.1 = 0.6
+    assert lane_quota(2, 0.5, 1, 0.5, 0.1, 1.0) == 1
+    # 1.5 s an expert: quota 1 costs 1/4 * 0.1 + 1/2 * 1.6 + 1/4 * 1.6 = 1.225 and quota 2 1.6, PCIe alone 1.0
+    assert lane_quota(2, 0.5, 1, 1.5, 0.1, 1.0) == 0
+    # both always miss; two lanes, 1 s an expert: quotas 1 and 2 both take 1.1 s against 2 s, the smaller wins
+    assert lane_quota(2, 1.0, 2, 1.0, 0.1, 1.0) == 1
+    # the same with a slower link: quota 2 (1.1 s) beats quota 1 (max(1.1, 1.5))
+    assert lane_quota(2, 1.0, 2, 1.0, 0.1, 1.5) == 2
+
+
+def test_lane_quota_matches_a_brute_force_expectation():
+    rng = random.Random(5)
+    for _ in range(200):
+        top_k, lanes = rng.randint(1, 8), rng.randint(1, 4)
+        rate, lane_s, call_s, pcie_s = rng.random(), rng.uniform(0.1, 3), rng.uniform(0, 0.5), rng.uniform(0.1, 3)
+
+        def expected(quota):
+            total = 0.0
+            for missed in itertools.product((0, 1), repeat=top_k):  # every pattern of misses
+                m = sum(missed)
+                chance = rate ** m * (1 - rate) ** (top_k - m)
+                taken = min(quota, m)
+                cpu = -(-taken // lanes) * lane_s + call_s if quota else 0.0
+                total += chance * max(cpu, (m - taken) * pcie_s)
+            return total
+
+        best = min(expected(q) for q in range(top_k + 1))
+        quota = lane_quota(top_k, rate, lanes, lane_s, call_s, pcie_s)
+        assert expected(quota) == pytest.approx(best)
+
+
+def test_lane_quota_refuses_a_miss_rate_that_is_no_probability():
+    with pytest.raises(ValueError, match="probability"):
+        lane_quota(2, 1.5, 1, 1.0, 0.0, 1.0)
