@@ -132,6 +132,9 @@ def check_model_options(args: argparse.Namespace) -> None:
     if args.cpu_expert_threads is not None and device.type == "cpu" and args.cpu_experts in (None, "auto"):
         raise MiraError("--cpu-threads has no effect on the CPU, where --cpu-experts auto (the default) stays off "
                         "(both sides would be the same cores); pass --cpu-experts all, or leave out --cpu-threads")
+    if args.cpu_lanes is not None and args.cpu_experts != "graph":
+        raise MiraError("--cpu-lanes deals the CPU's share to lanes under --cpu-experts graph only; pass --cpu-experts "
+                        "graph, or leave out --cpu-lanes")
     if args.profile is not None and args.policy != "static":
         raise MiraError("--profile places the static policy's experts; pass --policy static with it, or leave it out")
     if args.policy == "static" and args.profile is None:
@@ -207,11 +210,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "each layer's misses, and stays off where that would save a decode layer less than "
                              "running layers inline costs, or is dropped once the first decode steps measure it "
                              "not paying; off on the CPU), split (that split wherever there are "
-                             "misses, CUDA only), all (every miss the policy leaves in host memory) or off. On, MoE "
-                             "layers run inline (--residency)")
+                             "misses, CUDA only), all (every miss the policy leaves in host memory), graph (an "
+                             "experiment: decode steps stay lagged and replay from CUDA graphs, the device chooses "
+                             "each layer's share for CPU lanes, --cpu-lanes) or off. On, but for graph, MoE layers "
+                             "run inline (--residency)")
     parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one); "
                              "each job waits for its slowest thread, so use fewer where other work shares the cores")
+    parser.add_argument("--cpu-lanes", type=positive_int, metavar="N",
+                        help="with --cpu-experts graph: experts the CPU computes at once, each on --cpu-threads / N "
+                             "threads (default 2, or 1 with one thread): small experts keep fewer threads busy")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")
@@ -262,6 +270,6 @@ def load_model(args: argparse.Namespace):
     config = RuntimeConfig(device=args.device, vram_budget=args.vram_budget, max_context=args.max_context,
                            quant=args.quant, profile=args.profile, progress=not args.quiet)
     settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency,
-                "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads}
+                "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads, "cpu_lanes": args.cpu_lanes}
     return load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
                                                   **{k: v for k, v in settings.items() if v is not None}))

@@ -56,6 +56,7 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira-device-calibrated": dict(policy="mira", prefetch="off", residency="auto", device_pace=False),  # an A/B
     "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
     "mira-cpu-split": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="split"),  # auto's rule ignored
+    "mira-cpu-graph": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="graph"),  # lanes, replayed
     "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
     "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),
     "mira-eager": dict(policy="mira", prefetch="off", residency="inline", cuda_graphs=False),  # every step eager

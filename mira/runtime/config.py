@@ -18,7 +18,7 @@ from mira.store.layout import SCHEMES
 
 PREFETCH = ("auto", "trained", "gate", "off")
 RESIDENCY = ("auto", "lagged", "inline")
-CPU_EXPERTS = ("auto", "off", "all", "split")
+CPU_EXPERTS = ("auto", "off", "all", "split", "graph")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -70,6 +70,7 @@ class HybridConfig:
 
     mode: str = "auto"
     threads: int | None = None
+    lanes: int | None = None
     device_pace: bool = True
 
 
@@ -128,6 +129,12 @@ class RuntimeConfig:
         threads = self.hybrid.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MiraError(f"--cpu-threads {threads} is not a positive number of threads; pass 1 or more")
+        lanes = self.hybrid.lanes
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+            raise MiraError(f"--cpu-lanes {lanes} is not a positive number of lanes; pass 1 or more")
+        if self.hybrid.mode == "graph" and self.residency.mode == "inline":
+            raise MiraError("--cpu-experts graph chooses the CPU's misses inside lagged decode steps; pass "
+                            "--residency lagged (or auto), or --cpu-experts split for the inline share")
         if self.hybrid.mode in ("all", "split") and self.residency.mode == "lagged":
             raise MiraError(f"--cpu-experts {self.hybrid.mode} needs each layer's misses before its kernel, which "
                             "lagged residency settles only after the step; pass --residency inline (or auto), or "
@@ -136,7 +143,7 @@ class RuntimeConfig:
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
         policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode),
-        cpu_threads, device_pace and deferred_settle for the nested ones.
+        cpu_threads, cpu_lanes, device_pace and deferred_settle for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
@@ -144,6 +151,7 @@ class RuntimeConfig:
         nested = {"policy": ("cache", "policy"), "prefetch": ("prefetch", "mode"), "heads": ("prefetch", "heads"),
                   "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
                   "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads"),
+                  "cpu_lanes": ("hybrid", "lanes"),
                   "device_pace": ("hybrid", "device_pace"), "deferred_settle": ("residency", "deferred")}
         flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
@@ -230,7 +238,8 @@ class Decisions:
     lagged: decode layers under the budget meet the cache after the step (mira.cache.tables).
     predictor: "trained", "gate", or None for no staging.
     policy_slots: slots the policy manages (staging keeps STAGING_ROWS of the capacity).
-    cpu_experts: which misses the CPU computes: "all", "split" (by the cost model) or None (none).
+    cpu_experts: which misses the CPU computes: "all", "split" (by the cost model), "graph" (CPU
+        lanes, chosen on the device in lagged decode calls) or None (none).
     share_review: auto's split, where lagged residency could run without it: decoding judges the
         share again at the paces it measures, and drops it for lagged residency where it keeps not
         paying (mira.runtime.engine.MiraModel).
@@ -260,18 +269,23 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     its misses before its kernel, so residency is inline (the CPU's share outweighs the host sync), and
     "auto" prefetching does not stage beside auto's CPU share (inline staging measured no gain).
     Under "auto" residency, auto's share is judged again once decoding has measured its paces.
+    With cpu_experts "graph" the device chooses the CPU's misses inside decode steps, which lag.
 
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
-            gate speculation does not recompute; cpu_experts "split" off CUDA.
+            gate speculation does not recompute; cpu_experts "split" off CUDA; "graph" on CUDA
+            without the fused kernels.
     """
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
         return Decisions("static", True, None, facts.capacity)
     mode = config.residency.mode
     cpu_experts = _cpu_experts(config, facts)
     possible = facts.device_type == "cpu" or facts.fused_kernels
-    lagged = possible and mode != "inline" and cpu_experts is None and (
-        mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda")
+    if cpu_experts == "graph" and not possible:
+        raise MiraError("--cpu-experts graph needs lagged residency, which on CUDA needs the fused kernels; "
+                        "pass --cpu-experts split (or auto)")
+    lagged = possible and mode != "inline" and (cpu_experts == "graph" or cpu_experts is None and (
+        mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda"))
     prefetch = config.prefetch.mode
     stages = facts.stage_slots > 0 and prefetch != "off" and (
         prefetch != "auto" or mode == "lagged" or (not lagged and cpu_experts != "split"))
@@ -299,8 +313,8 @@ def refuse_split_off_cuda(mode: str, device_type: str) -> None:
 def _cpu_experts(config: RuntimeConfig, facts: Facts) -> str | None:
     """`Decisions.cpu_experts` under a budget (see `resolve`)."""
     mode = config.hybrid.mode
-    if mode == "all":
-        return "all"
+    if mode in ("all", "graph"):
+        return mode
     refuse_split_off_cuda(mode, facts.device_type)
     if mode == "split" or (mode == "auto" and facts.device_type == "cuda" and facts.cpu_pays
                            and config.residency.mode != "lagged"):

@@ -29,9 +29,13 @@ from mira.models.loader import MoESite, build_model, read_config, routed_per_tok
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, share_keeps
+from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, lane_quota, share_keeps
+from mira.cache.tables import ExpertTables
+from mira.runtime.cpu_lanes import CpuLanes
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
+from mira.runtime.graph_share import GraphShare, time_lanes
+from mira.runtime.mailbox import Mailbox
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
@@ -44,6 +48,7 @@ BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-m
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
+DEFAULT_LANES = 2  # --cpu-experts graph: experts the CPU computes at once, where there are the threads
 REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
 
 
@@ -57,6 +62,7 @@ class MiraModel:
         store, cache, plan: the expert store, the cache mechanism and the slot plan.
         hybrid: the CPU's share of each layer's misses (mira.runtime.hybrid), or None; kept, for its
             telemetry, after `drop_cpu_share`.
+        graph_share: the CPU lanes' share of lagged decode calls' misses (mira.runtime.graph_share), or None.
         share_review: auto's verdict on its CPU share (`review_share` at load), with each judgement's
             saving and paces: kept at the first judgement, every REVIEW_STEPS decode steps, that finds
             it paying, dropped after REVIEW_CHECKS that do not; None before it or without one.
@@ -68,7 +74,8 @@ class MiraModel:
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
                  plan: SlotPlan | None, max_context: int, lagged: bool, hybrid: HybridExperts | None = None,
-                 calibration: HybridCosts | None = None, review_share: bool = False):
+                 calibration: HybridCosts | None = None, review_share: bool = False,
+                 graph_share: GraphShare | None = None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.config = config
@@ -78,6 +85,7 @@ class MiraModel:
         self.max_context = max_context
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
+        self.graph_share = graph_share
         self.calibration = calibration
         self.share_review: dict | None = None
         self._judged: list[dict] = []  # the judgements of auto's share so far: saving per layer, paces
@@ -129,6 +137,8 @@ class MiraModel:
     def _settle_step(self, tokens: int) -> None:
         if self._settles:
             self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
+        if self.graph_share is not None:
+            self.graph_share.check()  # after the settle's read-back: every lane is through with the step
         self.cache.end_step(tokens)
         if self._review_in is not None and tokens <= DECODE_TOKENS:
             self._review_in -= 1
@@ -235,7 +245,8 @@ class MiraModel:
             "prefetch": self.cache.prefetch.as_dict(),
             "residency": "lagged" if self.lagged else "inline",
             "decode_steps_replayed": self.decode_graphs.replays if self.decode_graphs is not None else 0,
-            "cpu_experts": {**(self.hybrid.summary() if self.hybrid is not None else {"mode": "off"}),
+            "cpu_experts": {**(self.hybrid.summary() if self.hybrid is not None else
+                               self.graph_share.summary() if self.graph_share is not None else {"mode": "off"}),
                             **({"review": self.share_review} if self.share_review is not None else {}),
                             **({"calibration": self.calibration.to_json()} if self.calibration is not None else {})},
         }
@@ -275,7 +286,8 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
             or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
-            cuda_graphs, cpu_experts (auto, off, all, split), cpu_threads, device_pace and deferred_settle.
+            cuda_graphs, cpu_experts (auto, off, all, split, graph), cpu_threads, cpu_lanes, device_pace and
+            deferred_settle.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
@@ -345,9 +357,9 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
         if worker is not None:
             worker.close()
         raise
-    if decided.cpu_experts is None and worker is not None:
-        worker.close()
-    elif decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes
+    if decided.cpu_experts in (None, "graph") and worker is not None:
+        worker.close()  # unused, or replaced by the lanes (its calibration priced PCIe)
+    if decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes
         ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, absent_zero=True)
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
@@ -357,17 +369,20 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                         Telemetry(store.num_layers, store.num_experts))
     routers = [site.router for site in sites]
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
-    hybrid = None
-    if decided.cpu_experts is not None:
+    hybrid = graph_share = None
+    if decided.cpu_experts == "graph":
+        graph_share = _graph_share(config, store, cache.tables, act, gate, costs, top_k,
+                                   1 - min(1.0, capacity / total_experts), hf_model.dtype, torch_device)
+    elif decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
                                CpuPace() if costs is not None else None, getattr(ffn, "cut_granule", None),
                                device_pace=config.hybrid.device_pace)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
-                                                    lagged=decided.lagged, hybrid=hybrid))
+                                                    lagged=decided.lagged, hybrid=hybrid, graph_share=graph_share))
     model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid,
-                      costs, decided.share_review)
+                      costs, decided.share_review, graph_share)
     if not config.graphs.enabled and model.decode_graphs is not None:
         model.use_cuda_graphs(False)
     return model
@@ -385,6 +400,32 @@ def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, dev
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
     return worker, machine_costs(worker, store, device, config.progress)
+
+
+def _graph_share(config: RuntimeConfig, store: ExpertStore, tables: ExpertTables, act, gate, costs: HybridCosts | None,
+                 top_k: int | None, miss_rate: float, dtype: torch.dtype, device: torch.device) -> GraphShare:
+    """The CPU lanes' share for --cpu-experts graph. Each layer's quota comes from the lanes timed now
+    and the PCIe calibration (mira.cache.costmodel.lane_quota); where nothing crosses PCIe (the CPU)
+    or the routed experts per token are unknown, the lanes take every miss."""
+    threads = worker_threads(config.hybrid.threads)
+    lanes = config.hybrid.lanes or min(DEFAULT_LANES, threads)
+    if lanes > threads:
+        raise MiraError(f"--cpu-lanes {lanes} needs at least as many CPU threads, not {threads}; pass --cpu-threads "
+                        f"{lanes} or more, or fewer lanes")
+    blobs = [[store.blob(layer, expert) for expert in range(store.num_experts)] for layer in range(store.num_layers)]
+
+    def make_lanes(box: Mailbox) -> CpuLanes:
+        return CpuLanes(lambda: CpuExperts(store.layout, act, gate), blobs, box, threads)
+
+    quota = top_k or store.num_experts
+    if costs is not None and costs.pcie_bytes_per_s and top_k is not None:
+        timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
+        try:
+            lane_s, call_s = time_lanes(timed, blobs[0], device)
+        finally:
+            timed.close()
+        quota = lane_quota(top_k, miss_rate, lanes, lane_s, call_s, costs.pcie_s(1, store.blob_bytes))
+    return GraphShare(tables, make_lanes, lanes, [quota] * store.num_layers, device)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

@@ -16,6 +16,7 @@ from mira.cache.cache import ExpertCache
 from mira.kernels import DECODE_TOKENS
 from mira.models.loader import router_of
 from mira.predict.baselines import Predictor
+from mira.runtime.graph_share import GraphShare
 from mira.runtime.hybrid import HybridExperts
 
 MoEFFN = Callable[..., torch.Tensor]  # mira.kernels.make_moe_ffn: (hidden, top_k_index, top_k_weights, blobs) -> [T, H]
@@ -34,7 +35,8 @@ class MiraExperts(nn.Module):
     layer_position + 2 on the device (mira.cache.staging).
     With `hybrid`, an inline call hands some of its misses to the CPU worker, which computes them
     while the kernel computes the rest, and adds the CPU's partial sum into the output
-    (mira.runtime.hybrid).
+    (mira.runtime.hybrid). With `graph_share`, a lagged decode call does the same with no host
+    sync: the device chooses the CPU's misses and the CPU lanes compute them (mira.runtime.graph_share).
 
     A decode call (at most `DECODE_TOKENS` tokens) allocates no device memory: the predicted expert
     and the output live in buffers this layer owns. The output is a view of this layer's own
@@ -51,19 +53,24 @@ class MiraExperts(nn.Module):
         router: this layer's router, whose logits the predictor may use.
         lagged: leave decode calls' counts to the cache's settle after the step.
         hybrid: the CPU's share of the misses (inline only; the FFN must add zero for absent experts).
+        graph_share: the CPU lanes' share of decode calls' misses (lagged only; the FFN must add
+            zero for absent experts).
 
     Raises:
         ValueError: lagged on CUDA under a budget with an FFN that cannot read the pinned host
-            store (the reference FFN: only the fused kernels read blobs by address), or lagged with hybrid.
+            store (the reference FFN: only the fused kernels read blobs by address), lagged with
+            hybrid, or graph_share without lagged.
     """
 
     def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, device: torch.device,
                  predictor: Predictor | None = None, router: nn.Module | None = None, lagged: bool = False,
-                 hybrid: HybridExperts | None = None):
+                 hybrid: HybridExperts | None = None, graph_share: GraphShare | None = None):
         super().__init__()
         device = torch.device(device)
         if lagged and hybrid is not None:
             raise ValueError("the CPU's share of the misses needs them before the kernel: pass lagged=False")
+        if graph_share is not None and not lagged:
+            raise ValueError("the CPU lanes' share is chosen on the device for lagged decode calls: pass lagged=True")
         if lagged and device.type == "cuda" and not hasattr(ffn, "forward_bases") and not cache.all_resident:
             raise ValueError(f"lagged residency on CUDA needs the fused kernels, which read missed experts "
                              f"from the pinned host store; {type(ffn).__name__} cannot: pass lagged=False")
@@ -73,6 +80,7 @@ class MiraExperts(nn.Module):
         self.predictor = predictor
         self.lagged = lagged
         self.hybrid = hybrid
+        self.graph_share = graph_share
         self._predicts = predictor is not None and layer_position + 2 < predictor.num_layers
         self._router_logits: torch.Tensor | None = None
         if self._predicts and router is not None:
@@ -112,7 +120,10 @@ class MiraExperts(nn.Module):
             settled = self.cache.settle_layer(self.layer_position)
             if self.hybrid is not None:
                 share = self.hybrid.start(self.layer_position, hidden_states, top_k_index, top_k_weights, *settled)
-        if share is None:
+        if share is None and self.lagged and decode and self.graph_share is not None \
+                and self.graph_share.takes(self.layer_position, hidden_states, top_k_weights):
+            out = self._shared_on_device(hidden_states, top_k_index, top_k_weights)
+        elif share is None:
             out = self._kernel(hidden_states, top_k_index, top_k_weights)
         else:
             try:
@@ -125,14 +136,29 @@ class MiraExperts(nn.Module):
             self._staging.after_layer(self.layer_position)
         return out
 
-    def _kernel(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The layer's routed experts from the address table (hidden experts add zero, a cut one
-        its units below its limit)."""
+    def _kernel(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                bases: torch.Tensor | None = None, rows: list | None = None) -> torch.Tensor:
+        """The layer's routed experts from the address table, or from `bases` (the fused kernels) or
+        `rows` (the reference) where given (hidden experts add zero, a cut one its units below its limit)."""
         out = self._output(hidden)
         limits = self._limits if self.hybrid is not None and self.hybrid.may_cut(hidden.shape[0]) else None
         if self._fused:
-            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, self._bases, out=out, limits=limits)
-        return self.ffn(hidden, top_k_index, top_k_weights, self._rows, out=out, limits=limits)
+            bases = self._bases if bases is None else bases
+            return self.ffn.forward_bases(hidden, top_k_index, top_k_weights, bases, out=out, limits=limits)
+        rows = self._rows if rows is None else rows
+        return self.ffn(hidden, top_k_index, top_k_weights, rows, out=out, limits=limits)
+
+    def _shared_on_device(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A lagged decode call with the CPU lanes: the device chooses their misses, the kernel
+        computes the rest from a table without them, and their sums are added (no host sync on CUDA)."""
+        share, p = self.graph_share, self.layer_position
+        bases = share.post(p, hidden, top_k_index, top_k_weights)
+        if self._fused:
+            out = self._kernel(hidden, top_k_index, top_k_weights, bases=bases)
+        else:
+            out = self._kernel(hidden, top_k_index, top_k_weights, rows=share.rows(p))
+        return share.collect(out)
 
     def _stage(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> None:
         """Before this layer's kernel: the predictor's best expert of layer_position + 2 (a device
@@ -156,7 +182,8 @@ class MiraExperts(nn.Module):
         return self._out[:tokens]
 
     def extra_repr(self) -> str:
-        hybrid = f", cpu_experts={self.hybrid.mode}" if self.hybrid is not None else ""
+        hybrid = f", cpu_experts={self.hybrid.mode}" if self.hybrid is not None else \
+            ", cpu_experts=graph" if self.graph_share is not None else ""
         return f"layer_position={self.layer_position}, ffn={type(self.ffn).__name__}, lagged={self.lagged}{hybrid}"
 
 

@@ -66,7 +66,8 @@ def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_thei
         "12GiB: mira 5.1 tokens/s, 1.020x mira-gpu (GPU only), 0.510x the caching bound; the share dropped after 16 "
         "decode steps, priced to save 0.637 ms a layer"]
     both = {"runs": [row("mira", 7.5), row("mira-gpu", 5.0)]}
-    assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cut-any"))
+    assert cpu_share_configs(both) == ("mira-gpu", ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cpu-graph",
+                                                    "mira-cut-any"))
     assert compared(row("mira-cut-any", 8.0), row("mira-gpu", 5.0)) == [
         "12GiB: mira-cut-any 8 tokens/s, 1.600x mira-gpu (GPU only), 0.800x the caching bound"]
     # before, `mira` was GPU-only and mira-cpu-auto had the calibrated split

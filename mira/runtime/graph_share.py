@@ -1,0 +1,184 @@
+"""The CPU's share of each decode call's misses, chosen on the device, so the step still replays (DESIGN.md 2.8).
+
+Lagged residency keeps a decode step free of host syncs, so it replays from a CUDA graph; the
+inline CPU share (mira.runtime.hybrid) gives that up, which on small experts costs more than the
+CPU saves. Here a layer's decode call chooses the CPU's experts with device operations only: among
+the routed experts read from their host blobs (the address table holds the blob's address), the
+first `quota` in expert order. Their entries become 0 in a copy of the table that the kernel reads
+(it adds zero for them), and the call hands them to the CPU lanes through the mailbox
+(mira.runtime.mailbox, mira.runtime.cpu_lanes), which compute them while the kernel computes the
+rest; the lanes' sums are added into the layer's output. Each layer's quota is fixed at load, by
+the cost model (mira.cache.costmodel.lane_quota); a layer with quota 0 takes no part.
+
+The policy still sees every routed token (the layer counts them first), so a token the CPU served
+is a miss for its scores. Larger calls (prefill) stay on the device.
+
+E experts in a layer, T tokens, K routed per token.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mira.cache.tables import ExpertTables
+from mira.errors import MiraError
+from mira.kernels import DECODE_TOKENS
+from mira.runtime.cpu_lanes import CpuLanes
+from mira.runtime.mailbox import Mailbox
+
+CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
+ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
+
+
+class GraphShare:
+    """Chooses each decode call's CPU experts on the device and exchanges them with the lanes.
+
+    The mailbox and the lanes are made by the first decode call, in its rows' dtypes (an eager call:
+    a step is captured the second time it is seen).
+
+    Args:
+        tables: the cache's address tables.
+        make_lanes: the CPU lanes serving a mailbox (closed when this object is collected).
+        lanes: L, the lanes `make_lanes` deals the work to.
+        quotas: per MoE layer, the most misses of a decode call the lanes compute.
+        device: where the layers run.
+    """
+
+    def __init__(self, tables: ExpertTables, make_lanes: Callable[[Mailbox], CpuLanes], lanes: int,
+                 quotas: Sequence[int], device: torch.device) -> None:
+        if len(quotas) != len(tables.rows) or min(quotas) < 0:
+            raise ValueError(f"a quota of at least 0 for each of the {len(tables.rows)} MoE layers, not {list(quotas)}")
+        E = tables.tables.shape[1]
+        self.lanes: CpuLanes | None = None
+        self.quotas = list(quotas)
+        self._make_lanes = make_lanes
+        self._lane_count = lanes
+        self._device = torch.device(device)
+        self._tables = tables
+        self._blob_addresses = tables.blob_addresses.view(-1, E)  # [L, E]
+        self._routed = torch.zeros(E, dtype=torch.bool, device=device)
+        self._miss = torch.zeros(E, dtype=torch.bool, device=device)
+        self._rank = torch.zeros(E, dtype=torch.int64, device=device)
+        self._chosen = torch.zeros(E, dtype=torch.bool, device=device)  # the CPU's experts of the call
+        self._kernel_table = torch.zeros(E, dtype=torch.int64, device=device)  # the kernel's copy of the table
+        self._zero = torch.zeros((), dtype=torch.int64, device=device)
+        self._none = torch.full((), -1, dtype=torch.int64, device=device)
+        self._chosen_routes: torch.Tensor | None = None  # [DECODE_TOKENS * K], made by the first call
+        self._ids: torch.Tensor | None = None  # [DECODE_TOKENS, K], so
+
+    def takes(self, layer_position: int, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+        """Whether this call goes through the lanes: a decode call of a layer with a quota whose
+        rows fit the mailbox (made now by the first)."""
+        if hidden.shape[0] > DECODE_TOKENS or not self.quotas[layer_position]:
+            return False
+        if self.lanes is None:
+            box = Mailbox(self._lane_count, hidden.shape[1], top_k_weights.shape[1], hidden.dtype,
+                          top_k_weights.dtype, self._device)
+            self.lanes = self._make_lanes(box)
+            weakref.finalize(self, self.lanes.close)
+        return self.lanes.mailbox.fits(hidden, top_k_weights)
+
+    def post(self, layer_position: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Before the kernel: choose the CPU's experts and hand them to the lanes; returns the
+        kernel's address table [E], theirs at 0 (no host sync)."""
+        self._choose(layer_position, top_k_index)
+        T, K = top_k_index.shape
+        if self._ids is None or self._ids.shape[1] != K:
+            self._ids = torch.empty(DECODE_TOKENS, K, dtype=torch.int64, device=top_k_index.device)
+            self._chosen_routes = torch.empty(DECODE_TOKENS * K, dtype=torch.bool, device=top_k_index.device)
+        routes = torch.index_select(self._chosen, 0, top_k_index.reshape(-1), out=self._chosen_routes[:T * K])
+        ids = torch.where(routes.view(T, K), top_k_index, self._none, out=self._ids[:T])  # [T, K]
+        self.lanes.mailbox.post(layer_position, hidden, ids, top_k_weights)
+        return torch.where(self._chosen, self._zero, self._tables.tables[layer_position], out=self._kernel_table)
+
+    def rows(self, layer_position: int) -> list[torch.Tensor | None]:
+        """After `post`, on the CPU: the blobs the reference FFN reads, the CPU's experts None."""
+        chosen = self._chosen.tolist()
+        return [None if taken else blob for blob, taken in zip(self._tables.rows[layer_position], chosen)]
+
+    def collect(self, out: torch.Tensor) -> torch.Tensor:
+        """After the kernel: out [T, H] += the lanes' sums (on CUDA enqueued, without a host sync)."""
+        return self.lanes.mailbox.collect(out, self.lanes.check)
+
+    def check(self) -> None:
+        """Raise a lane's error, if one failed since the last check (its experts added zero)."""
+        if self.lanes is not None:
+            self.lanes.check()
+
+    def summary(self) -> dict:
+        lanes = self.lanes
+        served = {"experts": sum(lanes.served), "tokens": sum(lanes.tokens),
+                  "busy_ms": round(sum(lanes.busy_s) * 1e3, 3), "threads_per_lane": lanes.threads} \
+            if lanes is not None else {"experts": 0, "tokens": 0}
+        return {"mode": "graph", "lanes": self._lane_count, "quota": self.quotas, **served}
+
+    def _choose(self, layer_position: int, top_k_index: torch.Tensor) -> None:
+        """`_chosen` [E]: the first `quota` routed experts, in expert order, that are read from their host blobs."""
+        routed = self._routed.zero_().index_fill_(0, top_k_index.reshape(-1), True)
+        miss = torch.eq(self._tables.tables[layer_position], self._blob_addresses[layer_position], out=self._miss)
+        miss.logical_and_(routed)
+        rank = torch.cumsum(miss, 0, out=self._rank)
+        torch.le(rank, self.quotas[layer_position], out=self._chosen).logical_and_(miss)
+
+
+def time_lanes(lanes: CpuLanes, blobs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:
+    """(one expert on one lane while every lane computes, an exchange's round trip) in seconds, from
+    exchanges made as decode calls make them and waited for: none, then n and 2n experts (n = L where
+    the layer has enough), one token each, on distinct experts of `blobs` (one layer's).
+
+    Raises:
+        MiraError: on CUDA, the lanes did not answer an exchange within `ANSWER_S` (the stream is
+            released first).
+    """
+    box = lanes.mailbox
+    L, (_, H), K = box.lanes, box.rows.shape, box.ids.shape[1]
+    n = max(1, min(L, len(blobs) // 2, DECODE_TOKENS // 2))
+    rows = torch.randn(2 * n, H).to(device, box.rows.dtype)
+    weights = torch.ones(2 * n, K, dtype=box.weights.dtype, device=device)
+    out = torch.zeros(2 * n, H, device=device)
+    medians, first = [], 0
+    for count in (0, n, 2 * n):
+        tokens = max(count, 1)
+        seconds = []
+        for _ in range(CALIBRATION_REPEATS + 1):  # the first is a warm-up
+            ids = torch.full((tokens, K), -1, dtype=torch.int64)
+            ids[:count, 0] = (first + torch.arange(count)) % len(blobs)
+            first += count
+            ids = ids.to(device)
+            begin = time.perf_counter()
+            box.post(0, rows[:tokens], ids, weights[:tokens])
+            box.collect(out[:tokens], lanes.check)
+            _answered(box, lanes)
+            seconds.append(time.perf_counter() - begin)
+        medians.append(statistics.median(seconds[1:]))
+    empty_s, one_s, two_s = medians
+    extra = math.ceil(2 * n / L) - math.ceil(n / L)  # experts more on the busiest lane
+    return max(0.0, (two_s - one_s) / extra if extra else one_s - empty_s), empty_s
+
+
+def _answered(box: Mailbox, lanes: CpuLanes) -> None:
+    """Wait until the stream is through an exchange just enqueued (nothing to wait for on the CPU).
+
+    Raises:
+        MiraError: not within `ANSWER_S`; the stream is released and then waited for.
+    """
+    if box.device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.perf_counter() + ANSWER_S
+    while not done.query():
+        if time.perf_counter() > deadline:
+            box.release()
+            done.synchronize()
+            raise MiraError(f"the CPU lanes did not answer a decode call's exchange within {ANSWER_S:g} s (stream "
+                            "memory operations on pinned memory); pass --cpu-experts split or off")
+        time.sleep(1e-4)
+    lanes.check()
