@@ -82,9 +82,14 @@
 #   bash benchmarks/h200_suite.sh cut-columns  # cut jobs of one Mixtral-shaped int8-shared expert on the CPU (15
 #                                           # threads) at k/7 of its units, its W2 columns copied against the whole
 #                                           # W2, alone and beside copies to the GPU: where the columns pay (~2 min)
-#   bash benchmarks/h200_suite.sh graph-share  # the CPU's share inside a replayed CUDA graph (host nodes wake the
-#                                           # worker and hold the stream), Qwen3-30B-A3B and OLMoE-1B-7B shapes:
-#                                           # the round trip's cost a layer, and 1-4 experts on the CPU (~1 min)
+#   bash benchmarks/h200_suite.sh graph-share  # the CPU's share inside a replayed CUDA graph, Qwen3-30B-A3B and
+#                                           # OLMoE-1B-7B shapes: the round trip's cost a layer and 1-4 experts on
+#                                           # the CPU, signalled by host functions and by stream memory operations
+#                                           # (1 and 2 lanes); a layer of 6 misses, all read by the device against
+#                                           # 1-3 of them computed by the CPU meanwhile (~4 min)
+#   bash benchmarks/h200_suite.sh graph-bench  # --cpu-experts graph: its GPU tests, then mira bench, Qwen3-30B-A3B
+#                                           # and OLMoE-1B-7B shapes at 25% of the experts, 64 in / 64 out, mira,
+#                                           # mira-cpu-graph and mira-gpu in one run each, 3 timed repeats (~8 min)
 #   bash benchmarks/h200_suite.sh cpu-lanes  # the same shapes' experts on the host's CPU, several at once on 15 /
 #                                           # L threads each (L = 2, 3, 5) against one at a time on 15 (~1 min)
 #   bash benchmarks/h200_suite.sh gil       # a Mixtral-shaped expert on the CPU worker (15 threads) with the host
@@ -256,6 +261,13 @@ case "${1:-}" in
       --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-columns-h200.json" ;;
   graph-share)
     timeout 400 python benchmarks/graph_host_share.py --threads 15 --lanes 1,2 --out "$OUT/graph-host-share-memops-h200.json" ;;
+  graph-bench)
+    timeout 150 python -m pytest -q -m gpu tests/e2e/test_gpu_graph_share.py
+    for preset in qwen3-30b-a3b olmoe-1b-7b; do
+      timeout 200 python -m mira.cli bench --synthetic "$preset" --fixed 64x64 --budgets 25% \
+        --configs "${CONFIGS:-mira,mira-cpu-graph,mira-gpu}" --repeats 3 --out "$OUT/bench-$preset-graph-share.json" \
+        --quiet --resume
+    done ;;
   cpu-lanes)
     timeout 200 python benchmarks/cpu_lanes.py --threads 15 --lanes 1,2,3,5 --out "$OUT/cpu-lanes-h200.json" ;;
   gil)

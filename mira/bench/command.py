@@ -100,8 +100,8 @@ def add_command(subparsers) -> None:
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
     bench.add_argument("--cpu-threads", type=positive_int, metavar="N", dest="cpu_expert_threads",
                        help="compute threads of the CPU that computes missed experts, in the configurations where "
-                            "it does (mira where the calibration has it pay, mira-cpu-all); default: the torch "
-                            "threads less one")
+                            "it does (mira where the calibration has it pay, mira-cpu-all, mira-cpu-graph's lanes); "
+                            "default: the torch threads less one")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
     bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=output_file,
                        help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")

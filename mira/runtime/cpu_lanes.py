@@ -72,10 +72,12 @@ class CpuLanes:
             raise RuntimeError("a CPU lane failed while computing its experts") from error
 
     def close(self) -> None:
-        """Stop the lanes once they are through with what they hold."""
+        """Stop the lanes once they are through with what they hold (a lane closing them, as a
+        collection on its thread may, just stops)."""
         self._closing = True
         for thread in self._threads:
-            thread.join()
+            if thread is not threading.current_thread():
+                thread.join()
 
     def _serve(self, lane: int, ffn: CpuExpertFFN) -> None:
         torch.set_num_threads(self.threads)

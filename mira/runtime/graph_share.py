@@ -70,7 +70,7 @@ class GraphShare:
         self._zero = torch.zeros((), dtype=torch.int64, device=device)
         self._none = torch.full((), -1, dtype=torch.int64, device=device)
         self._chosen_routes: torch.Tensor | None = None  # [DECODE_TOKENS * K], made by the first call
-        self._ids: torch.Tensor | None = None  # [DECODE_TOKENS, K], so
+        self._ids: torch.Tensor | None = None  # [DECODE_TOKENS, K], made by the first call too
 
     def takes(self, layer_position: int, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
         """Whether this call goes through the lanes: a decode call of a layer with a quota whose
