@@ -133,9 +133,9 @@ class Mailbox:
             self.header[LAYER], self.header[TOKENS] = layer_position, T
             self.flags[:, POST] = 1
             return
-        header = self.header.data_ptr()
-        self._ops.write(header + LAYER * 8, layer_position)
-        self._ops.write(header + TOKENS * 8, T)
+        header, size = self.header.data_ptr(), self.header.element_size()
+        self._ops.write(header + LAYER * size, layer_position)
+        self._ops.write(header + TOKENS * size, T)
         for lane in range(self.lanes):
             self._ops.write(self.flag(lane, POST), 1)
 
