@@ -11,7 +11,8 @@
 # which every result records, and measure first whether the GPUs share host bandwidth
 # (python benchmarks/h2d_pair.py).
 #
-#   bash benchmarks/h200_suite.sh tests     # every test marked gpu, kernels and end to end (~4 min)
+#   bash benchmarks/h200_suite.sh tests     # every test marked gpu, kernels and end to end, but the families (~4 min)
+#   bash benchmarks/h200_suite.sh families  # every family under a budget on CUDA, graphs where they replay (~5 min)
 #   bash benchmarks/h200_suite.sh pipeline  # copies overlapped with compute, zero-copy misses (3 shapes),
 #                                           # store open of 8 GB (~3 min)
 #   bash benchmarks/h200_suite.sh tiny      # mira bench, the bundled model, held-out ShareGPT, offload at each
@@ -148,10 +149,15 @@ int4_tuning() {  # the INT4 kernels take the int4-tiles part's tuning where it r
 }
 case "${1:-}" in
   tests)
-    # the GPU machine has neither openai nor lm_eval: leave out the modules that import them (no gpu tests there)
+    # the GPU machine has neither openai nor lm_eval: leave out the modules that import them (no gpu tests there);
+    # every family under a budget (test_gpu_families.py) is its own part
     timeout 400 python -m pytest -q -s -m gpu tests -p no:cacheprovider --ignore=tests/e2e/test_conversation_cli.py \
-      --ignore=tests/e2e/test_lm_eval_backend.py --ignore=tests/e2e/test_serve.py 2>&1 \
+      --ignore=tests/e2e/test_lm_eval_backend.py --ignore=tests/e2e/test_serve.py \
+      --ignore=tests/e2e/test_gpu_families.py 2>&1 \
       | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-e2e-h200.log" ;;
+  families)
+    timeout 500 python -m pytest -q -s -m gpu tests/e2e/test_gpu_families.py -p no:cacheprovider 2>&1 \
+      | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-families-h200.log" ;;
   pipeline)
     timeout 200 python benchmarks/copy_overlap.py --out "$OUT/copy-overlap-h200.json"
     timeout 200 python benchmarks/store_open.py --gb 8 --dir /tmp

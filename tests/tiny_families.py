@@ -3,7 +3,14 @@ class: the sizes every family shares are shrunk, the rest keep the family's defa
 
 from __future__ import annotations
 
-from transformers import AutoConfig, PretrainedConfig
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from mira.models.interface import moe_families
+from mira.models.registry import adapter_for
+from tiny_models import write_tokenizer
 
 VOCAB = 320
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
@@ -55,3 +62,34 @@ def _has(config: PretrainedConfig, name: str) -> bool:
         return hasattr(config, name)
     except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
         return name in (getattr(config, "per_layer_attributes", None) or ())
+
+
+# The families verified to pass (tests/e2e/test_moe_families.py); tests take those this transformers offers.
+VERIFIED = [
+    "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
+    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
+    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
+    "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h",
+    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
+    "sarvam_moe", "solar_open", "zaya",
+]
+OFFERED = {family.model_type for family in moe_families()}
+CASES = [family for family in VERIFIED if family in OFFERED]
+
+
+def family_checkpoint(family: str, directory: Path) -> Path:
+    """A tiny random checkpoint of `family` in `directory`, with experts and routers that matter."""
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    num_experts = adapter_for(model.config).spec.num_experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name and "shared" not in name:  # larger than the default init: experts matter
+                param.normal_(0.0, 0.2)
+            elif name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and param.shape[0] == num_experts:
+                param.normal_(0.0, 1.0)  # a decisive router
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return directory

@@ -25,46 +25,17 @@ from transformers import AutoModelForCausalLM
 import mira
 from mira.kernels import is_silu
 from mira.kernels.reference import moe_ffn_reference
-from mira.models.interface import moe_families, uses_experts_interface
+from mira.models.interface import uses_experts_interface
 from mira.models.kvcache import kv_values_per_token
 from mira.models.registry import adapter_for
 from mira.models.spec import GluForm
 from mira.store.convert import convert
 from mira.store.quant import dequantize_expert
 from mira.store.store import ExpertStore
-from tiny_families import VOCAB, tiny_config
-from tiny_models import write_tokenizer
+from tiny_families import CASES, OFFERED, VOCAB, family_checkpoint
 
-# The families verified to pass; those of them this transformers offers are tested.
-FAMILIES = [
-    "afmoe", "aria_text", "axk1", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe",
-    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-    "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-    "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h",
-    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
-    "sarvam_moe", "solar_open", "zaya",
-]
-OFFERED = {family.model_type for family in moe_families()}
-CASES = [family for family in FAMILIES if family in OFFERED]
 SILU_LIPSCHITZ = 1.0999
 GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
-
-
-def _make_checkpoint(family: str, directory: Path) -> Path:
-    torch.manual_seed(0)
-    config = tiny_config(family)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    num_experts = adapter_for(model.config).spec.num_experts
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".experts." in name and "shared" not in name:  # larger than the default init: experts matter
-                param.normal_(0.0, 0.2)
-            elif name.endswith(("gate.weight", "router.weight")) and param.dim() == 2 and param.shape[0] == num_experts:
-                param.normal_(0.0, 1.0)  # a decisive router
-    model.save_pretrained(directory)
-    write_tokenizer(directory)
-    return directory
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +46,7 @@ def family_store(tmp_path_factory):
 
     def get(family: str, scheme: str) -> tuple[Path, Path]:
         if family not in made:
-            made[family] = _make_checkpoint(family, root / family)
+            made[family] = family_checkpoint(family, root / family)
         if (family, scheme) not in made:
             made[family, scheme] = root / f"{family}-{scheme}"
             convert(made[family], made[family, scheme], scheme, progress=False)
