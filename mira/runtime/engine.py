@@ -12,13 +12,14 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
 from mira.cache.config import CacheConfig
-from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
+from mira.cache.policy import Popularity, Tier, make_policy, policy_class, stage_slots
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
@@ -29,12 +30,12 @@ from mira.models.loader import MoESite, build_model, read_config, routed_per_tok
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
-from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, lane_quota, share_keeps
+from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, share_keeps
 from mira.cache.tables import ExpertTables
 from mira.runtime.cpu_lanes import CpuLanes
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graph_share import GraphShare, time_lanes
+from mira.runtime.graph_share import GraphShare, LanePrices, time_lanes
 from mira.runtime.mailbox import Mailbox
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
@@ -50,6 +51,7 @@ ACTIVATION_WORKSPACE = 256 << 20
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
 DEFAULT_LANES = 2  # --cpu-experts graph: experts the CPU computes at once, where there are the threads
 REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
+QUOTA_STEPS = 16  # decode steps between --cpu-experts graph's quotas priced again at the miss rates they saw
 
 
 class MiraModel:
@@ -86,6 +88,8 @@ class MiraModel:
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self.graph_share = graph_share
+        self._quote_in = QUOTA_STEPS if graph_share is not None else None  # decode steps to go
+        self._quote_window = np.zeros((store.num_layers, 2), dtype=np.int64)  # decode lookups, misses, per layer
         self.calibration = calibration
         self.share_review: dict | None = None
         self._judged: list[dict] = []  # the judgements of auto's share so far: saving per layer, paces
@@ -135,15 +139,37 @@ class MiraModel:
             self._settle_step(tokens)
 
     def _settle_step(self, tokens: int) -> None:
+        quoting = self._quote_in is not None and tokens <= DECODE_TOKENS
+        before = self._layer_lookups() if quoting else None
         if self._settles:
             self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
         if self.graph_share is not None:
             self.graph_share.check()  # after the settle's read-back: every lane is through with the step
+        if quoting:
+            self._quote_window += self._layer_lookups() - before
+            self._quote_in -= 1
+            if not self._quote_in:
+                self._requote()
         self.cache.end_step(tokens)
         if self._review_in is not None and tokens <= DECODE_TOKENS:
             self._review_in -= 1
             if not self._review_in:
                 self._review_share()
+
+    def _layer_lookups(self) -> np.ndarray:
+        """int64 [L, 2]: per MoE layer, the routed tokens settled so far and those read from the host store."""
+        counts = self.cache.telemetry.counts  # [L, E, 1 + tiers]
+        return np.stack([counts[:, :, 0].sum(1), counts[:, :, 1 + Tier.MISS].sum(1)], axis=1)
+
+    def _requote(self) -> None:
+        """--cpu-experts graph's quotas priced again at each layer's miss rate over the last
+        QUOTA_STEPS decode steps; captured steps go where one changed (captured again)."""
+        routed, missed = self._quote_window[:, 0], self._quote_window[:, 1]
+        rates = [m / r if r else 0.0 for r, m in zip(routed.tolist(), missed.tolist())]
+        if self.graph_share.requote(rates) and self.decode_graphs is not None:
+            self.decode_graphs.forget()
+        self._quote_window[:] = 0
+        self._quote_in = QUOTA_STEPS
 
     def _review_share(self) -> None:
         """Auto's CPU share judged at the paces decoding measured (mira.cache.costmodel.share_keeps):
@@ -404,9 +430,10 @@ def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, dev
 
 def _graph_share(config: RuntimeConfig, store: ExpertStore, tables: ExpertTables, act, gate, costs: HybridCosts | None,
                  top_k: int | None, miss_rate: float, dtype: torch.dtype, device: torch.device) -> GraphShare:
-    """The CPU lanes' share for --cpu-experts graph. Each layer's quota comes from the lanes timed now
-    and the PCIe calibration (mira.cache.costmodel.lane_quota); where nothing crosses PCIe (the CPU)
-    or the routed experts per token are unknown, the lanes take every miss."""
+    """The CPU lanes' share for --cpu-experts graph. Each layer's quota is priced by the lanes timed
+    now and the PCIe calibration (mira.runtime.graph_share.LanePrices), first at `miss_rate`; where
+    nothing crosses PCIe (the CPU) or the routed experts per token are unknown, the lanes take every
+    miss."""
     threads = worker_threads(config.hybrid.threads)
     lanes = config.hybrid.lanes or min(DEFAULT_LANES, threads)
     if lanes > threads:
@@ -417,15 +444,15 @@ def _graph_share(config: RuntimeConfig, store: ExpertStore, tables: ExpertTables
     def make_lanes(box: Mailbox) -> CpuLanes:
         return CpuLanes(lambda: CpuExperts(store.layout, act, gate), blobs, box, threads)
 
-    quota = top_k or store.num_experts
-    if costs is not None and costs.pcie_bytes_per_s and top_k is not None:
-        timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
-        try:
-            lane_s, call_s = time_lanes(timed, blobs[0], device)
-        finally:
-            timed.close()
-        quota = lane_quota(top_k, miss_rate, lanes, lane_s, call_s, costs.pcie_s(1, store.blob_bytes))
-    return GraphShare(tables, make_lanes, lanes, [quota] * store.num_layers, device)
+    if costs is None or not costs.pcie_bytes_per_s or top_k is None:
+        return GraphShare(tables, make_lanes, lanes, [top_k or store.num_experts] * store.num_layers, device)
+    timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
+    try:
+        expert_s, call_s = time_lanes(timed, blobs[0], device)
+    finally:
+        timed.close()
+    prices = LanePrices(top_k, lanes, expert_s, call_s, costs.pcie_s(1, store.blob_bytes))
+    return GraphShare(tables, make_lanes, lanes, [prices.quota(miss_rate)] * store.num_layers, device, prices)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

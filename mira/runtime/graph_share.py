@@ -7,8 +7,10 @@ the routed experts read from their host blobs (the address table holds the blob'
 first `quota` in expert order. Their entries become 0 in a copy of the table that the kernel reads
 (it adds zero for them), and the call hands them to the CPU lanes through the mailbox
 (mira.runtime.mailbox, mira.runtime.cpu_lanes), which compute them while the kernel computes the
-rest; the lanes' sums are added into the layer's output. Each layer's quota is fixed at load, by
-the cost model (mira.cache.costmodel.lane_quota); a layer with quota 0 takes no part.
+rest; the lanes' sums are added into the layer's output. Each layer's quota comes from the cost
+model (mira.cache.costmodel.lane_quota): at load from the budget's share of experts without a slot,
+then again from the miss rate each layer's decode calls saw (`requote`); a layer with quota 0 takes
+no part.
 
 The policy still sees every routed token (the layer counts them first), so a token the CPU served
 is a miss for its scores. Larger calls (prefill) stay on the device.
@@ -23,9 +25,11 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from mira.cache.costmodel import lane_quota
 from mira.cache.tables import ExpertTables
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS
@@ -34,6 +38,23 @@ from mira.runtime.mailbox import Mailbox
 
 CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
 ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
+
+
+@dataclass(frozen=True)
+class LanePrices:
+    """What a decode layer's split costs, in seconds: one expert on one lane while every lane
+    computes, an exchange's round trip, one miss read by the device; for `top_k` routed experts a
+    token and `lanes` lanes."""
+
+    top_k: int
+    lanes: int
+    expert_s: float
+    call_s: float
+    pcie_s: float
+
+    def quota(self, miss_rate: float) -> int:
+        """The lanes' quota for a layer whose routed experts miss at `miss_rate`."""
+        return lane_quota(self.top_k, miss_rate, self.lanes, self.expert_s, self.call_s, self.pcie_s)
 
 
 class GraphShare:
@@ -48,15 +69,18 @@ class GraphShare:
         lanes: L, the lanes `make_lanes` deals the work to.
         quotas: per MoE layer, the most misses of a decode call the lanes compute.
         device: where the layers run.
+        prices: what a split costs, by which `requote` prices quotas again; None: they stay.
     """
 
     def __init__(self, tables: ExpertTables, make_lanes: Callable[[Mailbox], CpuLanes], lanes: int,
-                 quotas: Sequence[int], device: torch.device) -> None:
+                 quotas: Sequence[int], device: torch.device, prices: LanePrices | None = None) -> None:
         if len(quotas) != len(tables.rows) or min(quotas) < 0:
             raise ValueError(f"a quota of at least 0 for each of the {len(tables.rows)} MoE layers, not {list(quotas)}")
         E = tables.tables.shape[1]
         self.lanes: CpuLanes | None = None
         self.quotas = list(quotas)
+        self.prices = prices
+        self.requotes = 0  # times `requote` changed a quota
         self._make_lanes = make_lanes
         self._lane_count = lanes
         self._device = torch.device(device)
@@ -107,6 +131,16 @@ class GraphShare:
         """After the kernel: out [T, H] += the lanes' sums (on CUDA enqueued, without a host sync)."""
         return self.lanes.mailbox.collect(out, self.lanes.check)
 
+    def requote(self, miss_rates: Sequence[float]) -> bool:
+        """Each layer's quota priced at the miss rate its decode calls saw; whether any changed
+        (captured steps then hold the old ones: the caller captures them again)."""
+        if self.prices is None:
+            return False
+        quotas = [self.prices.quota(rate) for rate in miss_rates]
+        changed, self.quotas = quotas != self.quotas, quotas
+        self.requotes += changed
+        return changed
+
     def check(self) -> None:
         """Raise a lane's error, if one failed since the last check (its experts added zero)."""
         if self.lanes is not None:
@@ -117,7 +151,10 @@ class GraphShare:
         served = {"experts": sum(lanes.served), "tokens": sum(lanes.tokens),
                   "busy_ms": round(sum(lanes.busy_s) * 1e3, 3), "threads_per_lane": lanes.threads} \
             if lanes is not None else {"experts": 0, "tokens": 0}
-        return {"mode": "graph", "lanes": self._lane_count, "quota": self.quotas, **served}
+        prices = {"prices_us": {name: round(getattr(self.prices, name) * 1e6, 1)
+                                for name in ("expert_s", "call_s", "pcie_s")}} if self.prices is not None else {}
+        return {"mode": "graph", "lanes": self._lane_count, "quota": self.quotas, "requotes": self.requotes,
+                **prices, **served}
 
     def _choose(self, layer_position: int, top_k_index: torch.Tensor) -> None:
         """`_chosen` [E]: the first `quota` routed experts, in expert order, that are read from their host blobs."""

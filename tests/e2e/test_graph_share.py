@@ -18,7 +18,8 @@ from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graph_share import CALIBRATION_REPEATS, time_lanes
+from mira.runtime.engine import QUOTA_STEPS
+from mira.runtime.graph_share import CALIBRATION_REPEATS, LanePrices, time_lanes
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K = 8, 2  # the tiny Mixtral: top-2 of 8 experts
@@ -145,3 +146,28 @@ def test_the_lanes_time_their_experts_through_real_exchanges(mixtral_store):
     _, call_s = time_lanes(lanes, [model.store.blob(0, e) for e in range(E)], torch.device("cpu"))
     assert call_s > 0  # the tiny experts' own time is lost in this machine's noise; the round trip is not
     assert lanes.served[0] - served == (CALIBRATION_REPEATS + 1) * (2 + 4)  # jobs of 0, 2 and 4 experts, each computed
+
+
+# a layer that always misses gives the lanes both its experts (1.1 s against 1.5 for one, 3.0 for none);
+# one that never misses gives them none (each exchange would cost 0.1 s for nothing)
+PRICES = LanePrices(top_k=K, lanes=2, expert_s=1.0, call_s=0.1, pcie_s=1.5)
+
+
+def test_requote_prices_each_layer_at_its_own_miss_rate(mixtral_store):
+    share = _load(mixtral_store, cpu_experts="graph", cpu_threads=2).graph_share
+    assert share.prices is None and not share.requote([1.0, 1.0, 1.0])  # nothing crosses PCIe on the CPU
+    share.prices = PRICES
+    assert share.requote([1.0, 0.0, 1.0]) and share.quotas == [2, 0, 2]
+    assert not share.requote([1.0, 0.0, 1.0]) and share.requotes == 1
+
+
+def test_every_quota_steps_the_quotas_follow_the_miss_rates_decoding_saw(mixtral_store):
+    model = _load(mixtral_store, cpu_experts="graph", cpu_threads=2, policy="on-demand")  # every routed expert misses
+    share = model.graph_share
+    share.prices, share.quotas = PRICES, [0, 0, 0]
+    prompt = torch.randint(2, 320, (1, 24), generator=torch.Generator().manual_seed(7))  # a prefill, not a decode call
+    steps = dict(do_sample=False, pad_token_id=0)
+    model.generate(prompt, max_new_tokens=QUOTA_STEPS, min_new_tokens=QUOTA_STEPS, **steps)  # a decode step short
+    assert share.quotas == [0, 0, 0] and share.lanes is None  # no layer took part yet
+    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **steps)
+    assert share.quotas == [2, 2, 2] and share.requotes == 1
