@@ -40,6 +40,10 @@ class Telemetry:
         """int64 [L, E, 1 + tiers]: tokens routed, then tokens served by each tier."""
         return self._counts
 
+    def layer_misses(self) -> np.ndarray:
+        """int64 [L, 2]: per layer, the tokens routed so far and those served from the host store."""
+        return np.stack([self._counts[:, :, 0].sum(1), self._counts[:, :, 1 + Tier.MISS].sum(1)], axis=1)
+
     def record_layers(self, tokens: np.ndarray, tier: Tier) -> None:
         """Tokens routed per expert of every layer, int [L, E], all served from `tier` (one lookup
         per routed expert)."""

@@ -12,14 +12,13 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
 from mira.cache.budget import SlotPlan, plan_slots
 from mira.cache.cache import ExpertCache
 from mira.cache.config import CacheConfig
-from mira.cache.policy import Popularity, Tier, make_policy, policy_class, stage_slots
+from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
@@ -51,7 +50,6 @@ ACTIVATION_WORKSPACE = 256 << 20
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
 DEFAULT_LANES = 2  # --cpu-experts graph: experts the CPU computes at once, where there are the threads
 REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
-QUOTA_STEPS = 16  # decode steps between --cpu-experts graph's quotas priced again at the miss rates they saw
 
 
 class MiraModel:
@@ -88,8 +86,6 @@ class MiraModel:
         self.lagged = lagged  # decode layers leave their routing to the settle after each step
         self.hybrid = hybrid  # the CPU's share of the misses (mira.runtime.hybrid), or None
         self.graph_share = graph_share
-        self._quote_in = QUOTA_STEPS if graph_share is not None else None  # decode steps to go
-        self._quote_window = np.zeros((store.num_layers, 2), dtype=np.int64)  # decode lookups, misses, per layer
         self.calibration = calibration
         self.share_review: dict | None = None
         self._judged: list[dict] = []  # the judgements of auto's share so far: saving per layer, paces
@@ -139,37 +135,20 @@ class MiraModel:
             self._settle_step(tokens)
 
     def _settle_step(self, tokens: int) -> None:
-        quoting = self._quote_in is not None and tokens <= DECODE_TOKENS
-        before = self._layer_lookups() if quoting else None
+        quoting = self.graph_share is not None and tokens <= DECODE_TOKENS  # a decode step's misses price its quotas
+        before = self.cache.telemetry.layer_misses() if quoting else None
         if self._settles:
             self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
         if self.graph_share is not None:
             self.graph_share.check()  # after the settle's read-back: every lane is through with the step
-        if quoting:
-            self._quote_window += self._layer_lookups() - before
-            self._quote_in -= 1
-            if not self._quote_in:
-                self._requote()
+        if quoting and self.graph_share.decode_settled(self.cache.telemetry.layer_misses() - before) \
+                and self.decode_graphs is not None:
+            self.decode_graphs.forget()  # captured with the old quotas: captured again
         self.cache.end_step(tokens)
         if self._review_in is not None and tokens <= DECODE_TOKENS:
             self._review_in -= 1
             if not self._review_in:
                 self._review_share()
-
-    def _layer_lookups(self) -> np.ndarray:
-        """int64 [L, 2]: per MoE layer, the routed tokens settled so far and those read from the host store."""
-        counts = self.cache.telemetry.counts  # [L, E, 1 + tiers]
-        return np.stack([counts[:, :, 0].sum(1), counts[:, :, 1 + Tier.MISS].sum(1)], axis=1)
-
-    def _requote(self) -> None:
-        """--cpu-experts graph's quotas priced again at each layer's miss rate over the last
-        QUOTA_STEPS decode steps; captured steps go where one changed (captured again)."""
-        routed, missed = self._quote_window[:, 0], self._quote_window[:, 1]
-        rates = [m / r if r else 0.0 for r, m in zip(routed.tolist(), missed.tolist())]
-        if self.graph_share.requote(rates) and self.decode_graphs is not None:
-            self.decode_graphs.forget()
-        self._quote_window[:] = 0
-        self._quote_in = QUOTA_STEPS
 
     def _review_share(self) -> None:
         """Auto's CPU share judged at the paces decoding measured (mira.cache.costmodel.share_keeps):

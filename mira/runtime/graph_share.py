@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mira.cache.costmodel import lane_quota
@@ -37,6 +38,7 @@ from mira.runtime.cpu_lanes import CpuLanes
 from mira.runtime.mailbox import Mailbox
 
 CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
+QUOTA_STEPS = 16  # decode steps between the quotas priced again at the miss rates they saw
 ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
 
 
@@ -81,6 +83,8 @@ class GraphShare:
         self.quotas = list(quotas)
         self.prices = prices
         self.requotes = 0  # times `requote` changed a quota
+        self._window = np.zeros((len(self.quotas), 2), dtype=np.int64)  # per layer: decode tokens routed, missed
+        self._steps = 0  # decode steps in the window
         self._make_lanes = make_lanes
         self._lane_count = lanes
         self._device = torch.device(device)
@@ -130,6 +134,19 @@ class GraphShare:
     def collect(self, out: torch.Tensor) -> torch.Tensor:
         """After the kernel: out [T, H] += the lanes' sums (on CUDA enqueued, without a host sync)."""
         return self.lanes.mailbox.collect(out, self.lanes.check)
+
+    def decode_settled(self, misses: np.ndarray) -> bool:
+        """A decode step settled, its tokens routed and missed per layer, int [L, 2]
+        (mira.cache.telemetry.Telemetry.layer_misses): every QUOTA_STEPS steps the quotas are priced
+        again at the window's miss rates (`requote`); whether one changed."""
+        self._window += misses
+        self._steps += 1
+        if self._steps < QUOTA_STEPS:
+            return False
+        rates = [missed / routed if routed else 0.0 for routed, missed in self._window.tolist()]
+        self._window[:] = 0
+        self._steps = 0
+        return self.requote(rates)
 
     def requote(self, miss_rates: Sequence[float]) -> bool:
         """Each layer's quota priced at the miss rate its decode calls saw; whether any changed

@@ -18,8 +18,7 @@ from mira.errors import MiraError
 from mira.kernels import make_moe_ffn
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
-from mira.runtime.engine import QUOTA_STEPS
-from mira.runtime.graph_share import CALIBRATION_REPEATS, LanePrices, time_lanes
+from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, time_lanes
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K = 8, 2  # the tiny Mixtral: top-2 of 8 experts
