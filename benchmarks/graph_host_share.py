@@ -1,30 +1,32 @@
 """The CPU's share of a MoE layer inside a replayed CUDA graph: what the host round trip costs a layer.
 
 Decoding replays a captured graph per step on the small shapes (mira.runtime.graphs), and the CPU's
-share needs the host between a layer's routing and its output, so today it runs eagerly. This measures
-the share's floor under replay, signalled two ways. Each of --layers layers is captured as: the hidden
-row copied to pinned memory; a signal to the worker; a wait until the worker has written its sum;
-that sum copied back and added.
+share needs the host between a layer's routing and its output: the inline share runs eagerly, while
+`--cpu-experts graph` keeps the step replayed. This measures the share's floor under replay, signalled
+two ways. Each of --layers layers is captured as: the hidden row copied to pinned memory; a signal to
+the CPU; a wait until it has written its sum; that sum copied back and added.
 
 - Host functions: a host node posts the worker's semaphore (libc's sem_post as the CUhostFn) and a
   hold (mira.runtime.host_signal) waits. The worker, a Python thread of --threads torch threads,
   waits on its semaphore with the GIL released.
-- Stream memory operations: the graph writes a flag in pinned memory (cuStreamWriteValue64, after a
-  memory barrier, so the row is there first) and waits for another (cuStreamWaitValue64), which the
-  worker writes; no host node, no CUDA callback thread. The worker polls its flag, letting the GIL go
-  at each look. With L lanes (--lanes) the experts are dealt to L such threads of threads / L torch
-  threads each, one pair of flags and one sum row a lane, summed on the device.
+- Stream memory operations: the runtime's own exchange with CPU lanes (mira.runtime.mailbox,
+  mira.runtime.cpu_lanes, as `--cpu-experts graph` runs it). The graph copies the row and the
+  choice to pinned memory and raises each lane's flag (cuStreamWriteValue64, after a memory
+  barrier), then waits for the lanes' flags (cuStreamWaitValue64); no host node, no CUDA callback
+  thread. The lanes poll, letting the GIL go at each look; with L lanes (--lanes) the experts are
+  dealt to L threads of threads / L torch threads each.
 
-The worker computes n experts of the shape on distinct synthetic blobs (mira.kernels.cpu_experts) and
-writes the sum to pinned memory. After the timings, one replay's sum on the device is checked against
-the sums the worker wrote. Per layer, median and range over --repeats passes:
+The CPU computes n experts of the shape on distinct synthetic blobs (mira.kernels.cpu_experts) and
+writes the sum to pinned memory. After each timing, one replay's sum on the device is checked against
+what the CPU wrote (host functions) or against the same experts computed here (lanes). Per layer,
+median and range over --repeats passes:
 
-  copies_us     the two copies and the add, no signal
+  copies_us     host functions' two copies and the add, no signal
   experts_us    host functions, n experts a layer, for n in --experts (0: the round trip alone)
   memop_us      stream memory operations, per lane count
   split         a layer of --misses misses: all read by the device (device_alone_us: the blobs copied to
-                the device in the graph, no signal), then n of them (--cpu-shares) computed by the CPU
-                while the device reads the rest, signalled by stream memory operations, per lane count
+                the device in the graph, no exchange), then n of them (--cpu-shares) computed by the
+                lanes while the device reads the rest, per lane count
   cpu_us        n experts called with no graph around them, in a thread of as many torch threads
 
     python benchmarks/graph_host_share.py --threads 15 [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--experts 0,1,2,4]
@@ -40,7 +42,6 @@ import ctypes.util
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -53,14 +54,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cpu_experts import blobs_for, layout_for, shape_config, summary, write_result  # noqa: E402
 
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
+from mira.runtime.cpu_lanes import CpuLanes  # noqa: E402
 from mira.runtime.host_signal import SEM_T_BYTES, HostSignal, launch_host_func  # noqa: E402
+from mira.runtime.mailbox import Mailbox  # noqa: E402
 
 LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)  # its calls let the GIL go
 LIBC.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 LIBC.sem_wait.argtypes = [ctypes.c_void_p]
-CU_STREAM_WAIT_VALUE_EQ = 0x1  # cuStreamWaitValue64: until *addr == value
-CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # cuStreamWriteValue64: a memory barrier before the write
-CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2 = 122
 
 
 class Worker:
@@ -105,108 +105,79 @@ class Worker:
         self._thread.join()
 
 
-class PollingWorker:
-    """`lanes` threads, each waiting for its flag that a graph writes (stream memory operations),
-    computing every lanes-th of n experts, writing its sum row and raising the flag the graph waits on."""
+class LaneExchange:
+    """The runtime's exchange with the CPU lanes (mira.runtime.mailbox, mira.runtime.cpu_lanes), over
+    `layers` stand-in layers of `width` distinct blobs each; a call computes its layer's first n
+    (`set_experts`, read by the graph at replay)."""
 
-    POST, DONE = 0, 1  # a lane's two flags: the graph raises POST, the lane raises DONE
+    def __init__(self, layout, blobs: list[torch.Tensor], threads: int, layers: int, width: int, lanes: int) -> None:
+        self.layout, self.n = layout, 0
+        width = max(1, width)
+        self.layers = [[blobs[(layer * width + j) % len(blobs)] for j in range(width)] for layer in range(layers)]
+        self.box = Mailbox(lanes, layout.hidden, width, torch.bfloat16, torch.float32, torch.device("cuda"))
+        self.lanes = CpuLanes(lambda: CpuExpertFFN(layout, F.silu), self.layers, self.box, threads)
+        self.ids = torch.full((1, width), -1, dtype=torch.int64, device="cuda")  # [1, K]: the CPU's experts
+        self.weights = torch.ones(1, width, device="cuda")
 
-    def __init__(self, ffn: CpuExpertFFN, blobs: list[torch.Tensor], threads: int, hidden: int, lanes: int) -> None:
-        self.ffn, self.n, self.lanes = ffn, 0, lanes
-        self.threads = max(1, threads // lanes)
-        self.views = [ffn.layout.views(blob) for blob in blobs]
-        self.rows = torch.zeros(1, hidden, dtype=torch.bfloat16).pin_memory()  # the layer's hidden row
-        self.out = torch.zeros(lanes, hidden, dtype=torch.bfloat16).pin_memory()  # [L, H] each lane's sum
-        self.flags = torch.zeros(lanes, 2, dtype=torch.int64).pin_memory()  # [L, (POST, DONE)]
-        self.written = torch.zeros(lanes, hidden)  # [L, H] every sum written since zeroed, in float32
-        self.stopping = False
-        self._threads = [threading.Thread(target=self._serve, args=(lane,), daemon=True) for lane in range(lanes)]
-        for thread in self._threads:
-            thread.start()
+    def set_experts(self, n: int) -> None:
+        ids = torch.full(self.ids.shape, -1, dtype=torch.int64)
+        ids[0, :n] = torch.arange(n)
+        self.ids.copy_(ids)
+        self.n = n
 
-    def flag(self, lane: int, which: int) -> int:
-        """The address of one of a lane's flags (pinned, so the device reads and writes it in place)."""
-        return self.flags.data_ptr() + (lane * 2 + which) * self.flags.element_size()
-
-    def _serve(self, lane: int) -> None:
-        torch.set_num_threads(self.threads)
-        post = ctypes.c_int64.from_address(self.flag(lane, self.POST))
-        done = ctypes.c_int64.from_address(self.flag(lane, self.DONE))
-        x, call = self.rows, 0
-        while True:
-            while post.value != 1:
-                if self.stopping:
-                    return
-                time.sleep(0)  # lets the GIL go: the caller and the other lanes run meanwhile
-            post.value = 0
-            total = torch.zeros(x.shape, dtype=torch.float32)
-            for j in range(lane, self.n, self.lanes):  # expert j of this call, on the call's j-th distinct blob
-                total += self.ffn.expert(x, self.views[(call * self.n + j) % len(self.views)]).float()
-            self.out[lane].copy_(total[0])
-            self.written[lane] += self.out[lane]
-            done.value = 1  # after the row: x86 stores become visible in order
-            call += 1
+    def expected(self, x: torch.Tensor) -> torch.Tensor:
+        """What one replay adds: every layer's first n experts on x [1, H], summed in float32."""
+        ffn = CpuExpertFFN(self.layout, F.silu)
+        total = torch.zeros(x.shape)
+        for blobs in self.layers:
+            for blob in blobs[:self.n]:
+                total += ffn.expert(x, self.layout.views(blob)).float()
+        return total
 
     def stop(self) -> None:
-        self.stopping = True
-        for thread in self._threads:
-            thread.join()
+        self.lanes.close()
 
 
-def _mem_ops() -> tuple[Callable, Callable]:
-    """The driver's cuStreamWriteValue64 and cuStreamWaitValue64 (v2), (stream, address, value, flags)
-    each; they are captured into graphs as memory-operation nodes.
-
-    Raises:
-        RuntimeError: the device does not take 64-bit stream memory operations.
-    """
-    cuda = ctypes.CDLL("libcuda.so.1")
-    device, supported = ctypes.c_int(), ctypes.c_int()
-    failed = cuda.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()) or cuda.cuDeviceGetAttribute(
-        ctypes.byref(supported), CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2, device)
-    if failed or not supported.value:
-        raise RuntimeError("this device does not take 64-bit stream memory operations")
-    ops = []
-    for name in ("cuStreamWriteValue64_v2", "cuStreamWaitValue64_v2"):
-        op = getattr(cuda, name)
-        op.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]  # stream, address, value, how
-        op.restype = ctypes.c_int  # CUresult
-
-        def checked(stream: torch.cuda.Stream, address: int, value: int, flags: int, op=op, name=name) -> None:
-            if status := op(ctypes.c_void_p(stream.cuda_stream), address, value, flags):
-                raise RuntimeError(f"{name} failed with CUresult {status}")
-        ops.append(checked)
-    return ops[0], ops[1]
-
-
-def capture_polled(worker: PollingWorker, layers: int, device_reads: list[list[torch.Tensor]] | None = None,
-                   signal: bool = True) -> torch.cuda.CUDAGraph:
-    """A graph of `layers` layers: the row to the host, each lane's flag raised and its answer awaited
-    (then lowered for the next layer), the lanes' sums back, summed and added. `device_reads[layer]`:
-    pinned blobs copied to the device between the flags, as the device's own misses would be read
-    over PCIe while the CPU computes; `signal` False leaves the flags out (those reads alone)."""
-    write, wait = _mem_ops()
-    x = torch.randn(1, worker.rows.shape[1], dtype=torch.bfloat16, device="cuda")
-    back, acc = torch.empty(worker.out.shape, dtype=torch.bfloat16, device="cuda"), torch.zeros(x.shape, device="cuda")
+def capture_exchange(exchange: LaneExchange, device_reads: list[list[torch.Tensor]] | None = None,
+                     signal: bool = True) -> torch.cuda.CUDAGraph:
+    """A graph of the exchange's layers: each posts its call to the lanes (mira.runtime.mailbox.Mailbox.
+    post), then copies `device_reads[layer]` (pinned blobs) to the device, as the device's own misses
+    would be read over PCIe while the CPU computes, then adds the lanes' sums (`collect`); `signal`
+    False leaves the exchange out (those reads alone)."""
+    layers = len(exchange.layers)
+    x = torch.randn(1, exchange.layout.hidden, dtype=torch.bfloat16, device="cuda")
+    acc = torch.zeros(x.shape, device="cuda")
     reads = device_reads or [[] for _ in range(layers)]
-    width = max((len(blobs) for blobs in reads), default=0)
+    width = max(len(blobs) for blobs in reads)
     scratch = torch.empty(width, reads[0][0].numel() if width else 0, dtype=torch.uint8, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stream = torch.cuda.current_stream()
         for layer in range(layers):
-            worker.rows.copy_(x, non_blocking=True)
-            for lane in range(worker.lanes if signal else 0):
-                write(stream, worker.flag(lane, worker.POST), 1, CU_STREAM_WRITE_VALUE_DEFAULT)
+            if signal:
+                exchange.box.post(layer, x, exchange.ids, exchange.weights)
             for row, blob in enumerate(reads[layer]):
                 scratch[row].copy_(blob, non_blocking=True)
-            for lane in range(worker.lanes if signal else 0):
-                wait(stream, worker.flag(lane, worker.DONE), 1, CU_STREAM_WAIT_VALUE_EQ)
-                write(stream, worker.flag(lane, worker.DONE), 0, CU_STREAM_WRITE_VALUE_DEFAULT)
-            back.copy_(worker.out, non_blocking=True)
-            acc.add_(back.float().sum(0, keepdim=True))
-    graph.keep = (x, back, scratch, acc)  # the graph's buffers live as long as it
+            if signal:
+                exchange.box.collect(acc)
+    graph.keep = (x, scratch, acc)  # the graph's buffers live as long as it
     return graph
+
+
+def check_exchange(graph: torch.cuda.CUDAGraph, exchange: LaneExchange) -> None:
+    """One replay's sum on the device equals the lanes' experts computed here (none lost, none stale).
+
+    Raises:
+        AssertionError: they differ.
+    """
+    x, _, acc = graph.keep
+    torch.cuda.synchronize()
+    acc.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    exchange.lanes.check()
+    expected = exchange.expected(x.cpu())
+    if not torch.allclose(acc.cpu(), expected, rtol=1e-3, atol=1e-3 * max(expected.abs().max().item(), 1e-30)):
+        raise AssertionError(f"the replayed sum differs from the lanes': {(acc.cpu() - expected).abs().max().item()}")
 
 
 def layer_reads(blobs: list[torch.Tensor], layers: int, count: int) -> list[list[torch.Tensor]]:
@@ -214,8 +185,8 @@ def layer_reads(blobs: list[torch.Tensor], layers: int, count: int) -> list[list
     return [[blobs[(layer * count + i) % len(blobs)] for i in range(count)] for layer in range(layers)]
 
 
-def check_sums(graph: torch.cuda.CUDAGraph, worker) -> None:
-    """One replay's sum on the device equals the sums the worker wrote (none lost, none read stale).
+def check_sums(graph: torch.cuda.CUDAGraph, worker: Worker) -> None:
+    """One replay's sum on the device equals the sums the host-function worker wrote (none lost, none stale).
 
     Raises:
         AssertionError: they differ.
@@ -310,24 +281,25 @@ def measure(name: str, args) -> dict:
     finally:
         worker.stop()
     result["split"] = {"misses": args.misses, "cpu": {str(n): {} for n in args.cpu_shares}}
+    width = max(args.experts + args.cpu_shares)
     for lanes in args.lanes:
-        polling = PollingWorker(CpuExpertFFN(layout, F.silu), blobs, args.threads, layout.hidden, lanes)
+        exchange = LaneExchange(layout, blobs, args.threads, args.layers, width, lanes)
         try:
-            polled = capture_polled(polling, args.layers)
+            polled = capture_exchange(exchange)
             for n in args.experts:
-                polling.n = n
+                exchange.set_experts(n)
                 result["experts"][str(n)]["memop_us"][str(lanes)] = timed(polled, args)
-                check_sums(polled, polling)
+                check_exchange(polled, exchange)
             if "device_alone_us" not in result["split"]:
-                alone = capture_polled(polling, args.layers, layer_reads(blobs, args.layers, args.misses), signal=False)
+                alone = capture_exchange(exchange, layer_reads(blobs, args.layers, args.misses), signal=False)
                 result["split"]["device_alone_us"] = timed(alone, args)
             for n in args.cpu_shares:
-                polling.n = n
-                split = capture_polled(polling, args.layers, layer_reads(blobs, args.layers, args.misses - n))
+                exchange.set_experts(n)
+                split = capture_exchange(exchange, layer_reads(blobs, args.layers, args.misses - n))
                 result["split"]["cpu"][str(n)][str(lanes)] = timed(split, args)
-                check_sums(split, polling)
+                check_exchange(split, exchange)
         finally:
-            polling.stop()
+            exchange.stop()
     for n, row in result["experts"].items():
         memops = "  ".join(f"{lanes} lane(s) {figure['median']:7.1f}" for lanes, figure in row["memop_us"].items())
         print(f"{name:16s} {n} experts  host functions {row['experts_us']['median']:7.1f} us a layer  "
