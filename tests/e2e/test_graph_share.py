@@ -19,6 +19,7 @@ from mira.kernels import make_moe_ffn
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, time_lanes
+from mira.store.convert import convert
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
 E, K = 8, 2  # the tiny Mixtral: top-2 of 8 experts
@@ -111,6 +112,16 @@ def test_greedy_output_is_the_same_with_the_share_on_and_off(mixtral_store, lane
     stats = model.stats()
     assert stats["residency"] == "lagged" and stats["cpu_experts"]["mode"] == "graph"
     assert stats["cpu_experts"]["lanes"] == lanes and stats["cpu_experts"]["experts"] > 0
+
+
+def test_int4_experts_through_the_lanes_generate_the_text_of_the_share_off(int4_checkpoints, tmp_path):
+    store = tmp_path / "int4"
+    convert(int4_checkpoints["mixtral"], store, "int4", progress=False)
+    prompt = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(7))
+    off = _load(store, cpu_experts="off").generate(prompt, **GREEDY)
+    model = _load(store, cpu_experts="graph", cpu_threads=2, cpu_lanes=2)
+    assert torch.equal(model.generate(prompt, **GREEDY), off)
+    assert model.stats()["cpu_experts"]["experts"] > 0
 
 
 def test_a_lane_that_fails_raises_on_the_callers_thread_and_the_next_call_runs(mixtral_store):
