@@ -30,12 +30,9 @@ from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
 from mira.cache.costmodel import CpuPace, HybridCosts, cpu_may_pay, cpu_pays, share_keeps
-from mira.cache.tables import ExpertTables
-from mira.runtime.cpu_lanes import CpuLanes
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graph_share import GraphShare, LanePrices, time_lanes
-from mira.runtime.mailbox import Mailbox
+from mira.runtime.graph_share import GraphShare, make_graph_share
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
@@ -48,7 +45,6 @@ BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-m
 FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
 ACTIVATION_WORKSPACE = 256 << 20
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
-DEFAULT_LANES = 2  # --cpu-experts graph: experts the CPU computes at once, where there are the threads
 REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
 
 
@@ -376,8 +372,9 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     predictor = _predictor(decided.predictor, routers, store, torch_device, heads) if decided.predictor else None
     hybrid = graph_share = None
     if decided.cpu_experts == "graph":
-        graph_share = _graph_share(config, store, cache.tables, act, gate, costs, top_k,
-                                   1 - min(1.0, capacity / total_experts), hf_model.dtype, torch_device)
+        graph_share = make_graph_share(store, cache.tables, act, gate, costs, top_k,
+                                       1 - min(1.0, capacity / total_experts), hf_model.dtype, torch_device,
+                                       config.hybrid.threads, config.hybrid.lanes)
     elif decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
         hybrid = HybridExperts(worker, store, cache.tables, costs, decided.cpu_experts == "split", torch_device,
@@ -405,33 +402,6 @@ def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, dev
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
     return worker, machine_costs(worker, store, device, config.progress)
-
-
-def _graph_share(config: RuntimeConfig, store: ExpertStore, tables: ExpertTables, act, gate, costs: HybridCosts | None,
-                 top_k: int | None, miss_rate: float, dtype: torch.dtype, device: torch.device) -> GraphShare:
-    """The CPU lanes' share for --cpu-experts graph. Each layer's quota is priced by the lanes timed
-    now and the PCIe calibration (mira.runtime.graph_share.LanePrices), first at `miss_rate`; where
-    nothing crosses PCIe (the CPU) or the routed experts per token are unknown, the lanes take every
-    miss."""
-    threads = worker_threads(config.hybrid.threads)
-    lanes = config.hybrid.lanes or min(DEFAULT_LANES, threads)
-    if lanes > threads:
-        raise MiraError(f"--cpu-lanes {lanes} needs at least as many CPU threads, not {threads}; pass --cpu-threads "
-                        f"{lanes} or more, or fewer lanes")
-    blobs = [[store.blob(layer, expert) for expert in range(store.num_experts)] for layer in range(store.num_layers)]
-
-    def make_lanes(box: Mailbox) -> CpuLanes:
-        return CpuLanes(lambda: CpuExperts(store.layout, act, gate), blobs, box, threads)
-
-    if costs is None or not costs.pcie_bytes_per_s or top_k is None:
-        return GraphShare(tables, make_lanes, lanes, [top_k or store.num_experts] * store.num_layers, device)
-    timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
-    try:
-        expert_s, call_s = time_lanes(timed, blobs[0], device)
-    finally:
-        timed.close()
-    prices = LanePrices(top_k, lanes, expert_s, call_s, costs.pcie_s(1, store.blob_bytes))
-    return GraphShare(tables, make_lanes, lanes, [prices.quota(miss_rate)] * store.num_layers, device, prices)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

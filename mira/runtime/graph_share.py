@@ -30,14 +30,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mira.cache.costmodel import lane_quota
+from mira.cache.costmodel import HybridCosts, lane_quota
 from mira.cache.tables import ExpertTables
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS
 from mira.runtime.cpu_lanes import CpuLanes
+from mira.runtime.hybrid import CpuExperts, worker_threads
 from mira.runtime.mailbox import Mailbox
+from mira.store.store import ExpertStore
 
 CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
+DEFAULT_LANES = 2  # experts the CPU computes at once, where there are the threads
 QUOTA_STEPS = 16  # decode steps between the quotas priced again at the miss rates they saw
 ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
 
@@ -180,6 +183,39 @@ class GraphShare:
         miss.logical_and_(routed)
         rank = torch.cumsum(miss, 0, out=self._rank)
         torch.le(rank, self.quotas[layer_position], out=self._chosen).logical_and_(miss)
+
+
+def make_graph_share(store: ExpertStore, tables: ExpertTables, act, gate, costs: HybridCosts | None,
+                     top_k: int | None, miss_rate: float, dtype: torch.dtype, device: torch.device,
+                     threads: int | None = None, lanes: int | None = None) -> GraphShare:
+    """The CPU lanes' share for --cpu-experts graph over `store`, its lanes computing with the
+    family's `act` or `gate` on `threads` (None: mira.runtime.hybrid.worker_threads) dealt to `lanes`
+    (None: DEFAULT_LANES where there are the threads). Each layer's quota is priced by the lanes timed
+    now and the PCIe calibration `costs` (LanePrices), first at `miss_rate`; where nothing crosses PCIe
+    (the CPU) or the routed experts per token (`top_k`) are unknown, the lanes take every miss.
+
+    Raises:
+        MiraError: more lanes than threads.
+    """
+    threads = worker_threads(threads)
+    lanes = lanes or min(DEFAULT_LANES, threads)
+    if lanes > threads:
+        raise MiraError(f"--cpu-lanes {lanes} needs at least as many CPU threads, not {threads}; pass --cpu-threads "
+                        f"{lanes} or more, or fewer lanes")
+    blobs = [[store.blob(layer, expert) for expert in range(store.num_experts)] for layer in range(store.num_layers)]
+
+    def make_lanes(box: Mailbox) -> CpuLanes:
+        return CpuLanes(lambda: CpuExperts(store.layout, act, gate), blobs, box, threads)
+
+    if costs is None or not costs.pcie_bytes_per_s or top_k is None:
+        return GraphShare(tables, make_lanes, lanes, [top_k or store.num_experts] * store.num_layers, device)
+    timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
+    try:
+        expert_s, call_s = time_lanes(timed, blobs[0], device)
+    finally:
+        timed.close()
+    prices = LanePrices(top_k, lanes, expert_s, call_s, costs.pcie_s(1, store.blob_bytes))
+    return GraphShare(tables, make_lanes, lanes, [prices.quota(miss_rate)] * store.num_layers, device, prices)
 
 
 def time_lanes(lanes: CpuLanes, blobs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:
