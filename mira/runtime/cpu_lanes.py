@@ -92,7 +92,7 @@ class CpuLanes:
             post.value = 0
             begin = last = time.perf_counter()
             layer, tokens = int(box.header[LAYER]), int(box.header[TOKENS])
-            out = box.out[lane, :tokens]
+            out = box.out[:tokens, lane]
             try:
                 ids = box.ids[:tokens]
                 routes = ids.tolist()  # [T, K]

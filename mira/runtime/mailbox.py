@@ -87,7 +87,8 @@ class Mailbox:
         rows: [DECODE_TOKENS, H] hidden rows.
         ids: int64 [DECODE_TOKENS, K]: the routed expert where the CPU computes it, else -1.
         weights: [DECODE_TOKENS, K] routing weights.
-        out: float32 [L, DECODE_TOKENS, H]: each lane's sum over its experts.
+        out: float32 [DECODE_TOKENS, L, H]: each lane's sum over its experts (token-major, so a
+            call's first T rows are one contiguous block for the copy back).
         flags: int64 [L, 2]: each lane's POST and DONE.
     """
 
@@ -100,11 +101,11 @@ class Mailbox:
         self.rows = torch.zeros(T, hidden_size, dtype=dtype, pin_memory=cuda)
         self.ids = torch.full((T, top_k), -1, dtype=torch.int64, pin_memory=cuda)
         self.weights = torch.zeros(T, top_k, dtype=weights_dtype, pin_memory=cuda)
-        self.out = torch.zeros(lanes, T, hidden_size, dtype=torch.float32, pin_memory=cuda)
+        self.out = torch.zeros(T, lanes, hidden_size, dtype=torch.float32, pin_memory=cuda)
         self.flags = torch.zeros(lanes, 2, dtype=torch.int64, pin_memory=cuda)
         self.lanes = lanes
         self._ops = StreamMemOps() if cuda else None
-        self._sums = torch.zeros(lanes, T, hidden_size, device=self.device) if cuda else None  # [L, T, H]
+        self._sums = torch.zeros(T, lanes, hidden_size, device=self.device) if cuda else None  # [T, L, H]
         self._sum = torch.zeros(T, hidden_size, device=self.device) if cuda else None  # [T, H]
 
     def release(self) -> None:
@@ -150,10 +151,10 @@ class Mailbox:
             self.flags[:, DONE] = 0
             if check is not None:
                 check()
-            return out.add_(self.out[:, :T].sum(0).to(out.dtype))
+            return out.add_(self.out[:T].sum(1).to(out.dtype))
         for lane in range(self.lanes):
             self._ops.wait(self.flag(lane, DONE), 1)
             self._ops.write(self.flag(lane, DONE), 0)
-        sums = self._sums[:, :T]
-        sums.copy_(self.out[:, :T], non_blocking=True)
-        return out.add_(torch.sum(sums, 0, out=self._sum[:T]))
+        sums = self._sums[:T]
+        sums.copy_(self.out[:T], non_blocking=True)  # contiguous: a pinned source, as capture needs
+        return out.add_(torch.sum(sums, 1, out=self._sum[:T]))
