@@ -15,10 +15,11 @@ import mira
 from allocations import NewTensors
 from host_reads import host_reads
 from mira.errors import MiraError
-from mira.kernels import make_moe_ffn
+from mira.kernels import DECODE_TOKENS, make_moe_ffn
 from mira.runtime import engine
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, time_lanes
+from mira.runtime.mailbox import Mailbox
 from mira.store.convert import convert
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
 
@@ -137,6 +138,16 @@ def test_a_lane_that_fails_raises_on_the_callers_thread_and_the_next_call_runs(m
     lanes._blobs = blobs
     got = layer(*args)
     torch.testing.assert_close(got.double(), mixtral_layer_reference(model.store, 0, *args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_each_call_exchanges_contiguous_blocks_as_the_device_copies_need(lanes):
+    # A graph captures no copy from a strided pinned view, and eagerly torch gathers one on the host
+    # when the copy is enqueued, before the lanes have written it.
+    box = Mailbox(lanes, 8, 2, torch.bfloat16, torch.float32, torch.device("cpu"))
+    for T in range(1, DECODE_TOKENS + 1):
+        assert box.out[:T].shape == (T, lanes, 8)  # token-major: a call's sums are its first T rows
+        assert all(buffer[:T].is_contiguous() for buffer in (box.rows, box.ids, box.weights, box.out))
 
 
 def test_the_share_is_refused_where_it_cannot_run(mixtral_store):
