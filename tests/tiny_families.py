@@ -28,7 +28,9 @@ FAMILY_SIZES: dict[str, dict] = {
     "kimi_linear": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
     "bailing_hybrid": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
     "beam": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], mlp_layer_types=DENSE_FIRST),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    # four layers: two of them MoE, so that a budget of one layer's experts leaves some in host memory
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "zaya": dict(num_experts_per_tok=1),
     # MoE only when asked (the default is dense); the per-layer input embeddings shrunk with the vocabulary
@@ -47,8 +49,10 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     target = text if isinstance(text, PretrainedConfig) else default
     family = FAMILY_SIZES.get(model_type, {})
     sizes = {k: v for k, v in {**SIZES, **family}.items() if _has(target, k) or k in family}
-    if getattr(target, "kv_lora_rank", None):  # multi-head latent attention: head_dim is the rope dims
-        sizes.pop("head_dim", None)
+    if getattr(target, "kv_lora_rank", None):  # multi-head latent attention: head_dim is the rope dims, and
+        sizes.pop("head_dim", None)  # every head has its keys, as real checkpoints say (sdpa groups by the field)
+        if "num_key_value_heads" in sizes:
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     if target is default:
         return AutoConfig.for_model(model_type, **sizes)
     text_fields = {k: v for k, v in text.to_dict().items() if k not in PER_LAYER_FIELDS}

@@ -34,7 +34,7 @@ from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import GraphShare, make_graph_share
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
-from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache
+from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache, takes_static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -96,6 +96,7 @@ class MiraModel:
         self._eager_forward = hf_model.forward
         self.decode_graphs: DecodeGraphs | None = None
         self._kv_cache: StaticCache | None = None
+        self._static_cache_taken = takes_static_cache(hf_model)
         self.use_cuda_graphs(self.device.type == "cuda")
 
     def use_cuda_graphs(self, enabled: bool) -> None:
@@ -211,9 +212,9 @@ class MiraModel:
 
     def _replays(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
         """Whether this generate call's decode steps can be replayed from CUDA graphs: one sequence,
-        and no MoE layer that needs the host after its first call."""
+        a model that takes a static KV cache, and no MoE layer that needs the host after its first call."""
         return (self.decode_graphs is not None and _one_sequence(input_ids, kwargs, self.hf_model.generation_config)
-                and all(layer.host_free for layer in self.decode_graphs.layers))
+                and self._static_cache_taken and all(layer.host_free for layer in self.decode_graphs.layers))
 
     def _static_kv_cache(self) -> StaticCache:
         """The KV cache CUDA graphs can replay on: fixed buffers of max_context tokens, made once and

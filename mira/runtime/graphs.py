@@ -24,13 +24,15 @@ handed out as copies like the logits.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig, StaticCache
-from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, StaticLayer, StaticSlidingWindowLayer,
+                                      get_layer_types_and_kwargs)
 
 from mira.runtime.experts import MiraExperts
 
@@ -40,6 +42,17 @@ def replayable_cache(cache: Any) -> bool:
     `StaticCache`, already filled by a prefill (its buffers exist)."""
     return (isinstance(cache, StaticCache) and len(cache.layers) > 0
             and all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers))
+
+
+def takes_static_cache(model: Any) -> bool:
+    """Whether transformers can give `model` a `StaticCache`: its generate makes it a `Cache` (it keeps
+    none of its own, as MiniMax does) and each of its layer kinds has a static layer. A model that
+    cannot decodes eagerly."""
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return False
+    layer_types = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
+    return all(kind in STATIC_LAYER_TYPE_MAPPING for kind in layer_types)
 
 
 def static_cache(config: PretrainedConfig, max_cache_len: int) -> StaticCache:
@@ -137,6 +150,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable, layers: Sequence[MiraExperts]):
         self._forward = forward
+        self.__signature__ = inspect.signature(forward)  # generate checks its keywords against the forward's
         self.layers = list(layers)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[Hashable, _Graph] = {}
