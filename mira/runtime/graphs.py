@@ -25,6 +25,7 @@ handed out as copies like the logits.
 from __future__ import annotations
 
 import inspect
+import traceback
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -172,8 +173,9 @@ class DecodeGraphs:
                 graph = _Graph(self._forward, kwargs, self.layers, self._pool)
             except RuntimeError as error:  # something in the step needs the host after all
                 self._refused.add(key)
-                warnings.warn(f"mira: a decode step could not be captured as a CUDA graph ({error}); it runs "
-                              "eagerly", RuntimeWarning, stacklevel=2)
+                where = traceback.extract_tb(error.__traceback__)[-1]
+                warnings.warn(f"mira: a decode step could not be captured as a CUDA graph ({error}, at "
+                              f"{where.filename}:{where.lineno}); it runs eagerly", RuntimeWarning, stacklevel=2)
                 return self._forward(**kwargs)
             self._graphs[key] = graph
             self.captures += 1
