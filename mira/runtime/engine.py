@@ -132,7 +132,8 @@ class MiraModel:
             self._settle_step(tokens)
 
     def _settle_step(self, tokens: int) -> None:
-        quoting = self.graph_share is not None and tokens <= DECODE_TOKENS  # a decode step's misses price its quotas
+        # a decode step's misses price the lanes' quotas again, where there are prices to do it with
+        quoting = self.graph_share is not None and self.graph_share.prices is not None and tokens <= DECODE_TOKENS
         before = self.cache.telemetry.layer_misses() if quoting else None
         if self._settles:
             self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
