@@ -28,9 +28,10 @@ FAMILY_SIZES: dict[str, dict] = {
     "kimi_linear": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
     "bailing_hybrid": dict(layer_types=HYBRID, mlp_layer_types=DENSE_FIRST),
     "beam": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], mlp_layer_types=DENSE_FIRST),
-    # four layers: two of them MoE, so that a budget of one layer's experts leaves some in host memory
+    # four layers, two of them MoE, so that a budget of one layer's experts leaves some in host memory
     "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1),
+    "nemotron_h": dict(num_hidden_layers=4, layer_types=["linear_attention", "moe", "full_attention", "moe"]),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     "zaya": dict(num_experts_per_tok=1),
     # MoE only when asked (the default is dense); the per-layer input embeddings shrunk with the vocabulary
