@@ -25,6 +25,7 @@ import torch
 
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.runtime.mailbox import DONE, LAYER, POST, TOKENS, Mailbox
+from mira.runtime.threads import free_idle_team
 
 IDLE_S = 0.05  # seconds without a post after which a lane stops looking at once
 DOZE_S = 1e-3  # between looks after that
@@ -64,6 +65,7 @@ class CpuLanes:
                                           daemon=True) for lane in range(lanes)]
         for thread in self._threads:
             thread.start()
+        free_idle_team()  # the caller's, beside which the lanes' threads would sleep between operations
 
     def check(self) -> None:
         """Raise the first error a lane met (once)."""

@@ -17,7 +17,8 @@ one count). So the worker sets its count and runs one parallel operation before 
 and the constructor then sets the caller's count again: the worker keeps its own, the caller and
 threads started later keep theirs, and MKL (dense fp32 products only, not the INT8 path) follows
 the caller's. With another parallel backend the counts are process-wide; `own_threads` says which
-held. The worker releases the GIL inside each product but takes it between them, so its Python
+held. The caller's team, idle from here on where the GPU decodes, is let go
+(mira.runtime.threads.free_idle_team): beside it the worker's threads would sleep between operations. The worker releases the GIL inside each product but takes it between them, so its Python
 steps (a few per expert) interleave with the caller's.
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.runtime.threads import free_idle_team
 
 
 @dataclass
@@ -95,6 +97,7 @@ class CpuExpertWorker:
         torch.set_num_threads(caller_threads)  # the default for others again (see the module docstring)
         kept = self.call(torch.get_num_threads).result() == self.threads
         self.own_threads = kept and torch.get_num_threads() == caller_threads
+        free_idle_team()
 
     def submit(self, job: CpuJob) -> Future:
         """Queue `job`; the future's result is `job.out` once written."""

@@ -36,6 +36,7 @@ from mira.runtime.graph_share import GraphShare, make_graph_share
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache, takes_static_cache
 from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
+from mira.runtime.threads import free_idle_team
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
 from mira.store.manifest import Manifest, is_store, looks_like_store
@@ -204,6 +205,8 @@ class MiraModel:
             raise MiraError(f"the prompt of {prompt_tokens} tokens plus {kwargs.get('max_new_tokens', 0)} new tokens "
                             f"is longer than the context of {self.max_context} tokens; {fix}")
         kwargs.setdefault("disable_compile", True)
+        if self.hybrid is not None or self.graph_share is not None:
+            free_idle_team()  # this thread's: beside it the CPU share's threads would sleep between operations
         if self._replays(input_ids, kwargs):
             kwargs["past_key_values"] = self._static_kv_cache()
         try:

@@ -6,17 +6,28 @@ every operation. When another process holds a core, the thread sharing that core
 time slices and every operation waits for it: on a 2-core machine with one core busy, decoding
 with two threads ran far slower than with one (benchmarks/cpu_contention.py measures it). Hyper-
 threads share a core's arithmetic units, so physical cores are counted, not logical CPUs.
+
+Each thread that starts parallel work keeps a team of its own (mira.runtime.cpu_worker). libgomp,
+torch's OpenMP in the Linux wheels, lets a team's threads spin at its barriers while it manages no
+more threads than there are CPUs; beyond that they spin briefly and sleep, and every operation then
+pays for waking them. A loading thread's idle team plus a CPU worker's team of as many threads is
+beyond it, so `free_idle_team` lets the idle one go (OpenMP's `omp_pause_resource_all`); the thread
+gets a new team at its next parallel operation.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
+from functools import cache
 from pathlib import Path
 
 from mira.runtime import hostcpu
 
 BUSY_SAMPLE_S = 0.1  # how long CPU use is sampled before choosing
+PROC_MAPS = Path("/proc/self/maps")
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads stopped, state kept
 
 
 def set_threads(requested: int | None) -> int:
@@ -29,6 +40,27 @@ def set_threads(requested: int | None) -> int:
     if requested is not None:
         torch.set_num_threads(requested)
     return torch.get_num_threads()
+
+
+def free_idle_team() -> bool:
+    """Let the calling thread's OpenMP team go (its threads exit) where torch computes through libgomp.
+    Returns whether there was a runtime to ask and it agreed (False elsewhere, or inside a parallel region)."""
+    omp = _libgomp()
+    return omp is not None and omp.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+@cache
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp torch has loaded (its own copy), or None (another runtime, or not Linux)."""
+    try:
+        maps = PROC_MAPS.read_text()
+    except OSError:
+        return None
+    path = next((line.split()[-1] for line in maps.splitlines() if "/libgomp" in line), None)
+    if path is None:
+        return None
+    omp = ctypes.CDLL(path)
+    return omp if hasattr(omp, "omp_pause_resource_all") else None
 
 
 def choose_threads() -> int:

@@ -11,7 +11,9 @@ from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import moe_ffn_reference
 from mira.runtime.cpu_worker import CpuExpertWorker, HostRows
 from mira.store.layout import ExpertLayout
+from mira.runtime.threads import _libgomp
 from mira.store.quant import quantize_expert
+from os_threads import in_a_thread, os_threads, settled_threads
 
 H, I, E, K = 64, 48, 6, 2
 
@@ -87,6 +89,20 @@ def test_worker_keeps_its_thread_count_and_leaves_the_callers(restore_threads):
         worker.submit(rows.stage(hidden, index, weights, 0, [0, 1, 2], blobs)).result(timeout=60)
         assert worker.call(torch.get_num_threads).result(timeout=60) == 1  # after its parallel products too
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.skipif(_libgomp() is None, reason="torch computes through another OpenMP runtime here")
+def test_a_worker_lets_its_callers_idle_team_go():
+    layout = layer("int8-row", 1)[0]
+
+    def run():
+        torch.set_num_threads(2)
+        torch.arange(1 << 16, dtype=torch.float32).add_(1)  # above the elementwise grain: the caller's team
+        before = os_threads()
+        with CpuExpertWorker(CpuExpertFFN(layout, F.silu), threads=1):  # one thread: no team of its own
+            return before, settled_threads(before)  # its thread in, the caller's team's other thread out
+    before, during = in_a_thread(run)
+    assert during == before
 
 
 def test_an_error_reaches_the_waiter_and_the_worker_goes_on():

@@ -2,7 +2,11 @@
 
 import os
 
-from mira.runtime.threads import busy_cpus, physical_cores, threads_for
+import pytest
+import torch
+
+from mira.runtime.threads import _libgomp, busy_cpus, free_idle_team, physical_cores, threads_for
+from os_threads import in_a_thread, os_threads, settled_threads
 
 
 def test_threads_are_the_idle_physical_cores_hand_worked():
@@ -19,3 +23,20 @@ def test_cpu_use_and_topology_are_read_within_their_bounds():
     cpus = sorted(os.sched_getaffinity(0))
     assert 1 <= physical_cores(cpus) <= len(cpus)
     assert 0.0 <= busy_cpus(cpus, interval=0.05) <= len(cpus) + 1e-6
+
+
+@pytest.mark.skipif(_libgomp() is None, reason="torch computes through another OpenMP runtime here")
+def test_an_idle_team_is_let_go_and_a_new_one_made_at_the_next_parallel_operation():
+    def run():
+        torch.set_num_threads(2)
+        x = torch.arange(1 << 16, dtype=torch.float32)  # above the elementwise grain: runs on the team
+        torch.testing.assert_close(x + 1, torch.arange(1, (1 << 16) + 1, dtype=torch.float32))
+        with_team = os_threads()
+        freed = free_idle_team()
+        without = settled_threads(with_team - 1)
+        torch.testing.assert_close(x * 2, torch.arange(0, 1 << 17, 2, dtype=torch.float32))
+        return freed, with_team, without, settled_threads(with_team)
+    freed, with_team, without, again = in_a_thread(run)
+    assert freed
+    assert without == with_team - 1  # the team's other thread exited
+    assert again == with_team

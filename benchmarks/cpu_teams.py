@@ -1,0 +1,103 @@
+"""What the caller's idle OpenMP team costs the CPU worker (mira.runtime.threads.free_idle_team).
+
+The worker computes one expert per job (int8-shared, SiLU-gated, one token) from host blobs, timed
+in its own thread while this thread waits, in two states of this thread's team, alternated round
+by round so that a machine drifting over the run shifts both alike:
+
+  kept      this thread ran a parallel operation with --caller-threads just before: its team is
+            idle but held, as a loading thread's is
+  let_go    the team let go (`free_idle_team`), as the runtime does where a worker computes
+
+Each figure: median and range over --repeats rounds, each the mean over one pass through --spread-gb
+of distinct experts (no CPU cache holds a blob from the call before).
+
+    python benchmarks/cpu_teams.py --threads 15 [--caller-threads 16] [--shapes qwen3-30b-a3b,mixtral-8x7b]
+        [--repeats 7] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_experts import blobs_for, layout_for, shape_config, summary, write_result  # noqa: E402
+from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
+from mira.runtime.cpu_worker import CpuExpertWorker  # noqa: E402
+from mira.runtime.threads import free_idle_team  # noqa: E402
+
+STATES = ("kept", "let_go")
+TEAM_WORK = 1 << 20  # elements of the elementwise operation that makes this thread's team again
+
+
+def expert_pass(ffn: CpuExpertFFN, views: list[dict], x: torch.Tensor) -> float:
+    """Mean microseconds per expert over one pass (runs in the worker's thread)."""
+    start = time.perf_counter()
+    for expert in views:
+        ffn.expert(x, expert)
+    return (time.perf_counter() - start) / len(views) * 1e6
+
+
+def measure(name: str, args) -> dict:
+    config = shape_config(name)
+    layout = layout_for(config, "int8-shared")
+    store, blobs = blobs_for(config, layout, args.spread_gb * 1e9, pin=torch.cuda.is_available())
+    ffn = CpuExpertFFN(layout, F.silu)
+    views = [layout.views(blob) for blob in blobs]
+    x = torch.randn(1, layout.hidden).to(torch.bfloat16)
+    team_work = torch.zeros(TEAM_WORK)
+    times: dict[str, list[float]] = {state: [] for state in STATES}
+    with CpuExpertWorker(ffn, args.threads) as worker:
+        worker.call(expert_pass, ffn, views[:2], x).result()  # first calls outside the timing
+        for _ in range(args.repeats):
+            for state in STATES:
+                if state == "kept":
+                    team_work.add_(1)  # this thread's team, made again and left idle
+                else:
+                    free_idle_team()
+                times[state].append(worker.call(expert_pass, ffn, views, x).result())
+    del store
+    kept, let_go = (statistics.median(times[state]) for state in STATES)
+    return {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
+            "distinct_blobs": len(blobs), "worker_threads": args.threads,
+            **{f"{state}_us": summary(times[state]) for state in STATES}, "kept_over_let_go": kept / let_go}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, required=True, help="torch threads of the CPU worker")
+    parser.add_argument("--caller-threads", type=int, default=None,
+                        help="torch threads of this thread's team (default: torch's count now)")
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b", help="comma-separated presets or HxI")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--spread-gb", type=float, default=1.0, help="distinct blob bytes cycled through")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-teams.json")
+    args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (median and range)")
+    if args.caller_threads is not None:
+        torch.set_num_threads(args.caller_threads)
+    caller = torch.get_num_threads()
+    results = {}
+    print(f"{'shape':16s} {'kept us':>22s} {'let go us':>22s} {'kept/let go':>12s}")
+    for name in filter(None, args.shapes.split(",")):
+        row = results[name] = measure(name, args)
+        cells = [f"{row[f'{s}_us']['median']:8.1f} [{row[f'{s}_us']['min']:.1f}-{row[f'{s}_us']['max']:.1f}]"
+                 for s in STATES]
+        print(f"{name:16s} {cells[0]:>22s} {cells[1]:>22s} {row['kept_over_let_go']:12.2f}", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    write_result(args.out, {"caller_threads": caller, "worker_threads": args.threads, "repeats": args.repeats,
+                            "spread_gb": args.spread_gb, "results": results}, device)
+
+
+if __name__ == "__main__":
+    main()
