@@ -41,7 +41,7 @@ ROUND_TRIPS = 30  # of an empty job, for the per-call cost
 KERNEL_CALLS = 20  # launches timed together per GPU figure
 PCIE_BYTES_PER_S_GUESS = 50e9  # sizes the copy load before the bandwidth is measured
 HOST_OPERATIONS, HOST_ELEMENTS, HOST_PYTHON = 6, 8, 200  # the host's loop beside the timed CPU (keep_host_busy)
-FORMAT = 2  # of a stored entry: 2 has mean CPU figures (1, unmarked, had medians)
+FORMAT = 3  # of a stored entry: 3 timed without the caller's idle OpenMP team, 2 beside it, 1 (unmarked) medians
 
 
 def calibrate(worker: CpuExpertWorker, blobs: Sequence[torch.Tensor], device: torch.device | str, *,
