@@ -1,12 +1,18 @@
 """What the caller's idle OpenMP team costs the CPU worker (mira.runtime.threads.free_idle_team).
 
-The worker computes one expert per job (int8-shared, SiLU-gated, one token) from host blobs, timed
-in its own thread while this thread waits, in two states of this thread's team, alternated round
-by round so that a machine drifting over the run shifts both alike:
+The worker computes one expert at a time (int8-shared, SiLU-gated, one token) from host blobs, in
+two states of this thread's team, alternated round by round so that a machine drifting over the run
+shifts both alike:
 
   kept      this thread ran a parallel operation with --caller-threads just before: its team is
             idle but held, as a loading thread's is
   let_go    the team let go (`free_idle_team`), as the runtime does where a worker computes
+
+and timed two ways:
+
+  expert_us  a pass of expert calls in the worker's thread while this thread waits
+  job_us     a pass of one-expert jobs, each submitted from this thread and waited for (what the
+             runtime sees: the hand-over both ways too)
 
 Each figure: median and range over --repeats rounds, each the mean over one pass through --spread-gb
 of distinct experts (no CPU cache holds a blob from the call before).
@@ -30,12 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_experts import blobs_for, layout_for, shape_config, summary, write_result  # noqa: E402
+from cpu_experts import blobs_for, layout_for, shape_config, summary, worker_pass, write_result  # noqa: E402
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
 from mira.runtime.cpu_worker import CpuExpertWorker  # noqa: E402
 from mira.runtime.threads import free_idle_team  # noqa: E402
 
 STATES = ("kept", "let_go")
+TIMINGS = ("expert", "job")
 TEAM_WORK = 1 << 20  # elements of the elementwise operation that makes this thread's team again
 
 
@@ -55,21 +62,26 @@ def measure(name: str, args) -> dict:
     views = [layout.views(blob) for blob in blobs]
     x = torch.randn(1, layout.hidden).to(torch.bfloat16)
     team_work = torch.zeros(TEAM_WORK)
-    times: dict[str, list[float]] = {state: [] for state in STATES}
+    times: dict[str, list[float]] = {f"{state}_{timing}": [] for state in STATES for timing in TIMINGS}
     with CpuExpertWorker(ffn, args.threads) as worker:
         worker.call(expert_pass, ffn, views[:2], x).result()  # first calls outside the timing
         for _ in range(args.repeats):
             for state in STATES:
-                if state == "kept":
-                    team_work.add_(1)  # this thread's team, made again and left idle
-                else:
-                    free_idle_team()
-                times[state].append(worker.call(expert_pass, ffn, views, x).result())
+                for timing in TIMINGS:
+                    if state == "kept":
+                        team_work.add_(1)  # this thread's team, made again and left idle
+                    else:
+                        free_idle_team()
+                    times[f"{state}_{timing}"].append(worker.call(expert_pass, ffn, views, x).result()
+                                                      if timing == "expert" else worker_pass(worker, blobs, x) * 1e6)
     del store
-    kept, let_go = (statistics.median(times[state]) for state in STATES)
-    return {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
-            "distinct_blobs": len(blobs), "worker_threads": args.threads,
-            **{f"{state}_us": summary(times[state]) for state in STATES}, "kept_over_let_go": kept / let_go}
+    row = {"hidden": layout.hidden, "intermediate": layout.intermediate, "blob_bytes": layout.nbytes,
+           "distinct_blobs": len(blobs), "worker_threads": args.threads}
+    for timing in TIMINGS:
+        kept, let_go = (statistics.median(times[f"{state}_{timing}"]) for state in STATES)
+        row[f"{timing}_us"] = {state: summary(times[f"{state}_{timing}"]) for state in STATES}
+        row[f"{timing}_kept_over_let_go"] = kept / let_go
+    return row
 
 
 def main() -> None:
@@ -88,12 +100,14 @@ def main() -> None:
         torch.set_num_threads(args.caller_threads)
     caller = torch.get_num_threads()
     results = {}
-    print(f"{'shape':16s} {'kept us':>22s} {'let go us':>22s} {'kept/let go':>12s}")
+    print(f"{'shape':16s} {'timing':7s} {'kept us':>24s} {'let go us':>24s} {'kept/let go':>12s}")
     for name in filter(None, args.shapes.split(",")):
         row = results[name] = measure(name, args)
-        cells = [f"{row[f'{s}_us']['median']:8.1f} [{row[f'{s}_us']['min']:.1f}-{row[f'{s}_us']['max']:.1f}]"
-                 for s in STATES]
-        print(f"{name:16s} {cells[0]:>22s} {cells[1]:>22s} {row['kept_over_let_go']:12.2f}", flush=True)
+        for timing in TIMINGS:
+            cells = [f"{t['median']:8.1f} [{t['min']:.1f}-{t['max']:.1f}]"
+                     for t in (row[f"{timing}_us"][state] for state in STATES)]
+            print(f"{name:16s} {timing:7s} {cells[0]:>24s} {cells[1]:>24s} {row[f'{timing}_kept_over_let_go']:12.2f}",
+                  flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     write_result(args.out, {"caller_threads": caller, "worker_threads": args.threads, "repeats": args.repeats,
                             "spread_gb": args.spread_gb, "results": results}, device)
