@@ -8,15 +8,26 @@ import time
 
 
 def in_a_thread(fn):
-    """fn's result, run in a fresh thread (whose torch thread count and OpenMP team are its own)."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", fn()))
+    """fn's result (or its error, raised here), run in a fresh thread (whose torch thread count and
+    OpenMP team are its own)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # raised on the caller's thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join(timeout=60)
-    return result["value"]
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def os_threads() -> int:
+    """This process's OS threads now."""
     return len(os.listdir("/proc/self/task"))
 
 

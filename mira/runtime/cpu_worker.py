@@ -18,8 +18,9 @@ and the constructor then sets the caller's count again: the worker keeps its own
 threads started later keep theirs, and MKL (dense fp32 products only, not the INT8 path) follows
 the caller's. With another parallel backend the counts are process-wide; `own_threads` says which
 held. The caller's team, idle from here on where the GPU decodes, is let go
-(mira.runtime.threads.free_idle_team): beside it the worker's threads would sleep between operations. The worker releases the GIL inside each product but takes it between them, so its Python
-steps (a few per expert) interleave with the caller's.
+(mira.runtime.threads.free_idle_team): beside it the worker's threads would sleep between
+operations. The worker releases the GIL inside each product but takes it between them, so its
+Python steps (a few per expert) interleave with the caller's.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import moe_ffn_reference
 from mira.runtime.cpu_worker import CpuExpertWorker, HostRows
-from mira.store.layout import ExpertLayout
 from mira.runtime.threads import _libgomp
+from mira.store.layout import ExpertLayout
 from mira.store.quant import quantize_expert
 from os_threads import in_a_thread, os_threads, settled_threads
 
