@@ -98,8 +98,9 @@
 #                                           # TorchScript, a short switch interval) against a child process of
 #                                           # its own GIL over shared memory (~2 min)
 #   bash benchmarks/h200_suite.sh teams     # a CPU worker's expert (15 threads) while this thread's idle OpenMP team
-#                                           # of 16 is kept against let go, Qwen3-30B-A3B and Mixtral-8x7B shapes
-#                                           # (~1 min)
+#                                           # of 16 is kept against let go, Qwen3-30B-A3B and Mixtral-8x7B shapes;
+#                                           # then cpu_experts.py's int8-shared experts at 1 token on a worker of 15,
+#                                           # which now lets the idle team go (~3 min)
 #   bash benchmarks/h200_suite.sh pages     # expert blobs in 4 KiB against 2 MiB host pages at the Mixtral, Qwen3 and
 #                                           # OLMoE shapes: the CPU executor (15 threads), the pinned copy and the
 #                                           # zero-copy kernel (~3 min)
@@ -282,7 +283,9 @@ case "${1:-}" in
   gil)
     timeout 300 python benchmarks/cpu_gil.py --threads 15 --calls 16 --out "$OUT/cpu-gil-h200.json" ;;
   teams)
-    timeout 200 python benchmarks/cpu_teams.py --threads 15 --caller-threads 16 --out "$OUT/cpu-teams-h200.json" ;;
+    timeout 200 python benchmarks/cpu_teams.py --threads 15 --caller-threads 16 --out "$OUT/cpu-teams-h200.json"
+    timeout 200 python benchmarks/cpu_experts.py --threads 15 --shapes qwen3-30b-a3b,olmoe-1b-7b,deepseek-v2-lite,mixtral-8x7b \
+      --schemes int8-shared --tokens 1 --out "$OUT/cpu-experts-h200-15t-teams.json" ;;
   pages)
     timeout 400 python benchmarks/host_pages.py --threads 15 --shapes mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b \
       --spread-gb 4 --out "$OUT/host-pages-h200.json" ;;
