@@ -51,16 +51,23 @@ def free_idle_team() -> bool:
 
 @cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp torch has loaded (its own copy), or None (another runtime, or not Linux)."""
+    """The libgomp torch computes through, or None (another runtime, or not Linux)."""
     try:
-        maps = PROC_MAPS.read_text()
+        path = libgomp_path(PROC_MAPS.read_text())
     except OSError:
         return None
-    path = next((line.split()[-1] for line in maps.splitlines() if "/libgomp" in line), None)
     if path is None:
         return None
     omp = ctypes.CDLL(path)
     return omp if hasattr(omp, "omp_pause_resource_all") else None
+
+
+def libgomp_path(maps: str) -> str | None:
+    """The libgomp among the libraries a /proc/PID/maps text lists: torch's wheels' own copy where
+    another package loaded one too; None where none is loaded."""
+    loaded = sorted({line.split()[-1] for line in maps.splitlines() if "/libgomp" in line},
+                    key=lambda path: ("/torch" not in path, path))
+    return loaded[0] if loaded else None
 
 
 def choose_threads() -> int:

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from mira.runtime.threads import _libgomp, busy_cpus, free_idle_team, physical_cores, threads_for
+from mira.runtime.threads import _libgomp, busy_cpus, free_idle_team, libgomp_path, physical_cores, threads_for
 from os_threads import in_a_thread, os_threads, settled_threads
 
 
@@ -40,3 +40,12 @@ def test_an_idle_team_is_let_go_and_a_new_one_made_at_the_next_parallel_operatio
     assert freed
     assert without == with_team - 1  # the team's other thread exited
     assert again == with_team
+
+
+def test_torchs_own_libgomp_is_taken_where_another_is_loaded_too():
+    system = "7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libgomp.so.1"
+    wheel = "7f20-7f30 r-xp 00000000 08:01 2 /venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1"
+    other = "7f40-7f50 r-xp 00000000 08:01 3 /usr/lib/x86_64-linux-gnu/libc.so.6"
+    assert libgomp_path("\n".join([system, other, wheel])) == wheel.split()[-1]
+    assert libgomp_path("\n".join([other, system])) == system.split()[-1]
+    assert libgomp_path(other) is None
