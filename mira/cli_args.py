@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mira.cache.config import POLICIES
 from mira.errors import MiraError
-from mira.runtime.config import CPU_EXPERTS, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
+from mira.runtime.config import CPU_EXPERTS, DTYPES, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
 from mira.store.layout import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
@@ -177,6 +177,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
                                         "Mira store; default: the bundled mira-tiny-moe")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="compute dtype of the activations and the weights outside the experts (default: "
+                             "bfloat16 on CUDA; float32 on the CPU, which computes exactly what the quantized "
+                             "experts hold). On a CPU with bf16 instructions (AVX512-BF16, AMX), bfloat16 decodes "
+                             "faster: the experts then go through INT8/INT4 weight-only products that read each "
+                             "expert's bytes once")
     parser.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
                         help="device memory Mira may use, e.g. 12GiB, or 25%% for slots for a quarter of the experts "
                              "beyond the rest of the model (default: free memory less 1 GiB on CUDA; on the CPU, "
@@ -267,7 +273,8 @@ def load_model(args: argparse.Namespace):
     from mira.runtime.engine import load
 
     check_model_options(args)
-    config = RuntimeConfig(device=args.device, vram_budget=args.vram_budget, max_context=args.max_context,
+    config = RuntimeConfig(device=args.device, dtype=args.dtype, vram_budget=args.vram_budget,
+                           max_context=args.max_context,
                            quant=args.quant, profile=args.profile, progress=not args.quiet)
     settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency,
                 "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads, "cpu_lanes": args.cpu_lanes}

@@ -138,7 +138,8 @@ def _generate(args: argparse.Namespace) -> None:
         if review is not None and not review["kept"]:
             experts += f" (not after decode step {review['after_decode_steps']}: it did not pay)"
     print(f"\n[mira] TTFT {report.ttft_s:.3f} s | decode {report.decode_tokens_per_s:.1f} tokens/s "
-          f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']}, {stats['quant']}, "
+          f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']} {stats['dtype']}, "
+          f"{stats['quant']}, "
           f"{experts}", file=sys.stderr)
     if args.stats_json:
         stats["generation"] = {k: v for k, v in report.__dict__.items() if k != "text"}

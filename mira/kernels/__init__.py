@@ -6,8 +6,10 @@
   CUDA device, for gated experts whose gating has a closed form (SwiGLU, or a family's clamped
   variant: mira.models.spec.GluForm), with or without biases, on the `int8-shared`, `int8-row` or
   `int4` schemes;
-- otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path and
-  the ground truth the kernels are tested against.
+- on the CPU, the plain PyTorch reference (`mira.kernels.reference`) for float32 activations, the
+  ground truth the kernels are tested against, and the CPU executor (`mira.kernels.cpu_experts`:
+  weight-only products that read the blobs as they are) for bf16 and fp16 ones (`CpuMoEFFN`);
+- otherwise the reference.
 
 Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], blobs, out=None,
 limits=None)`: `blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from mira.errors import MiraError
+from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import moe_ffn_reference
 from mira.models.spec import GluForm
 from mira.store.layout import ExpertLayout
@@ -73,6 +76,35 @@ class ReferenceMoEFFN:
             return result
         out.copy_(result)
         return out
+
+
+class CpuMoEFFN(ReferenceMoEFFN):
+    """The expert FFN of a CPU-only run. Float32 activations take the reference, so the CPU's default
+    stays exact; bf16 and fp16 ones take the CPU executor, whose products read each routed expert's
+    INT8 or INT4 blob once, where the reference would first convert the whole expert to their dtype."""
+
+    def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None,
+                 absent_zero: bool = False) -> None:
+        super().__init__(layout, act, gate, absent_zero)
+        self.executor = CpuExpertFFN(layout, act, gate)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        blobs: Sequence[torch.Tensor | None],
+        *,
+        out: torch.Tensor | None = None,
+        limits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As `ReferenceMoEFFN`; cut experts (`limits`) take the reference whatever the dtype."""
+        if hidden.dtype == torch.float32 or limits is not None:
+            return super().__call__(hidden, top_k_index, top_k_weights, blobs, out=out, limits=limits)
+        experts = top_k_index.unique().tolist()  # ascending
+        if self.absent == "zero":
+            experts = [expert for expert in experts if blobs[expert] is not None]
+        return self.executor(hidden, top_k_index, top_k_weights, blobs, experts, out=out)
 
 
 def is_silu(act: Callable | str) -> bool:
@@ -159,4 +191,6 @@ def make_moe_ffn(
         from transformers.activations import ACT2FN
 
         act = ACT2FN[act]
+    if backend == "auto" and device.type == "cpu":
+        return CpuMoEFFN(layout, act, gate, absent_zero)
     return ReferenceMoEFFN(layout, act, gate, absent_zero)

@@ -86,7 +86,7 @@ class CpuExpertFFN:
         self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
         self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
         self._column_views: dict[torch.Size, torch.Tensor] = {}  # views of that buffer by shape, made once
-        self._views: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # id(blob) -> (blob, its views)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}  # a blob's address -> its views
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
         """One expert's FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob.
@@ -188,12 +188,14 @@ class CpuExpertFFN:
         return total
 
     def views(self, blob: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The typed views of a blob, made once per blob: their slicing is a dozen operations, each of
-        which a worker thread must take the GIL back after."""
-        held = self._views.get(id(blob))
-        if held is None or held[0] is not blob:
-            held = self._views[id(blob)] = (blob, self.layout.views(blob))
-        return held[1]
+        """The typed views of a blob, made once per address: their slicing is a dozen operations, each
+        of which a worker thread must take the GIL back after. Keyed by address, not by tensor, as a
+        slot's row or a store's blob is a new tensor each time it is read; the views kept hold the
+        memory, so no other blob can come to lie at that address."""
+        views = self._views.get(blob.data_ptr())
+        if views is None:
+            views = self._views[blob.data_ptr()] = self.layout.views(blob)
+        return views
 
     def _w13_ranges(self, first: int) -> list[tuple[int, int]] | None:
         """The rows of w13 that intermediate units [first, I) read: None (all of them, unsliced) when

@@ -39,7 +39,14 @@ def test_convert_then_generate_from_the_store(checkpoints, tmp_path):
     generated = _mira("generate", "--model", str(store), "--prompt", "hello", "--max-new-tokens", "4",
                       "--vram-budget", "64MiB", "--raw", "--quiet")
     assert generated.returncode == 0, generated.stderr
-    assert "cpu, int8-row, all-resident policy, 24/24 expert slots" in generated.stderr
+    assert "cpu float32, int8-row, all-resident policy, 24/24 expert slots" in generated.stderr
+
+
+def test_generate_in_bf16_on_the_cpu_says_so(stores):
+    generated = _mira("generate", "--model", str(stores["qwen3_moe", "int8-shared"]), "--device", "cpu", "--dtype",
+                      "bfloat16", "--prompt", "hello", "--max-new-tokens", "4", "--raw", "--quiet")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip() and "cpu bfloat16, int8-shared" in generated.stderr
 
 
 def test_errors_are_one_line_with_exit_code_1(tmp_path):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mira.kernels import cpu_int4
+from mira.kernels import cpu_int4, make_moe_ffn
 from mira.kernels.cpu_experts import COLUMN_COPY_COST, COMPUTE_DTYPE, CpuExpertFFN
 from mira.kernels.reference import expert_ffn, moe_ffn_reference
 from mira.store.layout import ExpertLayout
@@ -342,6 +342,41 @@ def test_an_expert_without_blob_is_refused():
         CpuExpertFFN(layout, F.silu)(torch.randn(1, 64), torch.tensor([[1]]), torch.ones(1, 1), [None, None], [1])
 
 
+@pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_cpu_only_runs_layer_is_exact_in_float32_and_the_executors_in_bf16(scheme, weight_dtype, tokens):
+    """`make_moe_ffn` on the CPU: float32 states get the reference's exact arithmetic, bf16 ones the
+    executor's products, within the executor's bound of the float64 reference; an expert without a
+    blob adds zero where another executor computes it, and is refused elsewhere."""
+    (H, I), E, K = sized(scheme, 64, 32), 5, 2
+    layout = ExpertLayout(scheme, H, I, weight_dtype)
+    blobs = make_blobs(layout, E, seed=3)
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, H, generator=g)
+    top_k_index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])  # [T, K]
+    top_k_weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1)  # [T, K]
+    ffn = make_moe_ffn("cpu", layout, F.silu)
+    reference = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, layout, F.silu)
+    assert torch.equal(ffn(hidden, top_k_index, top_k_weights, blobs), reference)
+    states = hidden.bfloat16()
+    got = ffn(states, top_k_index, top_k_weights, blobs)
+    routed = top_k_index.unique().tolist()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, CpuExpertFFN(layout, F.silu)(states, top_k_index, top_k_weights, blobs, routed))
+    exact = moe_ffn_reference(states.double(), top_k_index, top_k_weights.double(), blobs, layout, F.silu)
+    bound = torch.zeros(tokens, H, dtype=torch.float64)
+    for expert in routed:
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        per_expert = expert_bound(states[token_idx], layout.views(blobs[expert]), layout)
+        bound.index_add_(0, token_idx, per_expert * top_k_weights[token_idx, k_pos, None].double())
+    assert ((got.double() - exact).abs() <= bound + unit_roundoff(torch.bfloat16) * exact.abs()).all()
+    absent = [None if expert == routed[0] else blob for expert, blob in enumerate(blobs)]
+    rest = make_moe_ffn("cpu", layout, F.silu, absent_zero=True)(states, top_k_index, top_k_weights, absent)
+    assert torch.equal(rest, CpuExpertFFN(layout, F.silu)(states, top_k_index, top_k_weights, blobs, routed[1:]))
+    with pytest.raises(ValueError, match=f"expert {routed[0]}"):
+        ffn(states, top_k_index, top_k_weights, absent)
+
+
 class _RecordWeights(TorchFunctionMode):
     """Records the weight argument of every INT8 and dense product the executor makes."""
 
@@ -472,13 +507,18 @@ def test_bundled_models_store_matches_the_reference(bundled_store):
         assert (out.double() - exact).abs().max() <= 3 * (in_bf16 - exact).abs().max(), f"layer {layer}"
 
 
-def test_views_are_made_once_per_blob_and_follow_a_new_blob():
+def test_views_are_made_once_per_blob_address_and_follow_a_new_blob():
+    """A slot's row or a store's blob is a new tensor at every read: its views are kept per address,
+    so repeated reads of one blob add none."""
     layout = ExpertLayout("int8-shared", 64, 32)
-    first, second = make_blobs(layout, 2, seed=9)
+    store = torch.stack(make_blobs(layout, 2, seed=9))  # [E, B]
     ffn = CpuExpertFFN(layout, F.silu)
-    views = ffn.views(first)
-    assert ffn.views(first) is views and views["w13"].data_ptr() == first.data_ptr()
-    assert ffn.views(second)["w13"].data_ptr() == second.data_ptr()
+    views = ffn.views(store[0])
+    assert ffn.views(store[0]) is views and views["w13"].data_ptr() == store[0].data_ptr()
+    assert ffn.views(store[1])["w13"].data_ptr() == store[1].data_ptr()
+    for _ in range(3):
+        ffn.views(store[0]), ffn.views(store[1])
+    assert len(ffn._views) == 2
 
 
 @pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
