@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def main() -> None:
                                                  time_cells(models, vocab, prompt, None, args.repeats).items()}}
     print(f"mira-tiny-moe: {_row(results['mira-tiny-moe']['tokens_per_s'])}", flush=True)
     del models, any_model
+    gc.collect()  # a model holds reference cycles: freed only by the collector, before the next are built
 
     for name in [p for p in args.presets.split(",") if p and p != "none"]:
         depth = DEPTHS.get(name, DEFAULT_DEPTH)
@@ -118,6 +120,7 @@ def main() -> None:
                                  time_cells(models, config.vocab_size, prompt, None, args.repeats).items()}
             print(f"{name}, {layers} layers: {_row(per_depth[layers])}", flush=True)
             del models, store
+            gc.collect()
         results[name] = {"layers": {str(k): {"tokens_per_s": v} for k, v in per_depth.items()},
                          "estimate_full_model": _estimate(per_depth, depth, preset_config(name).num_hidden_layers)}
 

@@ -156,8 +156,9 @@ def make_moe_ffn(
             ACT2FN (a config's `hidden_act`, e.g. "silu"); None with `gate`.
         gate: the family's own gating of the gate-and-up output (mira.models.spec.FamilyGate), which
             only the reference computes.
-        backend: "auto" (Triton where it applies and is installed, else the reference), "triton" (raise if it does
-            not apply; on a CPU device it needs TRITON_INTERPRET=1) or "reference".
+        backend: "auto" (Triton where it applies and is installed, else `CpuMoEFFN` on a CPU device and the
+            reference elsewhere), "triton" (raise if it does not apply; on a CPU device it needs
+            TRITON_INTERPRET=1) or "reference".
         absent_zero: a routed expert without a blob (address 0) adds zero, its weights unread: another
             executor computes it (the CPU's share of a layer's misses). Else the kernels give NaN rows
             for it and the reference raises.
