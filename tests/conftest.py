@@ -41,6 +41,17 @@ def int4_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def int4_stores(tmp_path_factory, int4_checkpoints) -> dict[str, Path]:
+    """family -> int4 store directory of its int4 checkpoint."""
+    from mira.store.convert import convert
+
+    root = tmp_path_factory.mktemp("int4-stores")
+    for family, checkpoint in int4_checkpoints.items():
+        convert(checkpoint, root / family, "int4", progress=False)
+    return {family: root / family for family in int4_checkpoints}
+
+
+@pytest.fixture(scope="session")
 def stores(tmp_path_factory, checkpoints) -> dict[tuple[str, str], Path]:
     """(family, scheme) -> store directory."""
     from mira.store.convert import convert

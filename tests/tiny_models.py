@@ -90,3 +90,21 @@ def mixtral_layer_reference(store, layer: int, hidden, index, weights) -> torch.
 
     blobs = [store.blob(layer, e) for e in range(MIXTRAL_EXPERTS)]
     return moe_ffn_reference(hidden.double(), index, weights.double(), blobs, store.layout, torch.nn.functional.silu)
+
+
+def dequantized_model(checkpoint: Path, store_dir: Path):
+    """transformers' own float32 model of `checkpoint` with every expert replaced by its dequantized
+    weights from the store at `store_dir`: the quantized model, computed by transformers."""
+    from mira.store.quant import dequantize_expert
+    from mira.store.store import ExpertStore
+
+    store = ExpertStore.open(store_dir, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    with torch.no_grad():
+        for position, module in enumerate(experts):
+            for expert in range(store.num_experts):
+                w13, w2 = dequantize_expert(store.layout.views(store.blob(position, expert)), store.layout)
+                module.gate_up_proj[expert] = w13.float()
+                module.down_proj[expert] = w2.float()
+    return model

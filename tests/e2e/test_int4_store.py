@@ -8,41 +8,19 @@ from transformers import AutoModelForCausalLM
 import mira
 from mira.cli import main
 from mira.store.convert import convert
-from mira.store.quant import dequantize_expert
 from mira.store.store import ExpertStore
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, dequantized_model
 
 GREEDY = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
-
-
-@pytest.fixture(scope="module")
-def int4_stores(tmp_path_factory, int4_checkpoints):
-    root = tmp_path_factory.mktemp("int4-stores")
-    return {family: convert(int4_checkpoints[family], root / family, "int4", progress=False) and root / family
-            for family in FAMILIES}
 
 
 def _prompt(seed=0, length=12):
     return torch.randint(2, 320, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _dequantized_reference(checkpoint, store_dir):
-    """transformers' own model with every expert replaced by its dequantized int4 weights (float32)."""
-    store = ExpertStore.open(store_dir, progress=False)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
-    with torch.no_grad():
-        for position, module in enumerate(experts):
-            for expert in range(store.num_experts):
-                w13, w2 = dequantize_expert(store.layout.views(store.blob(position, expert)), store.layout)
-                module.gate_up_proj[expert] = w13.float()
-                module.down_proj[expert] = w2.float()
-    return model
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int4_store_computes_exactly_the_dequantized_model(family, int4_checkpoints, int4_stores):
-    reference = _dequantized_reference(int4_checkpoints[family], int4_stores[family])
+    reference = dequantized_model(int4_checkpoints[family], int4_stores[family])
     original = AutoModelForCausalLM.from_pretrained(int4_checkpoints[family], dtype=torch.float32).eval()
     model = mira.load(int4_stores[family], device="cpu", progress=False)
     assert model.stats()["quant"] == "int4"
