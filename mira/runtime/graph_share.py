@@ -20,11 +20,13 @@ E experts in a layer, T tokens, K routed per token.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
+import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,8 +222,11 @@ def make_graph_share(store: ExpertStore, tables: ExpertTables, act, gate, costs:
 
 def time_lanes(lanes: CpuLanes, blobs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:
     """(one expert on one lane while every lane computes, an exchange's round trip) in seconds, from
-    exchanges made as decode calls make them and waited for: none, then n and 2n experts (n = L where
-    the layer has enough), one token each, on distinct experts of `blobs` (one layer's).
+    exchanges made as replayed decode steps make them: none, then n and 2n experts (n = L where the
+    layer has enough), one token each, on distinct experts of `blobs` (one layer's). On CUDA each
+    job size's exchange is captured once and replayed, the host waiting in a synchronize: an eager
+    exchange's driver calls (ctypes) each let the GIL go and take it back from the polling lanes,
+    which no replayed step does.
 
     Raises:
         MiraError: on CUDA, the lanes did not answer an exchange within `ANSWER_S` (the stream is
@@ -233,42 +238,70 @@ def time_lanes(lanes: CpuLanes, blobs: Sequence[torch.Tensor], device: torch.dev
     rows = torch.randn(2 * n, H).to(device, box.rows.dtype)
     weights = torch.ones(2 * n, K, dtype=box.weights.dtype, device=device)
     out = torch.zeros(2 * n, H, device=device)
+    ids = torch.full((2 * n, K), -1, dtype=torch.int64, device=device)  # the CPU's experts: one a token, in column 0
     medians, first = [], 0
     for count in (0, n, 2 * n):
         tokens = max(count, 1)
+        exchange = _exchange(box, lanes, rows[:tokens], ids[:tokens], weights[:tokens], out[:tokens])
         seconds = []
         for _ in range(CALIBRATION_REPEATS + 1):  # the first is a warm-up
-            ids = torch.full((tokens, K), -1, dtype=torch.int64)
-            ids[:count, 0] = (first + torch.arange(count)) % len(blobs)
+            ids[:count, 0] = torch.arange(first, first + count, device=device) % len(blobs)
             first += count
-            ids = ids.to(device)
-            begin = time.perf_counter()
-            box.post(0, rows[:tokens], ids, weights[:tokens])
-            box.collect(out[:tokens], lanes.check)
-            _answered(box, lanes)
-            seconds.append(time.perf_counter() - begin)
+            _settled(device)
+            with _watched(box):
+                begin = time.perf_counter()
+                exchange()
+                _settled(device)
+                seconds.append(time.perf_counter() - begin)
+            lanes.check()
         medians.append(statistics.median(seconds[1:]))
     empty_s, one_s, two_s = medians
     extra = math.ceil(2 * n / L) - math.ceil(n / L)  # experts more on the busiest lane
     return max(0.0, (two_s - one_s) / extra if extra else one_s - empty_s), empty_s
 
 
-def _answered(box: Mailbox, lanes: CpuLanes) -> None:
-    """Wait until the stream is through an exchange just enqueued (nothing to wait for on the CPU).
+def _exchange(box: Mailbox, lanes: CpuLanes, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              out: torch.Tensor) -> Callable[[], None]:
+    """One decode call's exchange with the lanes, on these buffers: on CUDA a graph of it, captured
+    now and replayed by each call; on the CPU made eagerly by each call."""
+    def made() -> None:
+        box.post(0, rows, ids, weights)
+        box.collect(out, lanes.check)
 
-    Raises:
-        MiraError: not within `ANSWER_S`; the stream is released and then waited for.
-    """
     if box.device.type != "cuda":
+        return made
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        made()
+    return graph.replay
+
+
+def _settled(device: torch.device) -> None:
+    """Wait, the GIL let go, until the device is through what was enqueued (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _watched(box: Mailbox) -> Iterator[None]:
+    """Around an exchange and the wait for it, on CUDA: if the lanes have not answered within
+    `ANSWER_S`, their DONE flags are raised from the host, so the held stream goes on, and then
+    MiraError raised. The watchdog's thread starts before the body, so its start is not timed."""
+    if box.device.type != "cuda":
+        yield
         return
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.perf_counter() + ANSWER_S
-    while not done.query():
-        if time.perf_counter() > deadline:
-            box.release()
-            done.synchronize()
-            raise MiraError(f"the CPU lanes did not answer a decode call's exchange within {ANSWER_S:g} s (stream "
-                            "memory operations on pinned memory); pass --cpu-experts split or off")
-        time.sleep(1e-4)
-    lanes.check()
+    expired = threading.Event()
+
+    def release() -> None:
+        expired.set()
+        box.release()
+
+    watchdog = threading.Timer(ANSWER_S, release)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+    if expired.is_set():
+        raise MiraError(f"the CPU lanes did not answer a decode call's exchange within {ANSWER_S:g} s (stream "
+                        "memory operations on pinned memory); pass --cpu-experts split or off")

@@ -8,6 +8,8 @@ of host reads and new tensors (the CPU tests' stand-ins for CUDA's sync and allo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from allocations import NewTensors
 from host_reads import host_reads
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, make_moe_ffn
-from mira.runtime import engine
+from mira.runtime import engine, graph_share
 from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, time_lanes
 from mira.runtime.mailbox import Mailbox
@@ -167,6 +169,32 @@ def test_the_lanes_time_their_experts_through_real_exchanges(mixtral_store):
     _, call_s = time_lanes(lanes, [model.store.blob(0, e) for e in range(E)], torch.device("cpu"))
     assert call_s > 0  # the tiny experts' own time is lost in this machine's noise; the round trip is not
     assert lanes.served[0] - served == (CALIBRATION_REPEATS + 1) * (2 + 4)  # jobs of 0, 2 and 4 experts, each computed
+
+
+class _HeldBox:
+    """A CUDA mailbox as the watchdog sees it: its device, and the host's release of the held stream."""
+
+    device = torch.device("cuda")
+
+    def __init__(self):
+        self.released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_an_exchange_the_lanes_never_answer_is_released_and_refused(monkeypatch):
+    monkeypatch.setattr(graph_share, "ANSWER_S", 0.05)
+    answered, held = _HeldBox(), _HeldBox()
+    with graph_share._watched(answered):
+        pass  # the stream is through at once
+    time.sleep(0.1)
+    assert answered.released == 0
+    deadline = time.perf_counter() + 5
+    with pytest.raises(MiraError, match="did not answer"), graph_share._watched(held):
+        while not held.released and time.perf_counter() < deadline:  # a synchronize, held until DONE is raised
+            time.sleep(0.001)
+    assert held.released == 1
 
 
 # a layer that always misses gives the lanes both its experts (1.1 s against 1.5 for one, 3.0 for none);
