@@ -14,6 +14,7 @@ from mira.errors import MiraError
 from mira.runtime.config import CPU_EXPERTS, DTYPES, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
 from mira.store.layout import SCHEMES
 
+BF16_HINT_BYTES = 1 << 20  # experts of at least this many bytes: their products dominate a CPU-only decode step
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
               "matrices; the default), int8-row (INT8, one scale per row), int4 (4-bit, a bf16 scale and offset "
               "per group of 64 weights), none (the checkpoint's dtype)")
@@ -268,8 +269,21 @@ def sampling_config(args: argparse.Namespace):
                           repetition_penalty=args.repetition_penalty, **generation)
 
 
+def bf16_hint(model) -> str | None:
+    """A line that points a CPU-only run in float32 by default to --dtype bfloat16, where this CPU
+    multiplies bf16 in hardware and the experts are large enough for their products to dominate."""
+    from mira.kernels.cpu_experts import native_bf16
+
+    if model.config.device != "cpu" or model.config.dtype != "float32" or model.store.blob_bytes < BF16_HINT_BYTES \
+            or not native_bf16():
+        return None
+    return ("mira: computing in float32 on the CPU, exactly what the store holds; this CPU multiplies bf16 in "
+            "hardware, so --dtype bfloat16 decodes faster")
+
+
 def load_model(args: argparse.Namespace):
-    """The model the model options ask for, through `mira.load` with a RuntimeConfig built from them."""
+    """The model the model options ask for, through `mira.load` with a RuntimeConfig built from them;
+    a CPU-only run left in float32 says where --dtype bfloat16 would be faster (`bf16_hint`)."""
     from mira.runtime.engine import load
 
     check_model_options(args)
@@ -278,5 +292,9 @@ def load_model(args: argparse.Namespace):
                            quant=args.quant, profile=args.profile, progress=not args.quiet)
     settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency,
                 "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads, "cpu_lanes": args.cpu_lanes}
-    return load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
-                                                  **{k: v for k, v in settings.items() if v is not None}))
+    model = load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
+                                                   **{k: v for k, v in settings.items() if v is not None}))
+    hint = bf16_hint(model) if args.dtype is None and not args.quiet else None
+    if hint is not None:
+        print(hint, file=sys.stderr)
+    return model
