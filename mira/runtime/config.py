@@ -87,8 +87,8 @@ class RuntimeConfig:
 
     device: "cuda", "cuda:N" or "cpu"; None: CUDA when present.
     dtype: compute dtype of the non-expert weights and activations; None: bfloat16 on CUDA, float32
-        on the CPU (float32 keeps the CPU path an exact reference; bf16 is faster only on CPUs with
-        bf16 instructions, and slow on the others).
+        on the CPU (float32 keeps the CPU path an exact reference; bf16 is faster where the CPU
+        multiplies it in hardware, mira.kernels.cpu_experts.native_bf16).
     vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or a
         share of all experts to give slots beyond the rest ("25%"); None: free memory less a margin
         on CUDA, and no slots on the CPU (experts are read in place).
