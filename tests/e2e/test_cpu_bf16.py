@@ -3,7 +3,9 @@ transformers' own forward of the same quantized model (its dequantized experts p
 
 - its logits lie as close to the exact float32 ones as transformers' own bfloat16 forward does
   (within 2x of that model's error, relative, L2), for every family and quantized scheme;
-- its experts modules really take the executor's products (a float32 run takes none).
+- its experts modules really take the executor's products (a float32 run takes none);
+- under a budget whose slots are rewritten with other experts, it generates what it generates with
+  every expert read in place, and the executor keeps one set of views per address read.
 """
 
 import copy
@@ -62,3 +64,16 @@ def test_only_a_bf16_cpu_run_computes_its_experts_with_weight_only_products(dtyp
     with torch.no_grad(), _Counted() as counted:
         model(_prompt(length=4))
     assert (counted.products > 0) == takes_products
+
+
+def test_a_bf16_cpu_run_under_an_evicting_budget_generates_its_in_place_text(mixtral_store):
+    greedy = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    ids = _prompt(seed=5)
+    expected = mira.load(mixtral_store, device="cpu", dtype="bfloat16", progress=False).generate(ids, **greedy)
+    probe = mira.load(mixtral_store, device="cpu", dtype="bfloat16", vram_budget=1 << 30, progress=False)
+    budget = probe.plan.reserve_bytes + 10 * probe.store.blob_bytes  # 10 slots for 24 experts
+    model = mira.load(mixtral_store, device="cpu", dtype="bfloat16", vram_budget=budget, policy="lru", progress=False)
+    assert torch.equal(model.generate(ids, **greedy), expected)
+    assert model.stats()["cache"]["copies"] > 24  # slots rewritten with other experts
+    executor = next(m.ffn.executor for m in model.hf_model.modules() if hasattr(m, "ffn"))
+    assert len(executor._views) == 10  # one per slot row: every expert is read from a slot
