@@ -38,7 +38,7 @@ import mira  # noqa: E402
 from mira.bench.measure import time_generation  # noqa: E402
 from mira.bench.prompts import BenchPrompt  # noqa: E402
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_skeleton, synthetic_store  # noqa: E402
-from mira.kernels import ReferenceMoEFFN  # noqa: E402
+from mira.kernels import CpuMoEFFN, ReferenceMoEFFN  # noqa: E402
 from mira.runtime.config import RuntimeConfig  # noqa: E402
 from mira.runtime.engine import assemble  # noqa: E402
 from mira.runtime.experts import MiraExperts  # noqa: E402
@@ -51,9 +51,9 @@ DEFAULT_DEPTH = 4
 def with_reference_ffn(model):
     """`model` with every MoE layer's FFN the reference, whatever its dtype."""
     for module in model.hf_model.modules():
-        if isinstance(module, MiraExperts):
-            ffn = module.ffn
-            module.ffn = ReferenceMoEFFN(ffn.layout, ffn.act, ffn.gate, ffn.absent == "zero")
+        if isinstance(module, MiraExperts) and isinstance(module.ffn, CpuMoEFFN):
+            executor = module.ffn.executor
+            module.ffn = ReferenceMoEFFN(executor.layout, executor.act, executor.gate, module.ffn.absent_zero)
     return model
 
 

@@ -6,10 +6,10 @@
   CUDA device, for gated experts whose gating has a closed form (SwiGLU, or a family's clamped
   variant: mira.models.spec.GluForm), with or without biases, on the `int8-shared`, `int8-row` or
   `int4` schemes;
-- on the CPU, the plain PyTorch reference (`mira.kernels.reference`) for float32 activations, the
-  ground truth the kernels are tested against, and the CPU executor (`mira.kernels.cpu_experts`:
-  weight-only products that read the blobs as they are) for bf16 and fp16 ones (`CpuMoEFFN`);
-- otherwise the reference.
+- on the CPU for bf16 and fp16 states, the CPU executor (`CpuMoEFFN` over
+  `mira.kernels.cpu_experts`: weight-only products that read the blobs as they are);
+- otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path in
+  float32 and the ground truth the kernels are tested against.
 
 Both are called as `ffn(hidden [T, H], top_k_index [T, K], top_k_weights [T, K], blobs, out=None,
 limits=None)`: `blobs` has one entry per expert of the layer, the expert's uint8 blob (a row of the
@@ -78,31 +78,24 @@ class ReferenceMoEFFN:
         return out
 
 
-class CpuMoEFFN(ReferenceMoEFFN):
-    """The expert FFN of a CPU-only run. Float32 activations take the reference, so the CPU's default
-    stays exact; bf16 and fp16 ones take the CPU executor, whose products read each routed expert's
-    INT8 or INT4 blob once, where the reference would first convert the whole expert to their dtype."""
+class CpuMoEFFN:
+    """The expert FFN of a CPU-only run in bf16 or fp16: the CPU executor, whose products read each
+    routed expert's INT8 or INT4 blob once, where the reference would first convert the whole expert
+    to the states' dtype. It computes experts whole (no `cut_granule`: the runtime cuts none)."""
 
     def __init__(self, layout: ExpertLayout, act: Callable | None, gate: Callable | None = None,
                  absent_zero: bool = False) -> None:
-        super().__init__(layout, act, gate, absent_zero)
         self.executor = CpuExpertFFN(layout, act, gate)
+        self.absent_zero = absent_zero
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-        blobs: Sequence[torch.Tensor | None],
-        *,
-        out: torch.Tensor | None = None,
-        limits: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As `ReferenceMoEFFN`; cut experts (`limits`) take the reference whatever the dtype."""
-        if hidden.dtype == torch.float32 or limits is not None:
-            return super().__call__(hidden, top_k_index, top_k_weights, blobs, out=out, limits=limits)
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 blobs: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None,
+                 limits: torch.Tensor | None = None) -> torch.Tensor:
+        """As `ReferenceMoEFFN`, without `limits`."""
+        if limits is not None:
+            raise ValueError("the CPU executor computes experts whole; it takes no limits")
         experts = top_k_index.unique().tolist()  # ascending
-        if self.absent == "zero":
+        if self.absent_zero:
             experts = [expert for expert in experts if blobs[expert] is not None]
         return self.executor(hidden, top_k_index, top_k_weights, blobs, experts, out=out)
 
@@ -145,6 +138,7 @@ def make_moe_ffn(
     gate: Callable | None = None,
     backend: str = "auto",
     absent_zero: bool = False,
+    dtype: torch.dtype | None = None,
     **triton_options,
 ) -> Callable[..., torch.Tensor]:
     """The expert FFN for this device, blob layout and activation, chosen once.
@@ -156,14 +150,16 @@ def make_moe_ffn(
             ACT2FN (a config's `hidden_act`, e.g. "silu"); None with `gate`.
         gate: the family's own gating of the gate-and-up output (mira.models.spec.FamilyGate), which
             only the reference computes.
-        backend: "auto" (Triton where it applies and is installed, else `CpuMoEFFN` on a CPU device and the
-            reference elsewhere), "triton" (raise if it does not apply; on a CPU device it needs
-            TRITON_INTERPRET=1) or "reference".
+        backend: "auto" (Triton where it applies and is installed, else `CpuMoEFFN` on a CPU device for
+            bf16 and fp16 states and the reference elsewhere), "triton" (raise if it does not apply; on
+            a CPU device it needs TRITON_INTERPRET=1) or "reference".
         absent_zero: a routed expert without a blob (address 0) adds zero, its weights unread: another
             executor computes it (the CPU's share of a layer's misses). Else the kernels give NaN rows
             for it and the reference raises.
-        **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k, dtype)
-            when the Triton path is chosen.
+        dtype: the states' dtype the layer is called in (None: unknown; the CPU then takes the
+            reference); the Triton kernels' too.
+        **triton_options: passed to `TritonMoEFFN` (config, num_experts, max_tokens, top_k) when the
+            Triton path is chosen.
 
     Returns:
         A callable `ffn(hidden, top_k_index, top_k_weights, blobs, *, out=None) -> [T, H]`.
@@ -180,7 +176,7 @@ def make_moe_ffn(
         raise MiraError(f"the fused kernels do not compute {unsupported}; use backend='auto' or 'reference'")
     installed = importlib.util.find_spec("triton") is not None
     if backend == "triton" or (backend == "auto" and unsupported is None and device.type == "cuda" and installed):
-        options = dict(glu=glu_of(act, gate), absent_zero=absent_zero, **triton_options)
+        options = dict(glu=glu_of(act, gate), absent_zero=absent_zero, dtype=dtype, **triton_options)
         if layout.scheme == "int4":
             from mira.kernels.triton_int4 import TritonInt4MoEFFN
 
@@ -192,6 +188,6 @@ def make_moe_ffn(
         from transformers.activations import ACT2FN
 
         act = ACT2FN[act]
-    if backend == "auto" and device.type == "cpu":
+    if backend == "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return CpuMoEFFN(layout, act, gate, absent_zero)
     return ReferenceMoEFFN(layout, act, gate, absent_zero)

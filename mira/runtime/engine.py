@@ -344,7 +344,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     plan = _plan(config, hf_model, store, setup.max_context)
     capacity = plan.slots if plan else 0
     act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
-    ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts)
+    ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, dtype=hf_model.dtype)
     heads = config.prefetch.heads
     top_k = routed_per_token(hf_model.config)
     worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts, top_k)
@@ -366,7 +366,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if decided.cpu_experts in (None, "graph") and worker is not None:
         worker.close()  # unused, or replaced by the lanes (its calibration priced PCIe)
     if decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes
-        ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, absent_zero=True)
+        ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, absent_zero=True,
+                           dtype=hf_model.dtype)
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
     placement = _policy(decided.policy, decided.policy_slots, total_experts, config.cache, profile)

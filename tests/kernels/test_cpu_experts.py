@@ -345,9 +345,10 @@ def test_an_expert_without_blob_is_refused():
 @pytest.mark.parametrize("scheme,weight_dtype", SCHEMES)
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_cpu_only_runs_layer_is_exact_in_float32_and_the_executors_in_bf16(scheme, weight_dtype, tokens):
-    """`make_moe_ffn` on the CPU: float32 states get the reference's exact arithmetic, bf16 ones the
-    executor's products, within the executor's bound of the float64 reference; an expert without a
-    blob adds zero where another executor computes it, and is refused elsewhere."""
+    """`make_moe_ffn` on the CPU: for float32 states (or an unknown dtype) the reference's exact
+    arithmetic, for bf16 ones the executor's products, within the executor's bound of the float64
+    reference; an expert without a blob adds zero where another executor computes it, and is refused
+    elsewhere; the executor computes experts whole."""
     (H, I), E, K = sized(scheme, 64, 32), 5, 2
     layout = ExpertLayout(scheme, H, I, weight_dtype)
     blobs = make_blobs(layout, E, seed=3)
@@ -355,9 +356,10 @@ def test_a_cpu_only_runs_layer_is_exact_in_float32_and_the_executors_in_bf16(sch
     hidden = torch.randn(tokens, H, generator=g)
     top_k_index = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])  # [T, K]
     top_k_weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1)  # [T, K]
-    ffn = make_moe_ffn("cpu", layout, F.silu)
     reference = moe_ffn_reference(hidden, top_k_index, top_k_weights, blobs, layout, F.silu)
-    assert torch.equal(ffn(hidden, top_k_index, top_k_weights, blobs), reference)
+    for exact in (make_moe_ffn("cpu", layout, F.silu), make_moe_ffn("cpu", layout, F.silu, dtype=torch.float32)):
+        assert torch.equal(exact(hidden, top_k_index, top_k_weights, blobs), reference)
+    ffn = make_moe_ffn("cpu", layout, F.silu, dtype=torch.bfloat16)
     states = hidden.bfloat16()
     got = ffn(states, top_k_index, top_k_weights, blobs)
     routed = top_k_index.unique().tolist()
@@ -371,10 +373,14 @@ def test_a_cpu_only_runs_layer_is_exact_in_float32_and_the_executors_in_bf16(sch
         bound.index_add_(0, token_idx, per_expert * top_k_weights[token_idx, k_pos, None].double())
     assert ((got.double() - exact).abs() <= bound + unit_roundoff(torch.bfloat16) * exact.abs()).all()
     absent = [None if expert == routed[0] else blob for expert, blob in enumerate(blobs)]
-    rest = make_moe_ffn("cpu", layout, F.silu, absent_zero=True)(states, top_k_index, top_k_weights, absent)
+    rest = make_moe_ffn("cpu", layout, F.silu, absent_zero=True, dtype=torch.bfloat16)(states, top_k_index,
+                                                                                      top_k_weights, absent)
     assert torch.equal(rest, CpuExpertFFN(layout, F.silu)(states, top_k_index, top_k_weights, blobs, routed[1:]))
     with pytest.raises(ValueError, match=f"expert {routed[0]}"):
         ffn(states, top_k_index, top_k_weights, absent)
+    assert getattr(ffn, "cut_granule", None) is None
+    with pytest.raises(ValueError, match="whole"):
+        ffn(states, top_k_index, top_k_weights, blobs, limits=torch.full((E,), I // 2))
 
 
 class _RecordWeights(TorchFunctionMode):
