@@ -1,5 +1,6 @@
-"""A CPU-only run's decode speed in float32 (the default: exact, the reference expert FFN) against
-bfloat16 (`--dtype bfloat16`: experts through the CPU executor, mira.kernels.CpuMoEFFN).
+"""A CPU-only run's decode speed in float32 (exact, the reference expert FFN) against bfloat16 (experts
+through the CPU executor, mira.kernels.CpuMoEFFN): the measurement behind the CPU's default dtype
+(mira.runtime.config.default_dtype).
 
 Three cells per model: float32 with the reference, bfloat16 with the reference (each routed expert
 converted to bf16 before its products), and bfloat16 with the executor (weight-only products on the
@@ -16,6 +17,11 @@ untimed one, every cell of a depth timed once per round, so that a machine drift
 shifts all cells alike.
 
     python benchmarks/cpu_only_dtype.py [--presets olmoe-1b-7b,qwen3-30b-a3b,mixtral-8x7b] [--out FILE]
+
+For a CPU without bf16 instructions, hold torch to AVX2 (`cpu_capability` in the result says which):
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/cpu_only_dtype.py \
+        --out benchmarks/results/cpu-only-dtype-cpu-avx2.json
 """
 
 from __future__ import annotations
@@ -124,9 +130,10 @@ def main() -> None:
         results[name] = {"layers": {str(k): {"tokens_per_s": v} for k, v in per_depth.items()},
                          "estimate_full_model": _estimate(per_depth, depth, preset_config(name).num_hidden_layers)}
 
-    write_result(args.out, {"threads": torch.get_num_threads(), "prompt_tokens": args.prompt_tokens,
-                            "new_tokens": args.new_tokens, "repeats": args.repeats, "scheme": "int8-shared",
-                            "models": results}, "cpu")
+    write_result(args.out, {"threads": torch.get_num_threads(),
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+                            "repeats": args.repeats, "scheme": "int8-shared", "models": results}, "cpu")
     print(_table(results))
 
 

@@ -14,7 +14,6 @@ from mira.errors import MiraError
 from mira.runtime.config import CPU_EXPERTS, DTYPES, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
 from mira.store.layout import SCHEMES
 
-BF16_HINT_BYTES = 1 << 20  # experts of at least this many bytes: their products dominate a CPU-only decode step
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
               "matrices; the default), int8-row (INT8, one scale per row), int4 (4-bit, a bf16 scale and offset "
               "per group of 64 weights), none (the checkpoint's dtype)")
@@ -180,10 +179,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="compute dtype of the activations and the weights outside the experts (default: "
-                             "bfloat16 on CUDA; float32 on the CPU, which computes exactly what the quantized "
-                             "experts hold). On a CPU with bf16 instructions (AVX512-BF16, AMX), bfloat16 decodes "
-                             "faster: the experts then go through INT8/INT4 weight-only products that read each "
-                             "expert's bytes once")
+                             "bfloat16 on CUDA; on the CPU, bfloat16 for experts of a million weights or more, whose "
+                             "products then read each expert's quantized bytes once, and float32 for smaller ones, "
+                             "which computes exactly what the store holds)")
     parser.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
                         help="device memory Mira may use, e.g. 12GiB, or 25%% for slots for a quarter of the experts "
                              "beyond the rest of the model (default: free memory less 1 GiB on CUDA; on the CPU, "
@@ -269,21 +267,8 @@ def sampling_config(args: argparse.Namespace):
                           repetition_penalty=args.repetition_penalty, **generation)
 
 
-def bf16_hint(model) -> str | None:
-    """A line that points a CPU-only run in float32 by default to --dtype bfloat16, where this CPU
-    multiplies bf16 in hardware and the experts are large enough for their products to dominate."""
-    from mira.kernels.cpu_experts import native_bf16
-
-    if model.config.device != "cpu" or model.config.dtype != "float32" or model.store.blob_bytes < BF16_HINT_BYTES \
-            or not native_bf16():
-        return None
-    return ("mira: computing in float32 on the CPU, exactly what the store holds; this CPU multiplies bf16 in "
-            "hardware, so --dtype bfloat16 decodes faster")
-
-
 def load_model(args: argparse.Namespace):
-    """The model the model options ask for, through `mira.load` with a RuntimeConfig built from them;
-    a CPU-only run left in float32 says where --dtype bfloat16 would be faster (`bf16_hint`)."""
+    """The model the model options ask for, through `mira.load` with a RuntimeConfig built from them."""
     from mira.runtime.engine import load
 
     check_model_options(args)
@@ -292,9 +277,5 @@ def load_model(args: argparse.Namespace):
                            quant=args.quant, profile=args.profile, progress=not args.quiet)
     settings = {"policy": args.policy, "prefetch": args.prefetch, "residency": args.residency,
                 "cpu_experts": args.cpu_experts, "cpu_threads": args.cpu_expert_threads, "cpu_lanes": args.cpu_lanes}
-    model = load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
-                                                   **{k: v for k, v in settings.items() if v is not None}))
-    hint = bf16_hint(model) if args.dtype is None and not args.quiet else None
-    if hint is not None:
-        print(hint, file=sys.stderr)
-    return model
+    return load(args.model, config.with_overrides(cuda_graphs=not args.no_cuda_graphs,
+                                                  **{k: v for k, v in settings.items() if v is not None}))

@@ -56,13 +56,6 @@ ACT_ALIGN = 32  # bytes; the vectorised bf16 product loads activation rows align
 COLUMN_COPY_COST = 3.0  # a cut's INT8 columns of W2, copied then multiplied, in reads of their bytes
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where bf16 products, the
-    executor's among them, run faster than float32 ones; elsewhere they are emulated."""
-    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(probe is not None and probe() for probe in probes)
-
-
 def default_column_cost(scheme: str) -> float:
     """What a cut's CPU part pays for its columns of the down matrix, in reads of their bytes: float
     weights are multiplied strided as they are; INT8 ones copied first."""

@@ -1,9 +1,10 @@
 """What a model runs with, and the one place where every "auto" becomes a decision.
 
 `RuntimeConfig` holds the user's choices, with None or "auto" wherever Mira should decide. Two pure
-functions decide: `resolve_setup` before the model is built (device, dtype, context) and `resolve`
-once the budget's slot count is known (policy, residency, staging). Neither touches a device or a
-file, so both are tested on their own; `mira.runtime.engine` gathers the facts and applies them.
+functions decide: `resolve_setup` before the store is opened (device, context) and `resolve` once
+the budget's slot count is known (policy, residency, staging); between them `default_dtype` picks the
+compute dtype from the experts' size. None touches a device or a file, so each is tested on its
+own; `mira.runtime.engine` gathers the facts and applies them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ RESIDENCY = ("auto", "lagged", "inline")
 CPU_EXPERTS = ("auto", "off", "all", "split", "graph")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_CONTEXT = 4096
+CPU_BF16_EXPERT_WEIGHTS = 1 << 20  # experts of at least this many weights: a CPU-only run computes in bf16
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,7 @@ class RuntimeConfig:
     """Where and how a model runs; None means "let Mira decide".
 
     device: "cuda", "cuda:N" or "cpu"; None: CUDA when present.
-    dtype: compute dtype of the non-expert weights and activations; None: bfloat16 on CUDA, float32
-        on the CPU (float32 keeps the CPU path an exact reference; bf16 is faster where the CPU
-        multiplies it in hardware, mira.kernels.cpu_experts.native_bf16).
+    dtype: compute dtype of the non-expert weights and activations; None: `default_dtype`.
     vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or a
         share of all experts to give slots beyond the rest ("25%"); None: free memory less a margin
         on CUDA, and no slots on the CPU (experts are read in place).
@@ -182,27 +182,34 @@ def budget_share(text: str) -> float | None:
 
 @dataclass(frozen=True)
 class Setup:
-    """What `resolve_setup` decides before the model is built."""
+    """What `resolve_setup` decides before the store is opened (so a bad setting is refused before
+    a conversion)."""
 
     device: str
-    dtype: str
     max_context: int
 
 
 def resolve_setup(config: RuntimeConfig, *, cuda_available: bool, model_positions: int | None) -> Setup:
-    """Device, dtype and context: CUDA when present; bf16 on CUDA, float32 on the CPU; the model's
-    positions up to DEFAULT_MAX_CONTEXT.
+    """Device and context: CUDA when present; the model's positions up to DEFAULT_MAX_CONTEXT.
 
     Raises:
         MiraError: an explicit max_context beyond the model's positions.
     """
     device = config.device or ("cuda" if cuda_available else "cpu")
-    dtype = config.dtype or ("float32" if device == "cpu" else "bfloat16")
     positions = model_positions or 1 << 30
     if config.max_context is not None and config.max_context > positions:
         raise MiraError(f"--max-context {config.max_context} is beyond the {positions} positions this model was made "
                         f"for; pass --max-context {positions} or less")
-    return Setup(device, dtype, config.max_context or min(DEFAULT_MAX_CONTEXT, positions))
+    return Setup(device, config.max_context or min(DEFAULT_MAX_CONTEXT, positions))
+
+
+def default_dtype(device: str, expert_weights: int) -> str:
+    """The compute dtype where none is asked for: bf16 on CUDA and, on the CPU, for experts of at
+    least CPU_BF16_EXPERT_WEIGHTS, whose products then dominate a step and go through the CPU executor
+    reading the quantized bytes once (mira.kernels.CpuMoEFFN); float32 for smaller experts, where it
+    costs little and computes exactly what the store holds (the reference). By weights, not bytes,
+    so that every scheme of one checkpoint computes in the same dtype."""
+    return "float32" if device == "cpu" and expert_weights < CPU_BF16_EXPERT_WEIGHTS else "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import GraphShare, make_graph_share
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache, takes_static_cache
-from mira.runtime.config import Facts, RuntimeConfig, budget_share, resolve, resolve_setup
+from mira.runtime.config import Facts, RuntimeConfig, budget_share, default_dtype, resolve, resolve_setup
 from mira.runtime.threads import free_idle_team
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -310,13 +310,14 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
                           cuda_available=torch.cuda.is_available(), model_positions=positions)
     store_path = resolve_store(model_path, config.quant, config.progress)
     store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=config.progress)
-    hf_model, sites = build_model(store_path, getattr(torch, setup.dtype), torch_device)
+    dtype = config.dtype or default_dtype(setup.device, store.layout.weights)
+    hf_model, sites = build_model(store_path, getattr(torch, dtype), torch_device)
     total_experts = store.num_layers * store.num_experts
     popularity = _popularity(config.profile, total_experts) if config.profile is not None else None
     budget = config.vram_budget
     if isinstance(budget, str):
         budget = _share_budget(budget_share(budget), hf_model, store, setup.max_context)
-    config = dataclasses.replace(config, device=setup.device, dtype=setup.dtype, vram_budget=budget,
+    config = dataclasses.replace(config, device=setup.device, dtype=dtype, vram_budget=budget,
                                  max_context=setup.max_context, quant=store.manifest.scheme)
     return assemble(hf_model, sites, store, store_tokenizer(store_path), config, popularity)
 

@@ -113,6 +113,11 @@ class ExpertLayout:
             view.copy_(tensors[name])
 
     @property
+    def weights(self) -> int:
+        """Weights of one expert, whatever the scheme stores them in."""
+        return self.sections["w13"].shape[0] * self.hidden + self.hidden * self.intermediate
+
+    @property
     def extended(self) -> bool:
         """Whether this layout uses a field the first store format lacks (biases, ungated experts)."""
         return self.bias or not self.gated

@@ -1,9 +1,11 @@
-"""A CPU-only run in bfloat16 (`--dtype bfloat16`), whose experts go through the CPU executor, against
-transformers' own forward of the same quantized model (its dequantized experts put back):
+"""A CPU-only run in bfloat16 (`--dtype bfloat16`, and the default for large experts), whose experts go
+through the CPU executor, against transformers' own forward of the same quantized model (its
+dequantized experts put back):
 
 - its logits lie as close to the exact float32 ones as transformers' own bfloat16 forward does
   (within 2x of that model's error, relative, L2), for every family and quantized scheme;
-- its experts modules really take the executor's products (a float32 run takes none);
+- its experts modules really take the executor's products (a float32 run takes none), and a run
+  that names no dtype takes them exactly where its experts reach the size for bf16;
 - under a budget whose slots are rewritten with other experts, it generates what it generates with
   every expert read in place, and the executor keeps one set of views per address read.
 """
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import mira
+from mira.runtime import config
 from tiny_models import FAMILIES, dequantized_model
 
 SCHEMES = ["int8-shared", "int8-row", "int4"]
@@ -64,6 +67,19 @@ def test_only_a_bf16_cpu_run_computes_its_experts_with_weight_only_products(dtyp
     with torch.no_grad(), _Counted() as counted:
         model(_prompt(length=4))
     assert (counted.products > 0) == takes_products
+
+
+@pytest.mark.parametrize("above", [True, False])
+def test_a_cpu_run_of_no_dtype_takes_bf16_and_the_executor_for_large_experts(above, stores, monkeypatch):
+    store = stores["mixtral", "int8-shared"]
+    weights = mira.load(store, device="cpu", progress=False).store.layout.weights
+    monkeypatch.setattr(config, "CPU_BF16_EXPERT_WEIGHTS", weights if above else weights + 1)
+    model = mira.load(store, device="cpu", progress=False)
+    assert model.stats()["dtype"] == ("bfloat16" if above else "float32")
+    with torch.no_grad(), _Counted() as counted:
+        logits = model(_prompt(length=4)).logits
+    assert logits.dtype == (torch.bfloat16 if above else torch.float32)
+    assert (counted.products > 0) == above
 
 
 def test_a_bf16_cpu_run_under_an_evicting_budget_generates_its_in_place_text(mixtral_store):

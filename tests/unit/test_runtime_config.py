@@ -1,11 +1,11 @@
-"""`resolve_setup` and `resolve`: every "auto" of a RuntimeConfig decided, from plain facts, by hand-worked cases."""
+"""`resolve_setup`, `default_dtype` and `resolve`: every "auto" of a RuntimeConfig decided, from plain facts, by hand-worked cases."""
 
 import pytest
 
 from mira.cache.config import CacheConfig
 from mira.errors import MiraError
-from mira.runtime.config import (DEFAULT_MAX_CONTEXT, STAGING_ROWS, Decisions, Facts, PrefetchConfig, RuntimeConfig,
-                                 resolve, resolve_setup)
+from mira.runtime.config import (CPU_BF16_EXPERT_WEIGHTS, DEFAULT_MAX_CONTEXT, STAGING_ROWS, Decisions, Facts,
+                                 PrefetchConfig, RuntimeConfig, default_dtype, resolve, resolve_setup)
 
 
 def _facts(**changes) -> Facts:
@@ -22,15 +22,20 @@ def _decide(residency="auto", prefetch="off", policy="mira", cpu_experts="auto",
 
 def test_setup_defaults_follow_the_device_and_the_model():
     cuda = resolve_setup(RuntimeConfig(), cuda_available=True, model_positions=32768)
-    assert (cuda.device, cuda.dtype, cuda.max_context) == ("cuda", "bfloat16", 4096)
+    assert (cuda.device, cuda.max_context) == ("cuda", 4096)
     cpu = resolve_setup(RuntimeConfig(), cuda_available=False, model_positions=512)
-    assert (cpu.device, cpu.dtype, cpu.max_context) == ("cpu", "float32", 512)
+    assert (cpu.device, cpu.max_context) == ("cpu", 512)
     assert resolve_setup(RuntimeConfig(), cuda_available=False, model_positions=None).max_context == DEFAULT_MAX_CONTEXT
-    chosen = resolve_setup(RuntimeConfig(device="cpu", dtype="bfloat16", max_context=100), cuda_available=True,
-                           model_positions=512)
-    assert (chosen.device, chosen.dtype, chosen.max_context) == ("cpu", "bfloat16", 100)
+    chosen = resolve_setup(RuntimeConfig(device="cpu", max_context=100), cuda_available=True, model_positions=512)
+    assert (chosen.device, chosen.max_context) == ("cpu", 100)
     with pytest.raises(MiraError, match="beyond the 512 positions"):
         resolve_setup(RuntimeConfig(max_context=513), cuda_available=False, model_positions=512)
+
+
+def test_the_default_dtype_is_bf16_but_for_small_experts_on_the_cpu():
+    assert default_dtype("cuda", 1) == default_dtype("cuda:1", 1) == "bfloat16"
+    assert default_dtype("cpu", CPU_BF16_EXPERT_WEIGHTS) == "bfloat16"
+    assert default_dtype("cpu", CPU_BF16_EXPERT_WEIGHTS - 1) == "float32"
 
 
 def test_auto_residency_lags_on_cuda_with_the_fused_kernels_and_not_on_the_cpu():

@@ -59,3 +59,12 @@ def test_a_blob_with_biases_packs_and_views_every_section():
     layout.pack(tensors, blob)
     views = layout.views(blob)
     assert all(torch.equal(views[name], tensor) for name, tensor in tensors.items())
+
+
+def test_an_experts_weights_are_counted_alike_in_every_scheme():
+    hidden, intermediate = 128, 64
+    gated = 2 * intermediate * hidden + hidden * intermediate  # gate and up [I, H] each, down [H, I]
+    for scheme in ("int8-shared", "int8-row", "int4", "none"):
+        weight_dtype = torch.bfloat16 if scheme == "none" else torch.int8
+        assert ExpertLayout(scheme, hidden, intermediate, weight_dtype).weights == gated
+    assert ExpertLayout("int8-shared", hidden, intermediate, gated=False, bias=True).weights == 2 * hidden * intermediate
