@@ -20,6 +20,13 @@ before it have evicted the buffer from the caches, and the product reads them ag
 third of the units it takes that way, and above it multiplies the whole W2 against a hidden state
 that is zero below `first`. Float weights take the strided columns as they are.
 
+The weight-only products read every weight again for each token, so their time grows with the
+tokens as if each were alone. A whole INT8 expert of DENSE_TOKENS tokens or more (a prefill's) is
+therefore converted to bf16 once, into two buffers the executor keeps (two bytes a weight of one
+expert), and multiplied densely, reading each weight once for all its tokens
+(benchmarks/cpu_dense.py measures where that starts to pay). INT4 experts stay with their
+weight-only products: dequantizing their groups costs the CPU as much as a hundred tokens of them.
+
 The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
 
 - `int8-row`: per output row of each matrix, exactly the matmul's own scale argument.
@@ -54,6 +61,7 @@ COMPUTE_DTYPE = torch.bfloat16  # activations of the INT8 products (see the modu
 VECTOR = 16  # reduction elements per step of the vectorised bf16 product
 ACT_ALIGN = 32  # bytes; the vectorised bf16 product loads activation rows aligned to this
 COLUMN_COPY_COST = 3.0  # a cut's INT8 columns of W2, copied then multiplied, in reads of their bytes
+DENSE_TOKENS = 32  # an INT8 expert's tokens from which it is converted to bf16 for dense products
 
 
 def default_column_cost(scheme: str) -> float:
@@ -87,6 +95,7 @@ class CpuExpertFFN:
         self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
         self._column_views: dict[torch.Size, torch.Tensor] = {}  # views of that buffer by shape, made once
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # a blob's address -> its views
+        self._dense_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # W13, W2 in bf16 (`_dense`)
 
     def expert(self, x: torch.Tensor, views: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
         """One expert's FFN on x [T, H] -> [T, H] in x's dtype, from the typed views of its blob.
@@ -99,7 +108,9 @@ class CpuExpertFFN:
         scheme = self.layout.scheme
         ranges = self._w13_ranges(first)  # the rows of w13 the cut computes (None: all)
         w13 = _rows(views["w13"], ranges)  # products of these: gate_up, [T, 2I] whole or a cut's [T, I'] parts
-        if scheme == "none":
+        if not first and x.shape[0] >= DENSE_TOKENS and scheme in ("int8-shared", "int8-row"):
+            y = self._dense(x, views)
+        elif scheme == "none":
             dtype = views["w13"].dtype
             gate_up = [F.linear(x.to(dtype), w) for w in w13]
             h, w2 = self._down_operands(self._hidden(gate_up, views, ranges), views["w2"], first)
@@ -123,6 +134,22 @@ class CpuExpertFFN:
         if self.layout.bias and first == 0:
             y = y.float() + views["b2"]
         return _as(y, x.dtype)
+
+    def _dense(self, x: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A whole INT8 expert on x [T, H] of DENSE_TOKENS or more: its codes converted to bf16 once
+        (every INT8 value is a bf16), into buffers kept for the next such call, then dense products,
+        which use each weight for all T tokens where the weight-only ones read it again per token."""
+        if self._dense_buffers is None:
+            rows13, H, I = views["w13"].shape[0], self.layout.hidden, self.layout.intermediate
+            self._dense_buffers = (torch.empty(rows13, H, dtype=COMPUTE_DTYPE), torch.empty(H, I, dtype=COMPUTE_DTYPE))
+        w13, w2 = (buffer.copy_(views[name]) for buffer, name in zip(self._dense_buffers, ("w13", "w2")))
+        xb = _as(x, COMPUTE_DTYPE)
+        if self.layout.scheme == "int8-shared":  # W13 x = W13q (s * x), W2 h = s * (W2q h)
+            scale = views["scale"]
+            h = self._hidden([F.linear(xb * scale, w13)], views, None)
+            return F.linear(h.to(COMPUTE_DTYPE), w2) * scale
+        h = self._hidden([F.linear(xb, w13) * views["scale13"]], views, None)
+        return F.linear(h.to(COMPUTE_DTYPE), w2) * views["scale2"]
 
     def __call__(
         self,

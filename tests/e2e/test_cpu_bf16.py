@@ -3,7 +3,8 @@ through the CPU executor, against transformers' own forward of the same quantize
 dequantized experts put back):
 
 - its logits lie as close to the exact float32 ones as transformers' own bfloat16 forward does
-  (within 2x of that model's error, relative, L2), for every family and quantized scheme;
+  (within 2x of that model's error, relative, L2), for every family and quantized scheme, and for
+  long prompts, whose INT8 experts take dense products;
 - its experts modules really take the executor's products (a float32 run takes none), and a run
   that names no dtype takes them exactly where its experts reach the size for bf16;
 - under a budget whose slots are rewritten with other experts, it generates what it generates with
@@ -22,6 +23,7 @@ from tiny_models import FAMILIES, dequantized_model
 SCHEMES = ["int8-shared", "int8-row", "int4"]
 ERROR_OVER_TRANSFORMERS = 2.0  # Mira's bf16 error over transformers' own bf16 error, at most
 PROMPTS = 6  # a rounding that flips one token's routing moves its logits far: the errors are summed over prompts
+LONG, LONG_PROMPTS = 192, 2  # tokens of a long prompt (DENSE_TOKENS and more for most experts), and how many
 
 
 def _prompt(seed=0, length=16):
@@ -38,13 +40,25 @@ def test_a_bf16_cpu_run_is_as_close_to_the_exact_model_as_transformers_bf16(fami
                                                                           int4_checkpoints, int4_stores):
     checkpoint, store = (int4_checkpoints[family], int4_stores[family]) if scheme == "int4" else \
         (checkpoints[family], stores[family, scheme])
+    _assert_as_close_as_transformers_bf16(checkpoint, store, [_prompt(seed) for seed in range(PROMPTS)])
+
+
+@pytest.mark.parametrize("scheme", ["int8-shared", "int8-row"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_long_prompts_dense_products_are_as_close_as_transformers_bf16(family, scheme, checkpoints, stores):
+    """A prompt of LONG tokens gives most experts DENSE_TOKENS or more (8 experts, 2 a token)."""
+    prompts = [_prompt(seed, LONG) for seed in range(LONG_PROMPTS)]
+    _assert_as_close_as_transformers_bf16(checkpoints[family], stores[family, scheme], prompts)
+
+
+def _assert_as_close_as_transformers_bf16(checkpoint, store, prompts):
     reference = dequantized_model(checkpoint, store)
     in_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
     model = mira.load(store, device="cpu", dtype="bfloat16", progress=False)
     assert model.stats()["dtype"] == "bfloat16"
     with torch.no_grad():
-        runs = [(reference(ids).logits, in_bf16(ids).logits, model(ids).logits) for ids in map(_prompt, range(PROMPTS))]
-    exact, theirs, ours = (torch.cat(logits) for logits in zip(*runs))
+        runs = [(reference(ids).logits, in_bf16(ids).logits, model(ids).logits) for ids in prompts]
+    exact, theirs, ours = (torch.cat(logits, dim=1) for logits in zip(*runs))
     assert ours.dtype == torch.bfloat16
     assert 0 < _relative(ours, exact) <= ERROR_OVER_TRANSFORMERS * _relative(theirs, exact)
 

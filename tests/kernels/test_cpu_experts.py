@@ -1,5 +1,6 @@
 """The CPU expert executor against the float64 PyTorch reference, within error bounds derived from
-the dtypes it rounds to, and reading the store's blobs in place."""
+the dtypes it rounds to, and reading the store's blobs in place (or, for an INT8 expert of many
+tokens, converting them once for dense products)."""
 
 import math
 
@@ -10,14 +11,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mira.kernels import cpu_int4, make_moe_ffn
-from mira.kernels.cpu_experts import COLUMN_COPY_COST, COMPUTE_DTYPE, CpuExpertFFN
+from mira.kernels.cpu_experts import COLUMN_COPY_COST, COMPUTE_DTYPE, DENSE_TOKENS, CpuExpertFFN
 from mira.kernels.reference import expert_ffn, moe_ffn_reference
 from mira.store.layout import ExpertLayout
 from mira.store.quant import dequantize_expert, quantize_expert
 
 # (H, I): multiples of 16 (the vectorised product) and not (the fp32 form), in either or both
 SHAPES = [(64, 32), (128, 48), (96, 40), (40, 96), (72, 29), (130, 7)]
-TOKENS = [1, 3, 17]
+TOKENS = [1, 3, 17, DENSE_TOKENS]  # the last: INT8 experts take dense products
 SCHEMES = [("int8-row", torch.int8), ("int8-shared", torch.int8), ("int4", torch.int8), ("none", torch.bfloat16),
            ("none", torch.float32)]
 U32 = 2.0**-24  # unit roundoff of the fp32 accumulators
@@ -80,17 +81,21 @@ def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) 
     rounds: activations to the compute dtype (and, int8-shared, x * s once more), int4's weights
     dequantized in float32 (times s, plus z), the gate/up outputs, the bias added in float32, the activation evaluated
     in float32 and rounded to the compute dtype, the down outputs, each within one unit roundoff u of
-    its dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms."""
+    its dtype, plus fp32 accumulation (K * u32 of the sum of magnitudes); doubled for second-order terms.
+    Dense products (an INT8 expert of DENSE_TOKENS tokens or more) round their outputs once more
+    where a row scale multiplies them after the product: int8-row's gate/up, and every INT8 down."""
     w13, w2 = dequantize_expert(views, layout)  # float64, exact
     compute = compute_dtype(layout, views)
     u = unit_roundoff(compute)
     xd = x.double()
     H, I = layout.hidden, layout.intermediate
     weight_roundings = 2 if layout.scheme == "int4" else 0
+    dense = layout.scheme in ("int8-shared", "int8-row") and x.shape[0] >= DENSE_TOKENS
+    output_roundings13 = 2 if dense and layout.scheme == "int8-row" else 1
     input_roundings = (0 if torch.finfo(compute).eps <= torch.finfo(x.dtype).eps else 1) + (
         1 if layout.scheme == "int8-shared" else 0)
     gate_up = xd @ w13.T  # [T, 2I]
-    err13 = ((input_roundings + 1) * u + (H + weight_roundings) * U32) * (xd.abs() @ w13.abs().T)  # [T, 2I]
+    err13 = ((input_roundings + output_roundings13) * u + (H + weight_roundings) * U32) * (xd.abs() @ w13.abs().T)
     if layout.bias:
         gate_up = gate_up + views["b13"].double()
         err13 = err13 + U32 * gate_up.abs()
@@ -111,7 +116,7 @@ def expert_bound(x: torch.Tensor, views: dict, layout: ExpertLayout, gate=None) 
         err_h = SILU_SLOPE * err13
     err_h = err_h + (u + ACT_ULPS * U32) * h.abs()
     y_mag = h.abs() @ w2.abs().T  # [T, H]
-    err_y = err_h @ w2.abs().T + (u + (I + weight_roundings) * U32) * y_mag
+    err_y = err_h @ w2.abs().T + ((2 if dense else 1) * u + (I + weight_roundings) * U32) * y_mag
     out_mag = y_mag
     if layout.bias:
         out_mag = y_mag + views["b2"].double().abs()
@@ -157,14 +162,16 @@ VARIANTS = {"bias": (True, True, None), "ungated": (False, False, None), "ungate
     (*s, v) for s in SCHEMES for v in VARIANTS if not (s[0] == "int4" and not VARIANTS[v][0])])
 @pytest.mark.parametrize("shape", [(64, 32), (96, 40)])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, weight_dtype, variant, shape, x_dtype):
+@pytest.mark.parametrize("tokens", [5, DENSE_TOKENS])
+def test_biases_ungated_experts_and_a_familys_gate_match_the_reference(scheme, weight_dtype, variant, shape, x_dtype,
+                                                                        tokens):
     gated, bias, gate = VARIANTS[variant]
     H, I = sized(scheme, *shape)
     layout = ExpertLayout(scheme, H, I, weight_dtype, gated=gated, bias=bias)
     views = layout.views(make_blobs(layout, 1, seed=H + I)[0])
-    x = torch.randn(5, H, generator=torch.Generator().manual_seed(I)).to(x_dtype)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(I)).to(x_dtype)
     y = CpuExpertFFN(layout, F.silu, gate=gate).expert(x, views)
-    assert y.dtype == x_dtype and y.shape == (5, H)
+    assert y.dtype == x_dtype and y.shape == (tokens, H)
     assert_matches_reference(y, x, views, layout, gate)
 
 
@@ -408,6 +415,29 @@ def test_weights_are_read_in_place_from_the_blob(scheme, weight_dtype):
     expected = [base + layout.sections["w13"].offset, base + layout.sections["w2"].offset]
     assert [w.data_ptr() for w in recorded.weights] == expected
     assert all(w.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for w in recorded.weights)
+
+
+@pytest.mark.parametrize("scheme", ["int8-shared", "int8-row"])
+def test_an_int8_expert_of_many_tokens_converts_its_codes_once_for_dense_products(scheme):
+    """Below DENSE_TOKENS a token's products read the blob in place; from it on, two dense products
+    take bf16 weights equal to the codes, in buffers that the next such call reuses."""
+    H, I = 96, 40
+    layout = ExpertLayout(scheme, H, I)
+    blobs = make_blobs(layout, 2, seed=1)
+    ffn = CpuExpertFFN(layout, F.silu)
+    with _RecordWeights() as few:
+        ffn.expert(torch.randn(DENSE_TOKENS - 1, H), layout.views(blobs[0]))
+    assert [w.dtype for w in few.weights] == [torch.int8, torch.int8]
+    buffers = []
+    for blob in blobs:
+        with _RecordWeights() as many:
+            ffn.expert(torch.randn(DENSE_TOKENS, H), layout.views(blob))
+        views = layout.views(blob)
+        assert [w.dtype for w in many.weights] == [COMPUTE_DTYPE, COMPUTE_DTYPE]
+        assert torch.equal(many.weights[0].float(), views["w13"].float())
+        assert torch.equal(many.weights[1].float(), views["w2"].float())
+        buffers.append([w.data_ptr() for w in many.weights])
+    assert buffers[0] == buffers[1]
 
 
 class _RecordInt4Products(TorchDispatchMode):
