@@ -11,7 +11,8 @@ three ways to compute it:
 - reference: mira.kernels.reference in bf16 (the whole expert dequantized to bf16 at each call, then
   dense products): what a dense INT4 path would pay for its dequantization.
 
-Each cell: the median and range of --repeats calls after an untimed one. Then a CPU-only prefill
+Below DENSE_TOKENS the first two run the same code, so their ratio there is the measurement's
+noise. Each cell: the median and range of --repeats calls after an untimed one. Then a CPU-only prefill
 (synthetic preset cut to --layers decoder layers, bf16, int8-shared, one prompt of --prompt-tokens
 random ids): time to first token with and without dense products, median and range of --repeats
 rounds after an untimed one, the two alternating.

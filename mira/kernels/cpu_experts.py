@@ -25,7 +25,8 @@ tokens as if each were alone. A whole INT8 expert of DENSE_TOKENS tokens or more
 therefore converted to bf16 once, into two buffers the executor keeps (two bytes a weight of one
 expert), and multiplied densely, reading each weight once for all its tokens
 (benchmarks/cpu_dense.py measures where that starts to pay). INT4 experts stay with their
-weight-only products: dequantizing their groups costs the CPU as much as a hundred tokens of them.
+weight-only products: dequantizing one whole costs the CPU about as much as those products for a
+few hundred tokens.
 
 The two INT8 schemes map onto it as follows (DESIGN.md 2.4):
 
