@@ -1,10 +1,10 @@
 """What a model runs with, and the one place where every "auto" becomes a decision.
 
-`RuntimeConfig` holds the user's choices, with None or "auto" wherever Mira should decide. Two pure
-functions decide: `resolve_setup` before the store is opened (device, context) and `resolve` once
-the budget's slot count is known (policy, residency, staging); between them `default_dtype` picks the
-compute dtype from the experts' size. None touches a device or a file, so each is tested on its
-own; `mira.runtime.engine` gathers the facts and applies them.
+`RuntimeConfig` holds the user's choices, with None or "auto" wherever Mira should decide. Pure
+functions decide: `resolve_setup` before the store is opened (device, context), `default_dtype` once
+the experts' size is known, and `resolve` once the budget's slot count is (policy, residency,
+staging). None touches a device or a file, so each is tested on its own; `mira.runtime.engine`
+gathers the facts and applies them.
 """
 
 from __future__ import annotations
