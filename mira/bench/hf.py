@@ -18,8 +18,20 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from mira.models.registry import adapter_for
+from mira.runtime.config import default_dtype
+from mira.store.layout import ExpertLayout
+
 HOST_MARGIN = 8 << 30  # host memory left to the process and the system
 DEVICE_MARGIN = 2 << 30
+
+
+def compute_dtype(config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """The dtype `mira.load` computes this model in on `device` (default_dtype: bf16, but float32 for
+    small experts on the CPU), in which the bench builds Mira's model and the baselines alike."""
+    spec = adapter_for(config).spec
+    weights = ExpertLayout("int8-shared", spec.hidden, spec.intermediate, gated=spec.gated).weights
+    return getattr(torch, default_dtype(device.type, weights))
 
 
 def parameter_bytes(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -42,9 +54,9 @@ def fits_in_host(nbytes: int) -> bool:
 
 
 def full_model(config: PretrainedConfig, device: torch.device, seed: int = 0):
-    """The whole model with random weights on `device` (bf16 on CUDA, float32 on the CPU), with
-    transformers' default experts implementation."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    """The whole model with random weights on `device` (in `compute_dtype`), with transformers'
+    default experts implementation."""
+    dtype = compute_dtype(config, device)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -236,7 +236,7 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
     run_offload = "hf-offload" in setup.configs and bool(offload_budgets)
     if not run_gpu and not run_offload:
         return
-    nbytes = hf.parameter_bytes(source.config, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    nbytes = hf.parameter_bytes(source.config, hf.compute_dtype(source.config, device))
     on_device = hf.fits_on_device(nbytes, device)
     if not on_device and not hf.fits_in_host(nbytes):
         rows.extend({"config": name, "budget": ALL, "skipped": f"the {format_size(nbytes)} model fits neither the "

@@ -90,7 +90,7 @@ class Source:
         return model
 
     def full_model(self, device: torch.device):
-        """The whole model in bf16 (float32 on the CPU) on `device`, for the baselines."""
+        """The whole model on `device` in `hf.compute_dtype`, for the baselines."""
         raise NotImplementedError
 
     def release_store(self) -> None:
@@ -118,15 +118,14 @@ class CheckpointSource(Source):
         self.store = ExpertStore.open(self.store_path, pin=self.device.type == "cuda", progress=self.progress)
 
     def mira(self, config: RuntimeConfig, profile: Popularity | None) -> MiraModel:
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        hf_model, sites = build_model(self.store_path, dtype, self.device)
+        hf_model, sites = build_model(self.store_path, hf.compute_dtype(self.config, self.device), self.device)
         return self._replaying(assemble(hf_model, sites, self.store, self.tokenizer, self._config(config), profile))
 
     def full_model(self, device):
         if is_store(self.model_dir):
             raise MiraError(f"the baselines need the original checkpoint, not the store {self.model_dir}; pass the "
                             "model directory the store was converted from")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = hf.compute_dtype(self.config, device)
         return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(device).eval()
 
 

@@ -43,6 +43,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from mira.bench.hf import compute_dtype
 from mira.errors import MiraError
 from mira.models.loader import ExpertsPlaceholder, experts_swapped, moe_sites
 from mira.models.registry import adapter_for
@@ -129,10 +130,10 @@ def synthetic_skeleton(config: PretrainedConfig, device: torch.device, seed: int
     gains of QK_NORM_GAIN), on `device`.
 
     Returns:
-        The model (eval mode; bf16 on CUDA, float32 on the CPU), its MoE sites and the seconds taken.
+        The model (eval mode, in mira.bench.hf.compute_dtype), its MoE sites and the seconds taken.
     """
     start = time.perf_counter()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(config, device)
     torch.manual_seed(seed)
     with experts_swapped(adapter_for(config), _InitablePlaceholder), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

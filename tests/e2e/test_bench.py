@@ -11,8 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
+from mira.bench.hf import compute_dtype
 from mira.bench.synthetic import WEIGHT_STD, PRESETS, preset_config, synthetic_skeleton, synthetic_store
 from mira.models.loader import moe_skeleton_layers
+from mira.runtime.config import CPU_BF16_EXPERT_WEIGHTS
 from mira.runtime.engine import assemble
 from mira.store.quant import dequantize_expert
 
@@ -66,6 +68,15 @@ def test_a_synthetic_model_computes_what_transformers_computes_with_its_weights(
         expected = full(ids).logits
         got = model(ids).logits
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_the_bench_computes_in_the_dtype_mira_load_picks_for_the_experts_size():
+    assert 3 * 2048 * 1024 >= CPU_BF16_EXPERT_WEIGHTS > 3 * 64 * 128  # OLMoE's experts, and the small config's
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compute_dtype(SMALL["olmoe"](), cpu) == torch.float32
+    assert compute_dtype(SMALL["olmoe"](), cuda) == compute_dtype(preset_config("olmoe-1b-7b"), cpu) == torch.bfloat16
+    skeleton, _, _ = synthetic_skeleton(SMALL["olmoe"](), cpu)
+    assert skeleton.dtype == torch.float32
 
 
 def test_every_preset_builds_its_config_with_the_published_expert_counts():
