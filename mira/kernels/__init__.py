@@ -30,10 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from mira.errors import MiraError
+from mira.kernels import cpu_int4
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import moe_ffn_reference
 from mira.models.spec import GluForm
 from mira.store.layout import ExpertLayout
+from mira.store.store import ExpertStore
 
 BACKENDS = ("auto", "triton", "reference")
 # A MoE layer call of at most this many tokens is a decode step: the experts module and the
@@ -87,6 +89,16 @@ class CpuMoEFFN:
                  absent_zero: bool = False) -> None:
         self.executor = CpuExpertFFN(layout, act, gate)
         self.absent_zero = absent_zero
+
+    def bind(self, store: ExpertStore, progress: bool = False) -> None:
+        """Serve `store`'s experts. Where this CPU's torch INT4 matmul takes another layout than the
+        stored tiles, an int4 store's codes are rewritten into it once, in host memory
+        (`cpu_int4.adapt_codes`), so that its products read the blobs in place; the reference and the
+        GPU kernels can then no longer read that store."""
+        if store.layout.scheme == "int4" and not cpu_int4.torch_reads_blobs():
+            cpu_int4.adapt_codes(store, progress)
+            executor = self.executor
+            self.executor = CpuExpertFFN(executor.layout, executor.act, executor.gate, torch_codes=True)
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  blobs: Sequence[torch.Tensor | None], *, out: torch.Tensor | None = None,

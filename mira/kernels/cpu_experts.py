@@ -80,10 +80,12 @@ class CpuExpertFFN:
         gate: the family's own gating of the gate-and-up output [T, 2I] -> [T, I] (in place of act).
         column_cost: what a cut's columns of W2 cost, in reads of their bytes (`reads_columns`);
             None: the scheme's (`default_column_cost`); math.inf: the whole W2 always (an A/B).
+        torch_codes: int4 blobs hold their codes in the layout of this CPU's torch INT4 matmul
+            (mira.kernels.cpu_int4.adapt_codes); else in the store's tiles.
     """
 
     def __init__(self, layout: ExpertLayout, act: Callable, gate: Callable | None = None,
-                 column_cost: float | None = None) -> None:
+                 column_cost: float | None = None, torch_codes: bool = False) -> None:
         self.layout = layout
         self.act = act
         self.gate = gate
@@ -92,7 +94,7 @@ class CpuExpertFFN:
         # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
         self._unit = torch.ones(rows13, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
         self._gate_up_mm = _int8_product(layout.hidden)
-        self._int4_mm = Int4Matmul() if layout.scheme == "int4" else None
+        self._int4_mm = (Int4Matmul(fast=True) if torch_codes else Int4Matmul()) if layout.scheme == "int4" else None
         self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
         self._column_views: dict[torch.Size, torch.Tensor] = {}  # views of that buffer by shape, made once
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # a blob's address -> its views

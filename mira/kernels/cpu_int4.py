@@ -4,9 +4,12 @@ The blob's codes are laid out as torch's INT4 weight-only matmul takes them on a
 `torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, G, sz)` multiplies a blob in place: bf16
 activations, codes converted in registers, no copy of the store. Torch picks its layout by the
 vector width of the CPU it runs on (tiles of 64 rows with AVX-512, narrower ones without), so
-`torch_reads_blobs` packs a probe once and compares. Where the layouts differ, `Int4Matmul`
-dequantizes a few tiles of rows at a time into a float32 buffer of the calling thread (it fits in
-the core's cache, so the weights still leave host memory once, as codes) and multiplies there.
+`torch_reads_blobs` packs a probe once and compares. Where the layouts differ, a CPU-only run
+rewrites the store's codes once, in host memory, into torch's layout (`adapt_codes`: the same bytes
+reordered, so still no second copy), as no GPU kernel reads them there. Where the GPU reads the
+tiles too (the CPU's share of a hybrid run), `Int4Matmul` dequantizes a few tiles of rows at a time
+into a float32 buffer of the calling thread (it fits in the core's cache, so the weights still
+leave host memory once, as codes) and multiplies there, an order of magnitude slower.
 
 T tokens, R weight rows (outputs), C columns (the reduction), G group, N = C / G groups.
 """
@@ -17,6 +20,7 @@ import functools
 import threading
 
 import torch
+from tqdm import tqdm
 
 from mira.store import int4
 
@@ -74,6 +78,30 @@ class Int4Matmul:
             held = torch.empty(elements, dtype=torch.float32)
             self._local.weights = held
         return held
+
+
+def adapt_codes(store, progress: bool = False) -> None:
+    """Rewrite, in place, the codes of every blob of an int4 `store` (mira.store.store.ExpertStore)
+    from the stored tiles into the layout torch's INT4 matmul takes on this CPU, once
+    (`store.codes_layout` says which the blobs hold). The files are not touched, and the bytes
+    keep their count, so nothing is copied; only a product that reads this layout may read them."""
+    if store.codes_layout == "torch":
+        return
+    blobs = store.data.view(-1, store.data.shape[-1])  # [L x E, B]
+    for blob in tqdm(blobs, desc="laying int4 codes out for this CPU", unit="expert", disable=not progress):
+        views = store.layout.views(blob)
+        for name in ("w13", "w2"):
+            views[name].copy_(torch_layout(views[name]))
+    store.codes_layout = "torch"
+
+
+def torch_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor)."""
+    torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.unpack_tiles(packed).to(torch.int32), 2)
+    if torch_packed.shape != packed.shape or torch_packed.dtype != packed.dtype:
+        raise RuntimeError(f"torch packs INT4 weights [{packed.shape[0]}, {2 * packed.shape[1]}] into "
+                           f"{torch_packed.dtype} {tuple(torch_packed.shape)}, not the blob's {tuple(packed.shape)}")
+    return torch_packed
 
 
 def _dequantize(packed: torch.Tensor, sz: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

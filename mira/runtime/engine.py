@@ -22,7 +22,7 @@ from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
 from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
-from mira.kernels import DECODE_TOKENS, make_moe_ffn
+from mira.kernels import DECODE_TOKENS, CpuMoEFFN, make_moe_ffn
 from mira.models.hub import locate
 from mira.models.kvcache import kv_values_per_token
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
@@ -369,6 +369,11 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     if decided.cpu_experts is not None:  # the kernel adds zero for the experts the CPU computes
         ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, absent_zero=True,
                            dtype=hf_model.dtype)
+    if isinstance(ffn, CpuMoEFFN):
+        ffn.bind(store, config.progress)
+    elif store.codes_layout != "tiles":
+        raise MiraError(f"the int4 codes of the store {store.path} in this process were laid out for the CPU executor "
+                        "(a CPU run in bf16 or fp16); open the store again for a run in float32 or on a GPU")
     if decided.policy != config.cache.policy:  # every expert fits: all resident from the start
         profile = Popularity((1,) * total_experts, 1)
     placement = _policy(decided.policy, decided.policy_slots, total_experts, config.cache, profile)

@@ -41,13 +41,18 @@ MAX_HEADER = 1 << 20  # bytes of a layer file's safetensors header read at most 
 
 
 class ExpertStore:
-    """All expert blobs of one model: `data` uint8 [L, E, B] (L MoE layers, E experts, B blob bytes)."""
+    """All expert blobs of one model: `data` uint8 [L, E, B] (L MoE layers, E experts, B blob bytes).
+
+    `codes_layout` is the layout an int4 store's codes have in `data`: "tiles" as stored (what the
+    GPU kernels and the reference read), or "torch" once the CPU executor has rewritten them for
+    this CPU's torch INT4 matmul (mira.kernels.cpu_int4.adapt_codes)."""
 
     def __init__(self, path: Path, manifest: Manifest, data: torch.Tensor):
         self.path = path
         self.manifest = manifest
         self.layout: ExpertLayout = manifest.expert_layout
         self.data = data
+        self.codes_layout = "tiles"
         self.num_layers, self.num_experts, _ = data.shape
 
     @classmethod

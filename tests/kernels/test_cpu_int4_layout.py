@@ -1,0 +1,88 @@
+"""An int4 store's codes rewritten for a CPU whose torch INT4 matmul takes another layout than the
+stored tiles (mira.kernels.cpu_int4.adapt_codes), as x86 CPUs without AVX-512 do. This machine is
+made one by holding torch to AVX2 (ATEN_CPU_CAPABILITY) in a subprocess that runs this module and
+the bf16 CPU runs of int4 stores; in this process the same tests check that a CPU whose torch reads
+the tiles keeps them."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import MixtralConfig
+
+from mira.bench.synthetic import synthetic_skeleton, synthetic_store
+from mira.errors import MiraError
+from mira.kernels import CpuMoEFFN, cpu_int4
+from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.kernels.reference import expert_ffn
+from mira.runtime.engine import assemble
+
+ROOT = Path(__file__).resolve().parents[2]
+HELD_TO_AVX2 = os.environ.get("ATEN_CPU_CAPABILITY") == "avx2"
+EXPERTS = 4
+
+
+def _config():
+    return MixtralConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
+                         num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _relative(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles():
+    if HELD_TO_AVX2:
+        assert not cpu_int4.torch_reads_blobs()  # the case this module is about
+    store = synthetic_store(_config(), 1, "int4", pin=False, progress=False)
+    layout = store.layout
+    x = torch.randn(3, layout.hidden, generator=torch.Generator().manual_seed(0)).bfloat16()
+    exact = [expert_ffn(x.double(), layout.views(store.blob(0, e)), layout, F.silu) for e in range(EXPERTS)]
+    in_bf16 = [expert_ffn(x, layout.views(store.blob(0, e)), layout, F.silu) for e in range(EXPERTS)]
+    tiles = store.data.clone()
+    ffn = CpuMoEFFN(layout, F.silu)
+    ffn.bind(store)
+    assert store.codes_layout == ("tiles" if cpu_int4.torch_reads_blobs() else "torch")
+    assert torch.equal(store.data, tiles) == cpu_int4.torch_reads_blobs()
+    adapted = store.data.clone()
+    ffn.bind(store)  # once only
+    assert torch.equal(store.data, adapted)
+    for expert in range(EXPERTS):
+        got = ffn.executor.expert(x, layout.views(store.blob(0, expert)))
+        assert 0 < _relative(got, exact[expert]) <= 3 * _relative(in_bf16[expert], exact[expert])
+    if not cpu_int4.torch_reads_blobs():  # the tiles read as tiles would be far off
+        wrong = CpuExpertFFN(layout, F.silu).expert(x, layout.views(store.blob(0, 0)))
+        assert _relative(wrong, exact[0]) > 0.5
+
+
+def test_a_store_laid_out_for_the_cpu_executor_is_refused_to_the_reference():
+    config = _config()
+    store = synthetic_store(config, 1, "int4", pin=False, progress=False)
+    skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"))
+    assemble(skeleton.bfloat16(), sites, store, None)
+    if cpu_int4.torch_reads_blobs():
+        assert store.codes_layout == "tiles"
+        assemble(skeleton.float(), sites, store, None)  # the tiles serve the reference as well
+        return
+    assert store.codes_layout == "torch"
+    with pytest.raises(MiraError, match="open the store again"):
+        assemble(skeleton.float(), sites, store, None)
+
+
+@pytest.mark.skipif(HELD_TO_AVX2, reason="this is the subprocess the test below starts")
+def test_on_a_cpu_held_to_avx2_int4_runs_adapt_their_codes_and_match_transformers():
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("ATEN_CPU_CAPABILITY=avx2 holds x86 CPUs only")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/kernels/test_cpu_int4_layout.py", "tests/e2e/test_cpu_bf16.py", "-k",
+                          "not avx2 and (int4 or laid_out)"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout
