@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -26,6 +27,7 @@ from mira.store import int4
 
 COMPUTE_DTYPE = torch.bfloat16  # activations of torch's INT4 product (its scales are the blob's bf16)
 BLOCK_ELEMENTS = 1 << 19  # weights dequantized at a time by the fallback: 2 MiB of float32, within L2
+ADAPT_ELEMENTS = 1 << 22  # codes rewritten at a time by a thread of `adapt_codes` (16 MiB as int32)
 
 
 @functools.cache
@@ -84,19 +86,33 @@ def adapt_codes(store, progress: bool = False) -> None:
     """Rewrite, in place, the codes of every blob of an int4 `store` (mira.store.store.ExpertStore)
     from the stored tiles into the layout torch's INT4 matmul takes on this CPU, once
     (`store.codes_layout` says which the blobs hold). The files are not touched, and the bytes
-    keep their count, so nothing is copied; only a product that reads this layout may read them."""
+    keep their count, so nothing is copied; only a product that reads this layout may read them.
+    Torch's conversion runs on one core, so experts are converted by one thread per torch thread,
+    each a few tiles of rows at a time (ADAPT_ELEMENTS codes: bounded temporary memory)."""
     if store.codes_layout == "torch":
         return
-    blobs = store.data.view(-1, store.data.shape[-1])  # [L x E, B]
-    for blob in tqdm(blobs, desc="laying int4 codes out for this CPU", unit="expert", disable=not progress):
-        views = store.layout.views(blob)
+    layout = store.layout
+
+    def adapt(blob: torch.Tensor) -> None:
+        views = layout.views(blob)
         for name in ("w13", "w2"):
-            views[name].copy_(torch_layout(views[name]))
+            packed = views[name]  # [R, C/2]
+            step = int4.TILE * max(1, ADAPT_ELEMENTS // (int4.TILE * 2 * packed.shape[1]))
+            for start in range(0, packed.shape[0], step):
+                rows = packed[start:start + step]
+                rows.copy_(torch_layout(rows))
+
+    blobs = store.data.view(-1, store.data.shape[-1])  # [L x E, B]
+    bar = tqdm(total=len(blobs), desc="laying int4 codes out for this CPU", unit="expert", disable=not progress)
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool, bar:
+        for _ in pool.map(adapt, blobs):
+            bar.update()
     store.codes_layout = "torch"
 
 
 def torch_layout(packed: torch.Tensor) -> torch.Tensor:
-    """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor)."""
+    """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor). Whole
+    tiles of rows convert on their own: the rows of a part are that part's rows of the whole."""
     torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.unpack_tiles(packed).to(torch.int32), 2)
     if torch_packed.shape != packed.shape or torch_packed.dtype != packed.dtype:
         raise RuntimeError(f"torch packs INT4 weights [{packed.shape[0]}, {2 * packed.shape[1]}] into "

@@ -21,6 +21,7 @@ from mira.kernels import CpuMoEFFN, cpu_int4
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import expert_ffn
 from mira.runtime.engine import assemble
+from mira.store import int4
 
 ROOT = Path(__file__).resolve().parents[2]
 HELD_TO_AVX2 = os.environ.get("ATEN_CPU_CAPABILITY") == "avx2"
@@ -37,9 +38,18 @@ def _relative(got: torch.Tensor, exact: torch.Tensor) -> float:
     return ((got.double() - exact).norm() / exact.norm()).item()
 
 
-def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles():
+def test_whole_tiles_of_rows_are_laid_out_as_the_matrix_is():
+    packed, _ = int4.quantize_matrix(torch.randn(4 * int4.TILE, 256, generator=torch.Generator().manual_seed(1)))
+    whole = cpu_int4.torch_layout(packed)
+    parts = [cpu_int4.torch_layout(packed[start:start + int4.TILE]) for start in range(0, len(packed), int4.TILE)]
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(whole, packed) == cpu_int4.torch_reads_blobs()
+
+
+def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles(monkeypatch):
     if HELD_TO_AVX2:
         assert not cpu_int4.torch_reads_blobs()  # the case this module is about
+    monkeypatch.setattr(cpu_int4, "ADAPT_ELEMENTS", int4.TILE * 192)  # w13 [384, 128]: rewritten in 6 parts
     store = synthetic_store(_config(), 1, "int4", pin=False, progress=False)
     layout = store.layout
     x = torch.randn(3, layout.hidden, generator=torch.Generator().manual_seed(0)).bfloat16()
