@@ -28,6 +28,7 @@ from mira.store import int4
 COMPUTE_DTYPE = torch.bfloat16  # activations of torch's INT4 product (its scales are the blob's bf16)
 BLOCK_ELEMENTS = 1 << 19  # weights dequantized at a time by the fallback: 2 MiB of float32, within L2
 ADAPT_ELEMENTS = 1 << 22  # codes rewritten at a time by a thread of `adapt_codes` (16 MiB as int32)
+QUIET_BYTES = 256 << 20  # a store smaller than this is rewritten without a progress bar (as it is read)
 
 
 @functools.cache
@@ -103,7 +104,8 @@ def adapt_codes(store, progress: bool = False) -> None:
                 rows.copy_(torch_layout(rows))
 
     blobs = store.data.view(-1, store.data.shape[-1])  # [L x E, B]
-    bar = tqdm(total=len(blobs), desc="laying int4 codes out for this CPU", unit="expert", disable=not progress)
+    bar = tqdm(total=len(blobs), desc="laying int4 codes out for this CPU", unit="expert",
+               disable=not progress or store.data.nbytes < QUIET_BYTES)
     with ThreadPoolExecutor(torch.get_num_threads()) as pool, bar:
         for _ in pool.map(adapt, blobs):
             bar.update()
