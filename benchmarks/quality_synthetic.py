@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import result_header  # noqa: E402
+from mira.bench.hf import compute_dtype  # noqa: E402
 from mira.bench.synthetic import PRESETS, WEIGHT_STD, preset_config, synthetic_skeleton  # noqa: E402
 from mira.eval.ppl import SchemeTotals, model_log_probs  # noqa: E402
 from mira.models.loader import moe_skeleton_layers  # noqa: E402
@@ -169,7 +170,7 @@ def main() -> None:
         "experts_per_layer": adapter_for(config).spec.num_experts, "sequences": args.sequences,
         "tokens_per_sequence": args.tokens, "compared_tokens": reference_totals.tokens, "seed": args.seed,
         "reference": "transformers' own Experts modules with the bf16 expert weights; non-expert weights and "
-                     f"activations in {'bf16' if device.type == 'cuda' else 'float32'}",
+                     f"activations in {str(compute_dtype(config, device)).removeprefix('torch.')}",
         "schemes": figures, "seconds": seconds,
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-synthetic-{args.preset}.json"
