@@ -7,7 +7,8 @@
   variant: mira.models.spec.GluForm), with or without biases, on the `int8-shared`, `int8-row` or
   `int4` schemes;
 - on the CPU for bf16 and fp16 states, the CPU executor (`CpuMoEFFN` over
-  `mira.kernels.cpu_experts`: weight-only products that read the blobs as they are);
+  `mira.kernels.cpu_experts`: weight-only products that read the blobs in place, dense ones for an
+  INT8 expert of many tokens; `CpuMoEFFN.bind` lays an int4 store's codes out for this CPU);
 - otherwise the plain PyTorch reference (`mira.kernels.reference`), which is also the CPU path in
   float32 and the ground truth the kernels are tested against.
 
