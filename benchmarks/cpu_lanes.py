@@ -16,7 +16,6 @@ is the executor as it runs today.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
