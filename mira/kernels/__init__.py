@@ -96,7 +96,7 @@ class CpuMoEFFN:
         stored tiles, an int4 store's codes are rewritten into it once, in host memory
         (`cpu_int4.adapt_codes`), so that its products read the blobs in place; the reference and the
         GPU kernels can then no longer read that store."""
-        if store.layout.scheme == "int4" and not cpu_int4.torch_reads_blobs():
+        if store.layout.scheme == "int4" and cpu_int4.adapts_codes():
             cpu_int4.adapt_codes(store, progress)
             executor = self.executor
             self.executor = CpuExpertFFN(executor.layout, executor.act, executor.gate, torch_codes=True)

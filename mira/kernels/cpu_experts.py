@@ -94,7 +94,7 @@ class CpuExpertFFN:
         # int8-shared folds its scale into the gate/up activations: the product itself takes unit scales
         self._unit = torch.ones(rows13, dtype=COMPUTE_DTYPE) if layout.scheme == "int8-shared" else None
         self._gate_up_mm = _int8_product(layout.hidden)
-        self._int4_mm = (Int4Matmul(fast=True) if torch_codes else Int4Matmul()) if layout.scheme == "int4" else None
+        self._int4_mm = Int4Matmul(fast=True if torch_codes else None) if layout.scheme == "int4" else None
         self._columns = torch.empty(0, dtype=torch.int8)  # a cut's columns of W2, copied (`_down_operands`)
         self._column_views: dict[torch.Size, torch.Tensor] = {}  # views of that buffer by shape, made once
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # a blob's address -> its views

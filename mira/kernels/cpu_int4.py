@@ -34,13 +34,27 @@ QUIET_BYTES = 256 << 20  # a store smaller than this is rewritten without a prog
 @functools.cache
 def torch_reads_blobs() -> bool:
     """Whether torch's INT4 matmul on this CPU takes the blob's tiled codes as they are."""
-    pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-    if pack is None:
-        return False
+    probe = _probe()
+    return probe is not None and torch.equal(*probe)
+
+
+@functools.cache
+def adapts_codes() -> bool:
+    """Whether a CPU-only run lays an int4 store's codes out for torch here (`adapt_codes`): torch
+    packs them into as many bytes as the tiles, in another order."""
+    probe = _probe()
+    return probe is not None and probe[0].shape == probe[1].shape and not torch.equal(*probe)
+
+
+def _probe() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Codes of two tiles and two groups, as tiles and as torch packs them on this CPU; None where
+    torch has no INT4 packing for the CPU."""
+    if getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None) is None:
+        return None
     rows, cols = 2 * int4.TILE, 2 * int4.GROUP
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    codes = (r * 7 + c * 3 + r // 5) % 16  # every row and column distinct from its neighbours
-    return torch.equal(pack(codes.to(torch.int32), 2), int4.pack_tiles(codes.to(torch.uint8)))
+    tiles = int4.pack_tiles(((r * 7 + c * 3 + r // 5) % 16).to(torch.uint8))  # every row and column differs
+    return tiles, _torch_packed(tiles)
 
 
 class Int4Matmul:
@@ -113,13 +127,19 @@ def adapt_codes(store, progress: bool = False) -> None:
 
 
 def torch_layout(packed: torch.Tensor) -> torch.Tensor:
-    """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor). Whole
-    tiles of rows convert on their own: the rows of a part are that part's rows of the whole."""
-    torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.unpack_tiles(packed).to(torch.int32), 2)
+    """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor of the
+    same shape, where `adapts_codes`). Whole tiles of rows convert on their own: the rows of a part
+    are that part's rows of the whole."""
+    torch_packed = _torch_packed(packed)
     if torch_packed.shape != packed.shape or torch_packed.dtype != packed.dtype:
         raise RuntimeError(f"torch packs INT4 weights [{packed.shape[0]}, {2 * packed.shape[1]}] into "
                            f"{torch_packed.dtype} {tuple(torch_packed.shape)}, not the blob's {tuple(packed.shape)}")
     return torch_packed
+
+
+def _torch_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Tiled codes [R, C/2] packed by torch for its INT4 matmul on this CPU."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4.unpack_tiles(packed).to(torch.int32), 2)
 
 
 def _dequantize(packed: torch.Tensor, sz: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -43,12 +43,12 @@ def test_whole_tiles_of_rows_are_laid_out_as_the_matrix_is():
     whole = cpu_int4.torch_layout(packed)
     parts = [cpu_int4.torch_layout(packed[start:start + int4.TILE]) for start in range(0, len(packed), int4.TILE)]
     assert torch.equal(torch.cat(parts), whole)
-    assert torch.equal(whole, packed) == cpu_int4.torch_reads_blobs()
+    assert torch.equal(whole, packed) == cpu_int4.torch_reads_blobs() != cpu_int4.adapts_codes()
 
 
 def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles(monkeypatch):
     if HELD_TO_AVX2:
-        assert not cpu_int4.torch_reads_blobs()  # the case this module is about
+        assert cpu_int4.adapts_codes()  # the case this module is about
     monkeypatch.setattr(cpu_int4, "ADAPT_ELEMENTS", int4.TILE * 192)  # w13 [384, 128]: rewritten in 6 parts
     store = synthetic_store(_config(), 1, "int4", pin=False, progress=False)
     layout = store.layout
@@ -58,15 +58,15 @@ def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles(monkeypatch)
     tiles = store.data.clone()
     ffn = CpuMoEFFN(layout, F.silu)
     ffn.bind(store)
-    assert store.codes_layout == ("tiles" if cpu_int4.torch_reads_blobs() else "torch")
-    assert torch.equal(store.data, tiles) == cpu_int4.torch_reads_blobs()
+    assert store.codes_layout == ("torch" if cpu_int4.adapts_codes() else "tiles")
+    assert torch.equal(store.data, tiles) != cpu_int4.adapts_codes()
     adapted = store.data.clone()
     ffn.bind(store)  # once only
     assert torch.equal(store.data, adapted)
     for expert in range(EXPERTS):
         got = ffn.executor.expert(x, layout.views(store.blob(0, expert)))
         assert 0 < _relative(got, exact[expert]) <= 3 * _relative(in_bf16[expert], exact[expert])
-    if not cpu_int4.torch_reads_blobs():  # the tiles read as tiles would be far off
+    if cpu_int4.adapts_codes():  # the rewritten codes read as tiles would be far off
         wrong = CpuExpertFFN(layout, F.silu).expert(x, layout.views(store.blob(0, 0)))
         assert _relative(wrong, exact[0]) > 0.5
 
@@ -76,7 +76,7 @@ def test_a_store_laid_out_for_the_cpu_executor_is_refused_to_the_reference():
     store = synthetic_store(config, 1, "int4", pin=False, progress=False)
     skeleton, sites, _ = synthetic_skeleton(config, torch.device("cpu"))
     assemble(skeleton.bfloat16(), sites, store, None)
-    if cpu_int4.torch_reads_blobs():
+    if not cpu_int4.adapts_codes():
         assert store.codes_layout == "tiles"
         assemble(skeleton.float(), sites, store, None)  # the tiles serve the reference as well
         return
