@@ -6,7 +6,8 @@ activations, codes converted in registers, no copy of the store. Torch picks its
 vector width of the CPU it runs on (tiles of 64 rows with AVX-512, narrower ones without), so
 `torch_reads_blobs` packs a probe once and compares. Where the layouts differ, a CPU-only run
 rewrites the store's codes once, in host memory, into torch's layout (`adapt_codes`: the same bytes
-reordered, so still no second copy), as no GPU kernel reads them there. Where the GPU reads the
+reordered, so still no second copy), as no GPU kernel reads them there; with 256-bit vectors that
+is a shuffle of nibbles between the bytes of each tile (`halved_tiles`). Where the GPU reads the
 tiles too (the CPU's share of a hybrid run), `Int4Matmul` dequantizes a few tiles of rows at a time
 into a float32 buffer of the calling thread (it fits in the core's cache, so the weights still
 leave host memory once, as codes) and multiplies there, an order of magnitude slower.
@@ -27,7 +28,7 @@ from mira.store import int4
 
 COMPUTE_DTYPE = torch.bfloat16  # activations of torch's INT4 product (its scales are the blob's bf16)
 BLOCK_ELEMENTS = 1 << 19  # weights dequantized at a time by the fallback: 2 MiB of float32, within L2
-ADAPT_ELEMENTS = 1 << 22  # codes rewritten at a time by a thread of `adapt_codes` (16 MiB as int32)
+ADAPT_ELEMENTS = 1 << 22  # codes rewritten at a time by a thread of `adapt_codes` (bounds its temporaries)
 QUIET_BYTES = 256 << 20  # a store smaller than this is rewritten without a progress bar (as it is read)
 
 
@@ -102,8 +103,8 @@ def adapt_codes(store, progress: bool = False) -> None:
     from the stored tiles into the layout torch's INT4 matmul takes on this CPU, once
     (`store.codes_layout` says which the blobs hold). The files are not touched, and the bytes
     keep their count, so nothing is copied; only a product that reads this layout may read them.
-    Torch's conversion runs on one core, so experts are converted by one thread per torch thread,
-    each a few tiles of rows at a time (ADAPT_ELEMENTS codes: bounded temporary memory)."""
+    Experts are rewritten by one thread per torch thread (torch's own conversion runs on one core),
+    each a few tiles of rows at a time (ADAPT_ELEMENTS codes)."""
     if store.codes_layout == "torch":
         return
     layout = store.layout
@@ -129,12 +130,33 @@ def adapt_codes(store, progress: bool = False) -> None:
 def torch_layout(packed: torch.Tensor) -> torch.Tensor:
     """Tiled codes [R, C/2] in the layout torch's INT4 matmul takes on this CPU (a new tensor of the
     same shape, where `adapts_codes`). Whole tiles of rows convert on their own: the rows of a part
-    are that part's rows of the whole."""
+    are that part's rows of the whole. Where torch's tiles are half the blob's (256-bit vectors),
+    bytes are shuffled; elsewhere torch converts the unpacked codes."""
+    if _halves_tiles():
+        return halved_tiles(packed)
     torch_packed = _torch_packed(packed)
     if torch_packed.shape != packed.shape or torch_packed.dtype != packed.dtype:
         raise RuntimeError(f"torch packs INT4 weights [{packed.shape[0]}, {2 * packed.shape[1]}] into "
                            f"{torch_packed.dtype} {tuple(torch_packed.shape)}, not the blob's {tuple(packed.shape)}")
     return torch_packed
+
+
+def halved_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """Tiled codes [R, C/2] as tiles of HALF rows, whose byte (c, j) holds rows j and j + HALF / 2 of
+    the tile: each tile of TILE rows becomes two, from its bytes j and j + HALF / 2 of each column."""
+    R, C = packed.shape[0], 2 * packed.shape[1]
+    tiles = packed.view(R // int4.TILE, C, 2, int4.HALF // 2)  # [tiles, c, first/second, j]
+    first, second = tiles[:, :, 0], tiles[:, :, 1]  # rows j, j + HALF (first) and j + HALF / 2, j + 3 HALF / 2
+    low = (first & 0xF) | (second << 4)  # rows j and j + HALF / 2
+    high = (first >> 4) | (second & 0xF0)  # rows HALF + j and HALF + HALF / 2 + j
+    return torch.stack([low, high], dim=1).view(R, C // 2)  # [tiles, low/high, c, j]
+
+
+@functools.cache
+def _halves_tiles() -> bool:
+    """Whether torch's INT4 layout on this CPU is `halved_tiles` of the blob's."""
+    probe = _probe()
+    return probe is not None and torch.equal(halved_tiles(probe[0]), probe[1])
 
 
 def _torch_packed(packed: torch.Tensor) -> torch.Tensor:

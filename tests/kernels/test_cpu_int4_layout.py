@@ -46,6 +46,22 @@ def test_whole_tiles_of_rows_are_laid_out_as_the_matrix_is():
     assert torch.equal(whole, packed) == cpu_int4.torch_reads_blobs() != cpu_int4.adapts_codes()
 
 
+def _tiled(codes: torch.Tensor, tile: int) -> torch.Tensor:
+    """Codes [R, C] packed in tiles of `tile` rows: byte (c, j) holds rows j and j + tile / 2."""
+    R, C = codes.shape
+    halves = codes.view(R // tile, 2, tile // 2, C)
+    return (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).reshape(R, C // 2)
+
+
+def test_halved_tiles_are_tiles_of_half_the_rows():
+    codes = torch.randint(0, 16, (3 * int4.TILE, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    halved = cpu_int4.halved_tiles(int4.pack_tiles(codes))
+    assert torch.equal(halved, _tiled(codes, int4.TILE // 2))
+    if HELD_TO_AVX2:  # torch's own packing here: the shuffle replaces it
+        assert cpu_int4._halves_tiles()
+        assert torch.equal(halved, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
+
+
 def test_codes_laid_out_for_this_cpu_give_the_products_of_the_tiles(monkeypatch):
     if HELD_TO_AVX2:
         assert cpu_int4.adapts_codes()  # the case this module is about
