@@ -108,7 +108,7 @@ def main() -> None:
                      for t in (row[f"{timing}_us"][state] for state in STATES)]
             print(f"{name:16s} {timing:7s} {cells[0]:>24s} {cells[1]:>24s} {row[f'{timing}_kept_over_let_go']:12.2f}",
                   flush=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     write_result(args.out, {"caller_threads": caller, "worker_threads": args.threads, "repeats": args.repeats,
                             "spread_gb": args.spread_gb, "results": results}, device)
 
