@@ -6,6 +6,9 @@ weights that no CPU cache holds, and times on a CPU worker of --threads threads:
 
   cpu_us           one expert at each --tokens count, called in the worker's thread
   worker_us        the same as a job submitted from this thread and waited for (what the runtime sees)
+  products_us      (INT8 schemes) the expert's two weight-only products alone, gate/up then down, in
+                   the worker's thread: what of cpu_us the products take, the rest being the executor's
+                   operations around them
   main_busy_us     (--main-threads M) cpu_us while this thread computes experts with M threads too
   copy_us          (CUDA) the pinned-to-device copy of one blob
   together         (CUDA) cpu_us while copies stream to the device, and the copies' GB/s meanwhile
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from mira.bench.provenance import result_header
 from mira.bench.synthetic import PRESETS, preset_config, synthetic_store
 from mira.cache.costmodel import Cuts
-from mira.kernels.cpu_experts import CpuExpertFFN
+from mira.kernels.cpu_experts import VECTOR, CpuExpertFFN
 from mira.models.registry import adapter_for
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob
 from mira.store.layout import ExpertLayout
@@ -95,6 +98,21 @@ def time_pass(ffn: CpuExpertFFN, blobs: list[torch.Tensor], x: torch.Tensor, fir
     for view in views:
         ffn.expert(x, view, first)
     return (time.perf_counter() - start) / len(calls)
+
+
+def products_pass(layout: ExpertLayout, blobs: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Mean seconds per expert of its two INT8 products alone (torch's weight-only product, unit
+    scales: the scales' arithmetic belongs to the executor) over one pass through distinct blobs. Both
+    reductions must be multiples of VECTOR (the vectorised bf16 form the executor takes for them)."""
+    w13_rows, w2_rows, intermediate = layout.sections["w13"].shape[0], layout.hidden, layout.intermediate
+    views = [layout.views(blob) for blob in blobs[:MAX_CALLS]]
+    unit13, unit2 = torch.ones(w13_rows, dtype=torch.bfloat16), torch.ones(w2_rows, dtype=torch.bfloat16)
+    h = torch.randn(x.shape[0], intermediate).to(torch.bfloat16)  # [T, I]
+    start = time.perf_counter()
+    for view in views:
+        torch._weight_int8pack_mm(x, view["w13"], unit13)
+        torch._weight_int8pack_mm(h, view["w2"], unit2)
+    return (time.perf_counter() - start) / len(views)
 
 
 def worker_pass(worker: CpuExpertWorker, blobs: list[torch.Tensor], x: torch.Tensor, first: int = 0,
@@ -215,6 +233,9 @@ def measure(name: str, scheme: str, args, cuda: bool) -> dict:
             row = {"cpu_us": summary([s * 1e6 for s in cpu]),
                    "cpu_gb_per_s": ffn_layout.nbytes / statistics.median(cpu) / 1e9,
                    "worker_us": summary([worker_pass(worker, blobs, x) * 1e6 for _ in range(args.repeats)])}
+            if scheme.startswith("int8") and ffn_layout.hidden % VECTOR == ffn_layout.intermediate % VECTOR == 0:
+                row["products_us"] = summary([worker.call(products_pass, ffn_layout, blobs, x).result() * 1e6
+                                              for _ in range(args.repeats)])
             if args.main_threads:
                 row["main_threads"] = args.main_threads
                 row["main_busy_us"] = summary([main_busy_pass(worker, blobs, x, args.main_threads) * 1e6
@@ -268,6 +289,8 @@ def main() -> None:
             for tokens, row in entry["tokens"].items():
                 line = f"{name:18s} {scheme:11s} T={tokens:>3s}  cpu {row['cpu_us']['median']:9.1f} us " \
                        f"({row['cpu_gb_per_s']:5.1f} GB/s)  worker {row['worker_us']['median']:9.1f} us"
+                if "products_us" in row:
+                    line += f"  products {row['products_us']['median']:8.1f} us"
                 if cuda:
                     line += f"  copy {row['copy_us']['median']:8.1f} us ({row['copy_gb_per_s']:5.1f} GB/s)" \
                             f"  together cpu {row['together']['cpu_us']['median']:8.1f} us " \
