@@ -104,6 +104,10 @@
 #   bash benchmarks/h200_suite.sh pages     # expert blobs in 4 KiB against 2 MiB host pages at the Mixtral, Qwen3 and
 #                                           # OLMoE shapes: the CPU executor (15 threads), the pinned copy and the
 #                                           # zero-copy kernel (~3 min)
+#   bash benchmarks/h200_suite.sh placement  # is a process whose CPU experts run slowly slow on part of its host
+#                                           # memory? 24 GB of it filled with a Mixtral-shaped expert, the executor
+#                                           # (15 threads) and the pinned copy timed on every blob, in address order
+#                                           # and in reverse; in three processes, one after another (~2 min)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -289,6 +293,10 @@ case "${1:-}" in
   pages)
     timeout 400 python benchmarks/host_pages.py --threads 15 --shapes mixtral-8x7b,qwen3-30b-a3b,olmoe-1b-7b \
       --spread-gb 4 --out "$OUT/host-pages-h200.json" ;;
+  placement)
+    for run in 1 2 3; do
+      timeout 150 python benchmarks/host_placement.py --gb 24 --threads 15 --out "$OUT/host-placement-$run.json"
+    done ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
