@@ -47,12 +47,15 @@
 #                                           # Instruct decode routing (results/traces), 64 in / 64 out, mira
 #                                           # (its defaults: auto residency, the CPU's share where it pays),
 #                                           # LRU, LFU and static, 3 timed repeats each; BUDGETS=25% then
-#                                           # BUDGETS=50% (~5 min each, resumed)
+#                                           # BUDGETS=50% (~5 min each, resumed); INTERLEAVE=1 times them in
+#                                           # turns instead (mira bench --interleave: a host whose speed drifts
+#                                           # weighs on all alike; one budget a call, ~7 min)
 #   bash benchmarks/h200_suite.sh hybrid    # the same replay at 8 and 12 GiB, mira against mira-gpu (the CPU's
 #                                           # share off) in one run, each layer's predicted and measured times
 #                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
 #                                           # calibrated,mira-gpu adds the device's side at its calibration, an
-#                                           # A/B of the device's pace in one run (~5 min, ~7 with it)
+#                                           # A/B of the device's pace in one run (~5 min, ~7 with it);
+#                                           # INTERLEAVE=1 as for replay (~7 min)
 #   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule decides on the CPU's share),
 #                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
 #                                           # run (~4 min)
@@ -223,12 +226,13 @@ case "${1:-}" in
   replay)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-25%,50%}" \
-      --configs mira,lru,lfu,static --repeats 3 --out "$OUT/bench-mixtral-8x7b-replay.json" --quiet --resume ;;
+      --configs mira,lru,lfu,static --repeats 3 ${INTERLEAVE:+--interleave} \
+      --out "$OUT/bench-mixtral-8x7b-replay${INTERLEAVE:+-interleaved}.json" --quiet --resume ;;
   hybrid)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
-      --configs "${CONFIGS:-mira,mira-gpu}" ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 \
-      --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}.json" --resume ;;
+      --configs "${CONFIGS:-mira,mira-gpu}" ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 ${INTERLEAVE:+--interleave} \
+      --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}${INTERLEAVE:+-interleaved}.json" --resume ;;
   hybrid-24)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
       --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 24GiB \

@@ -88,6 +88,10 @@ def add_command(subparsers) -> None:
     bench.add_argument("--repeats", type=int, default=3,
                        help="timed runs of every configuration after one untimed warm-up run; figures are their "
                             "median and range (default 3)")
+    bench.add_argument("--interleave", action="store_true",
+                       help="time a budget's mira configurations in turns: --repeats rounds over them, each turn a "
+                            "fresh model's untimed run and one timed run, so that a host whose speed drifts weighs "
+                            "on all alike (a budget's rows are written when its last round ends)")
     bench.add_argument("--beams", default="", metavar="W,W,...",
                        help="also run beam search at these widths with mira+p (e.g. 1,2,4,8)")
     bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs (default 24GiB)")
@@ -148,7 +152,7 @@ def _bench(args: argparse.Namespace) -> None:
                        beam_new_tokens=args.beam_new_tokens, offload_prompts=args.offload_prompts,
                        offload_new_tokens=args.offload_new_tokens,
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
-                       profile=args.profile, repeats=args.repeats, schemes=schemes)
+                       profile=args.profile, repeats=args.repeats, interleave=args.interleave, schemes=schemes)
     device = torch.device(args.device or default_device())
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
                          schemes=tuple(schemes))

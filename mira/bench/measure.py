@@ -160,6 +160,31 @@ def repeated(run: Callable[[], Timing], repeats: int, after_untimed: Callable[[]
     return result
 
 
+def merged_turns(turns: list[dict]) -> dict:
+    """One configuration's row from its turns of an interleaved bench (each a fresh model's row of one
+    timed run after its untimed one): the last turn's row with each timed figure replaced by the
+    median over the turns and its range, every turn's figures under `repeats`, as `repeated` gives
+    them, the host's stolen CPU share over all the turns (weighted by their time) and their wall time
+    added; the per-layer CPU figures stay the last turn's. A turn that was skipped stands for all."""
+    skipped = next((turn for turn in turns if turn.get("skipped")), None)
+    if skipped is not None:
+        return skipped
+    row = dict(turns[-1])
+    for key in TIMED:
+        values = [turn[key] for turn in turns if turn.get(key) is not None]
+        if values:
+            row[key] = round(statistics.median(values), 4)
+            row[f"{key}_range"] = [min(values), max(values)]
+    row["repeats"] = [figures for turn in turns for figures in turn["repeats"]]
+    stolen = [(turn["host_cpu_stolen"], turn["total_s"]) for turn in turns if turn.get("host_cpu_stolen") is not None]
+    if stolen:
+        row["host_cpu_stolen"] = _rounded(sum(share * s for share, s in stolen) / sum(s for _, s in stolen))
+    row["wall_s"] = round(sum(turn["wall_s"] for turn in turns), 2)
+    if "covers" in row.get("cpu_experts", {}):
+        row["cpu_experts"] = row["cpu_experts"] | {"covers": "last turn"}
+    return row
+
+
 def _rounded(share: float | None) -> float | None:
     return None if share is None else round(share, 4)
 

@@ -121,6 +121,9 @@ def _repeat(figures: dict) -> str:
     return text + stolen_note(figures)
 
 
+COVERS = {"timed runs": "the timed runs", "last turn": "the last turn's timed run"}  # runs a CPU table covers
+
+
 def layer_times(result: dict) -> list[str]:
     """Per run whose CPU computed missed experts: each MoE layer's cost-model prediction per call
     (the later side, and the CPU's side) against the measured time (hand-off to the worker's partial
@@ -133,7 +136,7 @@ def layer_times(result: dict) -> list[str]:
         if not layers:
             continue
         # results written before the per-layer times covered the timed runs alone cover every run
-        covers = "the timed runs" if row["cpu_experts"].get("covers") == "timed runs" else "every run"
+        covers = COVERS.get(row["cpu_experts"].get("covers"), "every run")
         lines += ["", f"{row['config']} at {row['budget']}: predicted and measured ms per MoE layer call with a CPU "
                       f"share (over {covers} of the configuration)",
                   "  layer  calls  CPU experts  predicted ms  predicted CPU ms  measured ms  CPU compute ms  "

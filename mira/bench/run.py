@@ -9,7 +9,10 @@ before the next scheme's is opened, so that two large stores never share host me
    popularity, from other prompts than the measured ones, and the mira policy's prior);
 2. per budget, the Mira configurations: Mira+P (prefetch: trained heads if the store has them,
    else gate speculation), Mira without prefetch, LRU on demand, static popularity; each runs the
-   prompt set once untimed and then `repeats` times (mira.bench.measure.repeated);
+   prompt set once untimed and then `repeats` times (mira.bench.measure.repeated), or, with
+   `interleave`, in turns: `repeats` rounds over the configurations, each turn a fresh model's
+   untimed run and one timed run (mira.bench.measure.merged_turns), so that a host whose speed
+   drifts during the run weighs on every configuration alike;
 3. beam search at widths --beams with Mira+P at --beam-budget;
 
 then the baselines, once, after the last store is released: transformers all on the GPU (where it fits), then
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mira.bench import hf
-from mira.bench.measure import repeated, run_mira, time_generation
+from mira.bench.measure import merged_turns, repeated, run_mira, time_generation
 from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
@@ -88,6 +91,7 @@ class BenchSetup:
     offload_budgets: list[str] | None = None  # None: every budget but "all"
     profile: str | None = None  # a routing trace for the static policy and the mira policy's prior
     repeats: int = 3  # timed runs of every configuration, after one untimed
+    interleave: bool = False  # the configurations of a budget timed in turns, a fresh model per turn
     schemes: list[str | None] = field(default_factory=lambda: [None])  # stores run one after the other;
     # None: the source's default (int8-shared, or a store's own)
 
@@ -163,10 +167,20 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
         "budgets": budgets, "timings": getattr(source.store, "timings", None)}  # synthetic: fill, page-lock s
     source.replay_from = CALIBRATION_ROWS
     for label, budget in budgets.items():
-        for name in [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]:
-            rows.append(_mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,
-                                  repeats=setup.repeats))
-            print(_brief(rows[-1]), file=sys.stderr, flush=True)
+        names = [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]
+
+        def measured(name: str, repeats: int) -> dict:
+            return _mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,
+                             repeats=repeats)
+
+        if setup.interleave:
+            turns = [[measured(name, 1) for name in names] for _ in range(setup.repeats)]  # [round][config]
+            budget_rows = (merged_turns(list(of_config)) for of_config in zip(*turns))
+        else:
+            budget_rows = (measured(name, setup.repeats) for name in names)
+        for row in budget_rows:
+            rows.append(row)
+            print(_brief(row), file=sys.stderr, flush=True)
             save()
     if setup.beams and setup.beam_budget in budgets:
         beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
@@ -369,7 +383,7 @@ def _key(config: str, budget: str, num_beams: int = 1, beam_search: bool = False
     return config, budget, num_beams, beam_search, quant
 
 
-SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device")
+SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device", "interleave")
 
 
 def _resumed(path: Path, fresh: dict) -> dict:
@@ -385,10 +399,10 @@ def _resumed(path: Path, fresh: dict) -> dict:
     except (OSError, ValueError) as error:
         raise MiraError(f"cannot resume from {path}: {error}; pass another --out or drop --resume") from None
     for field_name in SAME_RUN:
-        if previous.get(field_name) != fresh[field_name]:
+        if previous.get(field_name) != fresh.get(field_name):
             raise MiraError(
                 f"cannot resume {path}: it holds another run ({field_name} {previous.get(field_name)!r}, this run "
-                f"{fresh[field_name]!r}); pass another --out, or drop --resume to start over")
+                f"{fresh.get(field_name)!r}); pass another --out, or drop --resume to start over")
     previous["runs"] = [row for row in previous["runs"] if not row.get("skipped")]
     for key in ("budgets", "configs", "quant"):
         previous[key] += [name for name in fresh[key] if name not in previous[key]]
@@ -445,6 +459,7 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "configs": setup.configs,
         "quant": [source.scheme_of(scheme) for scheme in setup.schemes],
         "repeats": setup.repeats,
+        **({"interleave": True} if setup.interleave else {}),
         "runs": [],
     }
 

@@ -169,6 +169,37 @@ def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path
     assert json.loads(out.read_text()) == resumed  # a refused resume leaves the file as it was
 
 
+def test_an_interleaved_bench_times_the_configurations_in_turns_each_on_a_fresh_model(tmp_path, monkeypatch, capsys):
+    from mira.bench import run as bench_run
+    from mira.cli import main
+
+    calls = []
+    measure = bench_run._mira_row
+
+    def recorded(source, name, *args, **kwargs):
+        calls.append((name, kwargs["repeats"]))
+        return measure(source, name, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "_mira_row", recorded)
+    common = ["bench", "--fixed", "8x3", "--budgets", "25%", "--configs", "mira,static", "--quiet"]
+    turns_out, once_out = tmp_path / "turns.json", tmp_path / "once.json"
+    assert main([*common, "--repeats", "2", "--interleave", "--out", str(turns_out)]) == 0
+    assert calls == [("mira", 1), ("static", 1), ("mira", 1), ("static", 1)]  # round by round
+    assert main([*common, "--repeats", "1", "--out", str(once_out)]) == 0
+    turns, once = json.loads(turns_out.read_text()), json.loads(once_out.read_text())
+    assert turns["interleave"] is True and "interleave" not in once
+    assert [r["config"] for r in turns["runs"]] == [r["config"] for r in once["runs"]] == ["mira", "static"]
+    for merged, single in zip(turns["runs"], once["runs"]):
+        # every turn a fresh model's untimed run and one timed run: the last turn counts what a model
+        # timed once after its untimed run counts
+        assert merged["lookups"] == single["lookups"] and merged["tokens_served"] == single["tokens_served"]
+        low, high = merged["decode_tokens_per_s_range"]
+        assert len(merged["repeats"]) == 2 and low <= merged["decode_tokens_per_s"] <= high
+    capsys.readouterr()
+    assert main([*common, "--repeats", "2", "--out", str(turns_out), "--resume"]) == 1  # not interleaved
+    assert "holds another run (interleave True" in capsys.readouterr().err
+
+
 def test_random_continuation_makes_greedy_decoding_emit_the_same_seeded_ids_in_any_model():
     from mira.bench.measure import RandomContinuation, time_generation
     from mira.bench.prompts import FIRST_ID, BenchPrompt
