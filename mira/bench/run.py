@@ -174,7 +174,8 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
                              repeats=repeats)
 
         if setup.interleave:
-            turns = [[measured(name, 1) for name in names] for _ in range(setup.repeats)]  # [round][config]
+            turns = [[_turn(measured(name, 1), turn, setup.repeats) for name in names]
+                     for turn in range(setup.repeats)]  # [round][config]
             budget_rows = (merged_turns(list(of_config)) for of_config in zip(*turns))
         else:
             budget_rows = (measured(name, setup.repeats) for name in names)
@@ -191,6 +192,12 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     return budgets
+
+
+def _turn(row: dict, turn: int, turns: int) -> dict:
+    """A turn's row of an interleaved bench, its brief printed as progress."""
+    print(f"{_brief(row)} (turn {turn + 1} of {turns})", file=sys.stderr, flush=True)
+    return row
 
 
 def calibration_placement(source: Source, model, device: torch.device) -> Popularity:
