@@ -5,12 +5,12 @@ the same command, code and machine, while staying steady within a process. Each 
 expert store into a fresh host mapping, and a VM cannot see where its host places that memory (host
 NUMA nodes, host page sizes): if some of it is slower to read, a process's pace depends on where
 its store landed. This fills --gb of the store's kind of host memory (mira.store.store.host_buffer,
-page-locked on CUDA as the store is) with copies of one quantized expert of --shape, then times, on
-every blob, the CPU executor's whole expert for one token (this thread's team of --threads) and, on
-CUDA, the blob's pinned copy to a device slot: a pass in address order, then one in reverse. Where
-a blob's time in one pass predicts its time in the other (their correlation), the slowness lies in
-the memory; where it does not, elsewhere (the threads, the host's other work). Run it in several
-processes to compare them.
+page-locked on CUDA as the store is) with copies of one quantized expert of --shape, notes the huge
+pages the fill got (/proc/meminfo), then times, on every blob, the CPU executor's whole expert for
+one token (this thread's team of --threads) and, on CUDA, the blob's pinned copy to a device slot:
+a pass in address order, then one in reverse. Where a blob's time in one pass predicts its time in
+the other (their correlation), the slowness lies in the memory; where it does not, elsewhere (the
+threads, the host's other work). Run it in several processes to compare them.
 
     python benchmarks/host_placement.py --gb 24 --threads 15 [--shape mixtral-8x7b] [--out FILE]
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_experts import layout_for, shape_config, write_result  # noqa: E402
-from host_pages import one_blob, page_lock_s_per_gb  # noqa: E402
+from host_pages import huge_kib, one_blob, page_lock_s_per_gb  # noqa: E402
 
 from mira.kernels.cpu_experts import CpuExpertFFN  # noqa: E402
 from mira.store.store import host_buffer  # noqa: E402
@@ -99,11 +99,11 @@ def main() -> None:
         raise SystemExit(f"host_placement: error: --gb {args.gb} holds {count} blobs of {layout.nbytes / 1e6:.0f} MB; "
                          "give at least 10 blobs' worth")
     blob = one_blob(layout)
-    start = time.perf_counter()
+    huge_before, start = huge_kib(), time.perf_counter()
     blobs = host_buffer((count, layout.nbytes))
     for row in blobs:
         row.copy_(blob)
-    fill_s = time.perf_counter() - start
+    fill_s, huge_gb = time.perf_counter() - start, (huge_kib() - huge_before) * 1024 / 1e9
     lock_s_per_gb = page_lock_s_per_gb(blobs) if cuda else None
     ffn = CpuExpertFFN(layout, F.silu)
     views = [ffn.views(row) for row in blobs]
@@ -111,13 +111,14 @@ def main() -> None:
     cpu_seconds(ffn, views[:4], x, range(4))  # the team started, the kernels' first-call work done
     forward, backward = range(count), range(count - 1, -1, -1)
     figures = {"shape": args.shape, "blob_bytes": layout.nbytes, "blobs": count, "threads": args.threads,
-               "fill_s": fill_s, "page_lock_s_per_gb": lock_s_per_gb,
+               "fill_s": fill_s, "huge_pages_gb": huge_gb, "page_lock_s_per_gb": lock_s_per_gb,
                "cpu": passes(cpu_seconds(ffn, views, x, forward), cpu_seconds(ffn, views, x, backward))}
     if cuda:
         slot = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
         copy_seconds(blobs, slot, range(4))
         figures["copy"] = passes(copy_seconds(blobs, slot, forward), copy_seconds(blobs, slot, backward))
-    print(f"{args.shape}: {count} blobs of {layout.nbytes / 1e6:.0f} MB, {args.threads} threads")
+    print(f"{args.shape}: {count} blobs of {layout.nbytes / 1e6:.0f} MB ({huge_gb:.1f} GB of them in huge pages), "
+          f"{args.threads} threads")
     print(f"{'':6}{'median ms':>10}{'p10':>8}{'p90':>8}{'max':>8}{'corr fwd/bwd':>14}{'slow in both':>14}")
     for name in ("cpu", "copy"):
         if name in figures:
