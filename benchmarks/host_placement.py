@@ -53,12 +53,15 @@ def copy_seconds(blobs: torch.Tensor, slot: torch.Tensor, order: range) -> list[
     """Seconds of each blob's pinned copy to `slot` (CUDA events), visited in `order`, listed by blob."""
     events = {i: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for i in order}
     torch.cuda.synchronize()
-    for i in order:
-        events[i][0].record()
+    for i, (begin, end) in events.items():
+        begin.record()
         slot.copy_(blobs[i], non_blocking=True)
-        events[i][1].record()
+        end.record()
     torch.cuda.synchronize()
-    return [events[i][0].elapsed_time(events[i][1]) / 1e3 for i in range(len(blobs))]
+    seconds = [0.0] * len(blobs)
+    for i, (begin, end) in events.items():
+        seconds[i] = begin.elapsed_time(end) / 1e3
+    return seconds
 
 
 def passes(forward: list[float], backward: list[float]) -> dict:
