@@ -211,7 +211,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "static and on-demand; inline otherwise)")
     parser.add_argument("--cpu-experts", choices=CPU_EXPERTS,
                         help="compute missed experts on the CPU from host memory while the others cross PCIe: auto "
-                             "(the default: on CUDA under a budget, a cost model calibrated once per machine splits "
+                             "(the default: on CUDA under a budget, a cost model calibrated per machine, again at the next "
+                             "loads where it left the CPU no share, splits "
                              "each layer's misses, and stays off where that would save a decode layer less than "
                              "running layers inline costs, or is dropped once the first decode steps measure it "
                              "not paying; off on the CPU), split (that split wherever there are "

@@ -41,6 +41,7 @@ ROUND_TRIPS = 30  # of an empty job, for the per-call cost
 KERNEL_CALLS = 20  # launches timed together per GPU figure
 PCIE_BYTES_PER_S_GUESS = 50e9  # sizes the copy load before the bandwidth is measured
 HOST_OPERATIONS, HOST_ELEMENTS, HOST_PYTHON = 6, 8, 200  # the host's loop beside the timed CPU (keep_host_busy)
+MEASUREMENTS = 3  # loads at most that measure a machine again whose saved calibration gave auto's share nothing
 FORMAT = 3  # of a stored entry: 3 timed without the caller's idle OpenMP team, 2 beside it, 1 (unmarked) medians
 
 
@@ -109,12 +110,19 @@ def entry_key(worker: CpuExpertWorker) -> str:
     return f"{cpu_name()} | {worker.threads} threads | {layout.hidden}x{layout.intermediate} | {layout.scheme}"
 
 
-def save_costs(path: Path, key: str, costs: HybridCosts, written_by: str) -> None:
-    """Merge one entry into the calibration file (atomically: readers see the old file or the new)."""
+def save_costs(path: Path, key: str, costs: HybridCosts, written_by: str, measurements: int = 1) -> None:
+    """Merge one entry into the calibration file (atomically: readers see the old file or the new);
+    `measurements`: how many calibrations it was chosen from."""
     data = _read(path) if path.exists() else {"entries": {}}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    data["entries"][key] = {"costs": costs.to_json(), "format": FORMAT, "date": date, "written_by": written_by}
+    data["entries"][key] = {"costs": costs.to_json(), "format": FORMAT, "date": date, "written_by": written_by,
+                            "measurements": measurements}
     write_json_atomic(path, data)
+
+
+def saved_measurements(path: Path, key: str) -> int:
+    """How many calibrations the stored entry was chosen from (1 for an entry that does not say)."""
+    return _read(path)["entries"][key].get("measurements", 1)
 
 
 def load_costs(path: Path, key: str) -> HybridCosts | None:

@@ -348,16 +348,21 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, dtype=hf_model.dtype)
     heads = config.prefetch.heads
     top_k = routed_per_token(hf_model.config)
-    worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts, top_k)
+    miss_rate = 1 - min(1.0, capacity / total_experts)
+
+    def share_pays(costs: HybridCosts, worker: CpuExpertWorker) -> bool:
+        return cpu_pays(costs, top_k, store.blob_bytes, miss_rate,
+                        expert_cuts(store.layout, getattr(ffn, "cut_granule", None), worker.ffn.column_cost))
+
+    worker, costs = _calibrated_worker(config, store, act, gate, torch_device, capacity < total_experts, top_k,
+                                       share_pays)
     facts = Facts(device_type=torch_device.type, capacity=capacity, total_experts=total_experts,
                   fused_kernels=hasattr(ffn, "forward_bases"),
                   admits_misses=_policy_class(config.cache.policy).admits_misses,
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
-                  cpu_pays=costs is not None and top_k is not None and cpu_pays(
-                      costs, top_k, store.blob_bytes, 1 - min(1.0, capacity / total_experts),
-                      expert_cuts(store.layout, getattr(ffn, "cut_granule", None), worker.ffn.column_cost)))
+                  cpu_pays=costs is not None and top_k is not None and share_pays(costs, worker))
     try:
         decided = resolve(config, facts)
     except MiraError:
@@ -385,7 +390,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     hybrid = graph_share = None
     if decided.cpu_experts == "graph":
         graph_share = make_graph_share(store, cache.tables, act, gate, costs, top_k,
-                                       1 - min(1.0, capacity / total_experts), hf_model.dtype, torch_device,
+                                       miss_rate, hf_model.dtype, torch_device,
                                        config.hybrid.threads, config.hybrid.lanes)
     elif decided.cpu_experts is not None:
         worker = worker or CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
@@ -402,18 +407,20 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     return model
 
 
-def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device,
-                       misses: bool, top_k: int | None) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
+def _calibrated_worker(config: RuntimeConfig, store: ExpertStore, act, gate, device: torch.device, misses: bool,
+                       top_k: int | None, share_pays) -> tuple[CpuExpertWorker | None, HybridCosts | None]:
     """On CUDA, where the CPU may take misses, its worker and this machine's calibrated costs
-    (mira.runtime.hybrid.machine_costs); else (None, None): on the CPU, "auto" stays off, as it does
-    for experts too small to pay on any machine (`cpu_may_pay`) and where the routed experts per
-    token are unknown, and "all" needs no costs."""
+    (mira.runtime.hybrid.machine_costs; for "auto", measured again where a saved calibration says
+    that `share_pays(costs, worker)` does not hold); else (None, None): on the CPU, "auto" stays off,
+    as it does for experts too small to pay on any machine (`cpu_may_pay`) and where the routed
+    experts per token are unknown, and "all" needs no costs."""
     mode = config.hybrid.mode
     if device.type != "cuda" or mode == "off" or not misses or (mode == "auto" and (
             config.residency.mode == "lagged" or top_k is None or not cpu_may_pay(top_k, store.blob_bytes))):
         return None, None
     worker = CpuExpertWorker(CpuExperts(store.layout, act, gate), worker_threads(config.hybrid.threads))
-    return worker, machine_costs(worker, store, device, config.progress)
+    pays = (lambda costs: share_pays(costs, worker)) if mode == "auto" else None
+    return worker, machine_costs(worker, store, device, config.progress, pays)
 
 
 def _policy(name: str, capacity: int, total_experts: int, config: CacheConfig, profile: Popularity | None):

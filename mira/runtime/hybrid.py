@@ -40,7 +40,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +54,8 @@ from mira.kernels import DECODE_TOKENS
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import expert_ffn
 from mira.kernels.tuning import TUNING_DIR
-from mira.runtime.calibrate import calibrate, costs_path, entry_key, load_costs, save_costs
+from mira.runtime.calibrate import MEASUREMENTS, calibrate, costs_path, entry_key, load_costs, save_costs, \
+    saved_measurements
 from mira.runtime.cpu_worker import CpuExpertWorker, CpuJob, HostRows
 from mira.runtime.host_signal import HostSignal
 from mira.store.cache import cache_dir
@@ -94,24 +95,34 @@ def calibration_dir() -> Path:
     return cache_dir().parent / "calibration"
 
 
-def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.device,
-                  progress: bool = False) -> HybridCosts:
+def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.device, progress: bool = False,
+                  pays: Callable[[HybridCosts], bool] | None = None) -> HybridCosts:
     """This machine's calibrated costs for the store's experts: shipped beside the kernel tuning,
     else saved by an earlier load, else measured now (a few seconds, on one layer's blobs; said on
-    stderr with `progress`) and saved."""
+    stderr with `progress`) and saved.
+
+    A saved calibration under which `pays` says the CPU's share does not pay is measured again, at
+    up to MEASUREMENTS loads, and the one whose CPU was the faster is kept: a calibration taken
+    while the host was busy would otherwise keep auto's share off on this machine for good, where
+    one priced too cheaply is corrected by the paces decoding measures (`CpuPace`)."""
     key = entry_key(worker)
-    for directory in (TUNING_DIR, calibration_dir()):
-        costs = load_costs(costs_path(device, directory), key)
-        if costs is not None:
-            return costs
+    shipped = load_costs(costs_path(device, TUNING_DIR), key)
+    if shipped is not None:
+        return shipped
+    path = costs_path(device, calibration_dir())
+    saved = load_costs(path, key)
+    measurements = saved_measurements(path, key) if saved is not None else 0
+    if saved is not None and (pays is None or pays(saved) or measurements >= MEASUREMENTS):
+        return saved
     if progress:
-        print("mira: timing this machine's CPU and PCIe for the experts it may compute on the CPU (once per "
+        again = " again: the last calibration left it no share" if saved is not None else ""
+        print(f"mira: timing this machine's CPU and PCIe for the experts it may compute on the CPU{again} (once per "
               "machine and expert shape; --cpu-experts off skips it)", file=sys.stderr, flush=True)
     blobs = [store.blob(0, expert) for expert in range(store.num_experts)]
-    costs = calibrate(worker, blobs, device)
-    path = costs_path(device, calibration_dir())
+    measured = calibrate(worker, blobs, device)
+    costs = measured if saved is None else min(saved, measured, key=lambda costs: costs.cpu_s(1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_costs(path, key, costs, written_by="mira.load (--cpu-experts)")
+    save_costs(path, key, costs, written_by="mira.load (--cpu-experts)", measurements=measurements + 1)
     return costs
 
 

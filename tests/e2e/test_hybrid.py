@@ -400,7 +400,7 @@ def test_the_calibration_is_reported_whether_or_not_it_turned_the_cpu_share_on(m
     costs = HybridCosts(blob_bytes=1 << 20, cpu=LinearCost(2e-3, 1e-4), cpu_call_s=3e-4, pcie_bytes_per_s=5e10)
     workers = []
 
-    def calibrated(config, store, act, gate, device, misses, top_k):
+    def calibrated(config, store, act, gate, device, misses, top_k, share_pays):
         workers.append(CpuExpertWorker(CpuExperts(store.layout, act, gate), 1))
         return workers[-1], costs
 

@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from mira.cache.costmodel import HybridCosts, LinearCost, split
 from mira.errors import MiraError
 from mira.kernels.cpu_experts import CpuExpertFFN
-from mira.runtime.calibrate import FORMAT, calibrate, costs_path, entry_key, load_costs, save_costs
+from mira.runtime import hybrid
+from mira.runtime.calibrate import (FORMAT, MEASUREMENTS, calibrate, costs_path, entry_key, load_costs, save_costs,
+                                    saved_measurements)
 from mira.runtime.cpu_worker import CpuExpertWorker
 from mira.store.layout import ExpertLayout
 
@@ -87,6 +89,51 @@ def test_an_entry_of_an_older_format_is_measured_again(tmp_path, worker):
     del data["entries"][key]["format"]  # as format 1 wrote it: median CPU figures
     path.write_text(json.dumps(data))
     assert load_costs(path, key) is None
+
+
+class _Layer:
+    """The store's face that `machine_costs` reads: a layer's blobs."""
+
+    num_experts = 4
+
+    def blob(self, layer, expert):
+        return torch.zeros(8, dtype=torch.uint8)
+
+
+def _cpu_ms(ms: float) -> HybridCosts:
+    return HybridCosts(blob_bytes=1 << 20, cpu=LinearCost(ms * 1e-3, 0.0), cpu_call_s=1e-4, pcie_bytes_per_s=None)
+
+
+def test_a_saved_calibration_that_left_the_share_off_is_measured_again_and_the_faster_cpu_kept(
+        tmp_path, monkeypatch, worker):
+    """A calibration taken while the host was busy must not keep auto's share off for good: where
+    the saved one does not pay, a load measures again (at most MEASUREMENTS loads) and keeps the
+    faster of the two; one that pays, or a mode with no verdict to reach, is read as saved."""
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "stores"))
+    readings = iter([_cpu_ms(5.0), _cpu_ms(2.0)])  # a busy moment, then a quiet one
+    measured = []
+    monkeypatch.setattr(hybrid, "calibrate", lambda worker, blobs, device: measured.append(blobs) or next(readings))
+    pays = lambda costs: costs.cpu_s(1) < 3e-3  # noqa: E731
+    path = costs_path("cpu", hybrid.calibration_dir())
+    key = entry_key(worker)
+
+    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 5e-3
+    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=None).cpu_s(1) == 5e-3  # no verdict
+    assert len(measured) == 1 and len(measured[0]) == _Layer.num_experts
+    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 2e-3  # again
+    assert load_costs(path, key).cpu_s(1) == 2e-3 and saved_measurements(path, key) == 2
+    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 2e-3
+    assert len(measured) == 2  # the quiet reading pays: read as saved
+
+
+def test_a_machine_whose_share_never_pays_is_measured_again_at_a_few_loads_only(tmp_path, monkeypatch, worker):
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "stores"))
+    readings = iter([_cpu_ms(4.0), _cpu_ms(6.0), _cpu_ms(5.0)])
+    monkeypatch.setattr(hybrid, "calibrate", lambda worker, blobs, device: next(readings))
+    never = lambda costs: False  # noqa: E731
+    kept = [hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=never).cpu_s(1) for _ in range(5)]
+    assert kept == [4e-3] * 5  # the slower readings never replace the faster
+    assert saved_measurements(costs_path("cpu", hybrid.calibration_dir()), entry_key(worker)) == MEASUREMENTS == 3
 
 
 def test_a_corrupt_costs_file_is_refused_with_the_fix(tmp_path):
