@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mira.cache.costmodel import HybridCosts
 from mira.charts import save_png
 
 
@@ -41,7 +42,7 @@ def format_table(result: dict) -> str:
                     f"of layer-steps change their experts, {changes['uniform']} under uniform routing): their budgets "
                     "hardly matter (mira.bench.variety)")
     lines = [title, *body] + (["", "mira against the fastest baseline:", *compared] if compared else [])
-    lines += cpu_share_lines(result)
+    lines += cpu_share_lines(result) + share_off_lines(result)
     for budget, configs in result.get("quant_comparison", {}).items():
         for config, speeds in configs.items():
             ratios = ", ".join(f"{key.replace('_over_', ' / ')} {value:.3f}x" for key, value in speeds.items()
@@ -92,6 +93,24 @@ def cpu_share_lines(result: dict) -> list[str]:
         lines += [f"  repeat {number}: {_repeat(r)}" for number, r in enumerate(row.get("repeats", []), 1)
                   if "cpu_experts" in r]
     return ["", "the CPU's share against GPU-only mira in the same run:", *lines] if lines else []
+
+
+def share_off_lines(result: dict) -> list[str]:
+    """Per budget where a calibration left auto's CPU share off at load: the runs it did so in, and
+    one CPU expert at one token against its read over PCIe, as calibrated, so that a calibration
+    taken in a slow stretch of the host shows beside the figures it shaped
+    (mira.runtime.hybrid.machine_costs)."""
+    off: dict[tuple[str, str], list[str]] = {}
+    for row in result["runs"]:
+        share = row.get("cpu_experts") or {}
+        if share.get("mode") == "off" and share.get("calibration"):
+            costs = HybridCosts.from_json(share["calibration"])
+            priced = f"a CPU expert at one token {1e3 * costs.cpu_s(1):.3g} ms against its read over PCIe " \
+                     f"{1e3 * costs.pcie_s(1):.3g} ms"
+            off.setdefault((row["budget"], priced), []).append(row["config"])
+    lines = [f"{budget}: the CPU's share stayed off in {', '.join(configs)}: calibrated, {priced}"
+             for (budget, priced), configs in off.items()]
+    return ["", *lines] if lines else []
 
 
 def stolen_note(figures: dict) -> str:

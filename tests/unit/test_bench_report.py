@@ -1,6 +1,7 @@
 """The bench table's columns and sections for the CPU's share of the misses, from hand-made rows."""
 
-from mira.bench.report import cpu_share_configs, cpu_share_lines, format_table
+from mira.bench.report import cpu_share_configs, cpu_share_lines, format_table, share_off_lines
+from mira.cache.costmodel import HybridCosts, LinearCost
 
 
 def test_the_table_shows_cpu_tokens_the_hybrid_bound_and_each_layers_predicted_and_measured_times():
@@ -73,3 +74,21 @@ def test_mira_is_set_against_mira_gpu_where_both_ran_and_older_results_keep_thei
     # before, `mira` was GPU-only and mira-cpu-auto had the calibrated split
     assert compared(row("mira-cpu-auto", 6.0), row("mira", 5.0)) == [
         "12GiB: mira-cpu-auto 6 tokens/s, 1.200x mira (GPU only), 0.600x the caching bound"]
+
+
+def test_a_run_whose_calibration_left_autos_share_off_says_what_it_priced():
+    """5 ms for a CPU expert (4 fixed + 1 per token) against 2 ms for 100 MB at 50 GB/s: a slow
+    calibration shows beside the figures it shaped; a share switched off by its setting says nothing."""
+    costs = HybridCosts(blob_bytes=100_000_000, cpu=LinearCost(4e-3, 1e-3), cpu_call_s=2e-4,
+                        pcie_bytes_per_s=50e9, pcie_latency_s=0.0, gpu=LinearCost(1e-4, 1e-5))
+    off = {"config": "mira", "budget": "25%", "decode_tokens_per_s": 5.5,
+           "cpu_experts": {"mode": "off", "calibration": costs.to_json()}}
+    unset = {"config": "mira-gpu", "budget": "25%", "decode_tokens_per_s": 5.0, "cpu_experts": {"mode": "off"}}
+    on = {"config": "static", "budget": "25%", "decode_tokens_per_s": 6.0,
+          "cpu_experts": {"mode": "split", "calibration": costs.to_json()}}
+    lfu = {**off, "config": "lfu"}
+    assert share_off_lines({"runs": [off, unset, on, lfu, {**off, "budget": "50%"}]}) == [
+        "", "25%: the CPU's share stayed off in mira, lfu: calibrated, a CPU expert at one token 5 ms against its read "
+        "over PCIe 2 ms", "50%: the CPU's share stayed off in mira: calibrated, a CPU expert at one token 5 ms against "
+        "its read over PCIe 2 ms"]
+    assert share_off_lines({"runs": [unset, on]}) == []
