@@ -115,9 +115,10 @@ def machine_costs(worker: CpuExpertWorker, store: ExpertStore, device: torch.dev
     if saved is not None and (pays is None or pays(saved) or measurements >= MEASUREMENTS):
         return saved
     if progress:
-        again = " again: the last calibration left it no share" if saved is not None else ""
-        print(f"mira: timing this machine's CPU and PCIe for the experts it may compute on the CPU{again} (once per "
-              "machine and expert shape; --cpu-experts off skips it)", file=sys.stderr, flush=True)
+        when = "again, as the last calibration gave it no share" if saved is not None else \
+            "once per machine and expert shape"
+        print(f"mira: timing this machine's CPU and PCIe for the experts it may compute on the CPU ({when}; "
+              "--cpu-experts off skips it)", file=sys.stderr, flush=True)
     blobs = [store.blob(0, expert) for expert in range(store.num_experts)]
     measured = calibrate(worker, blobs, device)
     costs = measured if saved is None else min(saved, measured, key=lambda costs: costs.cpu_s(1))

@@ -105,7 +105,7 @@ def _cpu_ms(ms: float) -> HybridCosts:
 
 
 def test_a_saved_calibration_that_left_the_share_off_is_measured_again_and_the_faster_cpu_kept(
-        tmp_path, monkeypatch, worker):
+        tmp_path, monkeypatch, capsys, worker):
     """A calibration taken while the host was busy must not keep auto's share off for good: where
     the saved one does not pay, a load measures again (at most MEASUREMENTS loads) and keeps the
     faster of the two; one that pays, or a mode with no verdict to reach, is read as saved."""
@@ -120,7 +120,8 @@ def test_a_saved_calibration_that_left_the_share_off_is_measured_again_and_the_f
     assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 5e-3
     assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=None).cpu_s(1) == 5e-3  # no verdict
     assert len(measured) == 1 and len(measured[0]) == _Layer.num_experts
-    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 2e-3  # again
+    assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), True, pays).cpu_s(1) == 2e-3  # again
+    assert "(again, as the last calibration gave it no share; --cpu-experts off skips it)" in capsys.readouterr().err
     assert load_costs(path, key).cpu_s(1) == 2e-3 and saved_measurements(path, key) == 2
     assert hybrid.machine_costs(worker, _Layer(), torch.device("cpu"), pays=pays).cpu_s(1) == 2e-3
     assert len(measured) == 2  # the quiet reading pays: read as saved
