@@ -35,7 +35,7 @@ def add_command(subparsers) -> None:
                     "mira-cpu-split (the calibrated split wherever there are misses, where auto's rule would "
                     "leave the CPU out too), mira-cpu-all (every miss computed on the CPU, inline), mira-cpu-graph "
                     "(--cpu-experts graph: lagged, replayed steps, each layer's quota of misses chosen on the "
-                    "device for CPU lanes), "
+                    "device for CPU lanes), mira-cpu-graph-1 (the same on one lane of every CPU thread), "
                     "mira-inline (inline: one host sync "
                     "per MoE layer, each miss copied in once), mira-lagged (always "
                     "lagged: no host sync, decode steps replayed from CUDA graphs, an admitted miss crosses PCIe "

@@ -61,7 +61,7 @@ def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
     share and `mira-cpu-auto` had the calibrated one; mira-cut-any (cuts beside whole misses too) is
     in older results only."""
     if any(row.get("config") == GPU_ONLY for row in result["runs"]):
-        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cpu-graph", "mira-cut-any")
+        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cpu-graph", "mira-cpu-graph-1", "mira-cut-any")
     return "mira", ("mira-cpu-auto", "mira-cpu-all")
 
 
@@ -180,7 +180,7 @@ def layer_times(result: dict) -> list[str]:
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
                 "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now",
-                "mira-cut-any", "mira-cpu-graph")
+                "mira-cut-any", "mira-cpu-graph", "mira-cpu-graph-1")
 
 
 def plot(result: dict, path: str) -> None:

@@ -60,6 +60,7 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
     "mira-cpu-split": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="split"),  # auto's rule ignored
     "mira-cpu-graph": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="graph"),  # lanes, replayed
+    "mira-cpu-graph-1": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="graph", cpu_lanes=1),
     "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
     "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),
     "mira-eager": dict(policy="mira", prefetch="off", residency="inline", cuda_graphs=False),  # every step eager
