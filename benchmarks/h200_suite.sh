@@ -94,6 +94,11 @@
 #   bash benchmarks/h200_suite.sh graph-bench  # --cpu-experts graph: its GPU tests, then mira bench, Qwen3-30B-A3B
 #                                           # and OLMoE-1B-7B shapes at 25% of the experts, 64 in / 64 out, mira,
 #                                           # mira-cpu-graph and mira-gpu in one run each, 3 timed repeats (~8 min)
+#   bash benchmarks/h200_suite.sh graph-mixtral  # --cpu-experts graph at the Mixtral-8x7B shape replaying the real
+#                                           # trace, BUDGETS (default 8GiB) in turns (--interleave): mira, mira-gpu,
+#                                           # mira-cpu-graph (its lane count timed at load: one of every thread or
+#                                           # two of half each; CONFIGS=...,mira-cpu-graph-1 forces one); host memory
+#                                           # and disk logged every 10 s to $OUT/memory.log (~7 min a budget, resumed)
 #   bash benchmarks/h200_suite.sh cpu-lanes  # the same shapes' experts on the host's CPU, several at once on 15 /
 #                                           # L threads each (L = 2, 3, 5) against one at a time on 15 (~1 min)
 #   bash benchmarks/h200_suite.sh gil       # a Mixtral-shaped expert on the CPU worker (15 threads) with the host
@@ -277,6 +282,16 @@ case "${1:-}" in
   cut-columns)
     timeout 300 python benchmarks/cpu_experts.py --threads "${THREADS:-15}" --shapes mixtral-8x7b --schemes int8-shared \
       --tokens 1 --repeats 5 --cuts 7 --out "$OUT/cpu-experts-cuts-columns-h200.json" ;;
+  graph-mixtral)
+    budgets=${BUDGETS:-8GiB}
+    (while true; do echo "$(date +%T) used/available GB $(free -g | awk '/Mem/{print $3, $7}'), disk free $(df -h "$(dirname "$MIRA_CACHE")" | tail -1 | awk '{print $4}')"; sleep 10; done) >> "$OUT/memory.log" &
+    monitor=$!
+    timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "$budgets" \
+      --configs "${CONFIGS:-mira,mira-gpu,mira-cpu-graph}" --repeats 3 --interleave \
+      --out "$OUT/bench-mixtral-8x7b-graph-share-${budgets//,/-}.json" --resume || status=$?
+    kill "$monitor"
+    exit "${status:-0}" ;;
   graph-share)
     timeout 400 python benchmarks/graph_host_share.py --threads 15 --lanes 1,2 --out "$OUT/graph-host-share-memops-h200.json" ;;
   graph-bench)

@@ -225,7 +225,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "each job waits for its slowest thread, so use fewer where other work shares the cores")
     parser.add_argument("--cpu-lanes", type=positive_int, metavar="N",
                         help="with --cpu-experts graph: experts the CPU computes at once, each on --cpu-threads / N "
-                             "threads (default 2, or 1 with one thread): small experts keep fewer threads busy")
+                             "threads (default: on CUDA 1 or 2, whichever the lanes timed at load price the faster; "
+                             "a large expert keeps every thread busy, small ones do not)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")

@@ -307,10 +307,11 @@ def paced_saving(calibrated: HybridCosts, cpu: Pace, cut: Pace, device: Pace | N
     return cpu_saving(at(cpu), top_k, blob_bytes, miss_rate, cuts, cut_costs=at(cut), alone=calibrated)
 
 
-def lane_quota(top_k: int, miss_rate: float, lanes: int, lane_expert_s: float, call_s: float, pcie_s: float) -> int:
-    """How many of a decode layer's misses the CPU lanes take inside a replayed step, the rest read
-    over PCIe (mira.runtime.graph_share): the quota of least expected layer time, its `top_k` routed
-    experts each missing with probability `miss_rate` (independently); 0 where none beats PCIe alone.
+def lane_layer_s(top_k: int, miss_rate: float, lanes: int, lane_expert_s: float, call_s: float, pcie_s: float,
+                 quota: int) -> float:
+    """The expected seconds of a decode layer's misses when the CPU lanes take up to `quota` of them
+    inside a replayed step and the device reads the rest over PCIe (mira.runtime.graph_share), its
+    `top_k` routed experts each missing with probability `miss_rate` (independently).
 
     With a quota q, m misses take max(ceil(min(q, m) / lanes) * lane_expert_s + call_s,
     (m - min(q, m)) * pcie_s): the lanes compute their experts at once while the device reads the
@@ -319,17 +320,21 @@ def lane_quota(top_k: int, miss_rate: float, lanes: int, lane_expert_s: float, c
     """
     if not 0 <= miss_rate <= 1:
         raise ValueError(f"miss_rate is a probability, not {miss_rate}")
-    chances = [math.comb(top_k, m) * miss_rate ** m * (1 - miss_rate) ** (top_k - m) for m in range(top_k + 1)]
+    total = 0.0
+    for misses in range(top_k + 1):
+        chance = math.comb(top_k, misses) * miss_rate ** misses * (1 - miss_rate) ** (top_k - misses)
+        taken = min(quota, misses)
+        cpu_s = math.ceil(taken / lanes) * lane_expert_s + call_s if quota else 0.0
+        total += chance * max(cpu_s, (misses - taken) * pcie_s)
+    return total
 
-    def expected_s(quota: int) -> float:
-        total = 0.0
-        for misses, chance in enumerate(chances):
-            taken = min(quota, misses)
-            cpu_s = math.ceil(taken / lanes) * lane_expert_s + call_s if quota else 0.0
-            total += chance * max(cpu_s, (misses - taken) * pcie_s)
-        return total
 
-    return min(range(top_k + 1), key=lambda quota: (expected_s(quota), quota))
+def lane_quota(top_k: int, miss_rate: float, lanes: int, lane_expert_s: float, call_s: float, pcie_s: float) -> int:
+    """How many of a decode layer's misses the CPU lanes take inside a replayed step: the quota of
+    least expected layer time (`lane_layer_s`, the smaller quota where two tie); 0 where none beats
+    PCIe alone."""
+    return min(range(top_k + 1),
+               key=lambda quota: (lane_layer_s(top_k, miss_rate, lanes, lane_expert_s, call_s, pcie_s, quota), quota))
 
 
 def share_keeps(saving_s: float) -> bool:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mira.cache.costmodel import HybridCosts, lane_quota
+from mira.cache.costmodel import HybridCosts, lane_layer_s, lane_quota
 from mira.cache.tables import ExpertTables
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS
@@ -42,7 +42,8 @@ from mira.runtime.mailbox import Mailbox
 from mira.store.store import ExpertStore
 
 CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
-DEFAULT_LANES = 2  # experts the CPU computes at once, where there are the threads
+LANE_COUNTS = (1, 2)  # the lane counts load times, where there are the threads: one expert on every thread (a
+# large expert keeps them busy) or two at once on half each (small ones do not)
 QUOTA_STEPS = 16  # decode steps between the quotas priced again at the miss rates they saw
 ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
 
@@ -63,6 +64,16 @@ class LanePrices:
         """The lanes' quota for a layer whose routed experts miss at `miss_rate`."""
         return lane_quota(self.top_k, miss_rate, self.lanes, self.expert_s, self.call_s, self.pcie_s)
 
+    def layer_s(self, miss_rate: float) -> float:
+        """The expected seconds of such a layer's misses at that quota."""
+        return lane_layer_s(self.top_k, miss_rate, self.lanes, self.expert_s, self.call_s, self.pcie_s,
+                            self.quota(miss_rate))
+
+
+def fastest(prices: Sequence[LanePrices], miss_rate: float) -> LanePrices:
+    """The lane count of least expected layer time at `miss_rate` (the fewer lanes where two tie)."""
+    return min(prices, key=lambda each: (each.layer_s(miss_rate), each.lanes))
+
 
 class GraphShare:
     """Chooses each decode call's CPU experts on the device and exchanges them with the lanes.
@@ -77,16 +88,19 @@ class GraphShare:
         quotas: per MoE layer, the most misses of a decode call the lanes compute.
         device: where the layers run.
         prices: what a split costs, by which `requote` prices quotas again; None: they stay.
+        timed: the prices of every lane count load timed, `prices` among them (reported by `summary`).
     """
 
     def __init__(self, tables: ExpertTables, make_lanes: Callable[[Mailbox], CpuLanes], lanes: int,
-                 quotas: Sequence[int], device: torch.device, prices: LanePrices | None = None) -> None:
+                 quotas: Sequence[int], device: torch.device, prices: LanePrices | None = None,
+                 timed: Sequence[LanePrices] = ()) -> None:
         if len(quotas) != len(tables.rows) or min(quotas) < 0:
             raise ValueError(f"a quota of at least 0 for each of the {len(tables.rows)} MoE layers, not {list(quotas)}")
         E = tables.tables.shape[1]
         self.lanes: CpuLanes | None = None
         self.quotas = list(quotas)
         self.prices = prices
+        self.timed = list(timed)
         self.requotes = 0  # times `requote` changed a quota
         self._window = np.zeros((len(self.quotas), 2), dtype=np.int64)  # per layer: decode tokens routed, missed
         self._steps = 0  # decode steps in the window
@@ -173,8 +187,9 @@ class GraphShare:
         served = {"experts": sum(lanes.served), "tokens": sum(lanes.tokens),
                   "busy_ms": round(sum(lanes.busy_s) * 1e3, 3), "threads_per_lane": lanes.threads} \
             if lanes is not None else {"experts": 0, "tokens": 0}
-        prices = {"prices_us": {name: round(getattr(self.prices, name) * 1e6, 1)
-                                for name in ("expert_s", "call_s", "pcie_s")}} if self.prices is not None else {}
+        prices = {"prices_us": _in_us(self.prices)} if self.prices is not None else {}
+        if len(self.timed) > 1:
+            prices["timed_lanes_us"] = {each.lanes: _in_us(each) for each in self.timed}
         return {"mode": "graph", "lanes": self._lane_count, "quota": self.quotas, "requotes": self.requotes,
                 **prices, **served}
 
@@ -187,37 +202,49 @@ class GraphShare:
         torch.le(rank, self.quotas[layer_position], out=self._chosen).logical_and_(miss)
 
 
+def _in_us(prices: LanePrices) -> dict[str, float]:
+    return {name: round(getattr(prices, name) * 1e6, 1) for name in ("expert_s", "call_s", "pcie_s")}
+
+
 def make_graph_share(store: ExpertStore, tables: ExpertTables, act, gate, costs: HybridCosts | None,
                      top_k: int | None, miss_rate: float, dtype: torch.dtype, device: torch.device,
                      threads: int | None = None, lanes: int | None = None) -> GraphShare:
     """The CPU lanes' share for --cpu-experts graph over `store`, its lanes computing with the
-    family's `act` or `gate` on `threads` (None: mira.runtime.hybrid.worker_threads) dealt to `lanes`
-    (None: DEFAULT_LANES where there are the threads). Each layer's quota is priced by the lanes timed
-    now and the PCIe calibration `costs` (LanePrices), first at `miss_rate`; where nothing crosses PCIe
-    (the CPU) or the routed experts per token (`top_k`) are unknown, the lanes take every miss.
+    family's `act` or `gate` on `threads` (None: mira.runtime.hybrid.worker_threads) dealt to `lanes`.
+    Each layer's quota is priced by the lanes timed now and the PCIe calibration `costs` (LanePrices),
+    first at `miss_rate`; with `lanes` None each of LANE_COUNTS that the threads allow is timed, and
+    the one of least expected layer time kept (`fastest`). Where nothing crosses PCIe (the CPU) or the
+    routed experts per token (`top_k`) are unknown, the lanes take every miss, on `lanes` (None: the
+    most of LANE_COUNTS the threads allow).
 
     Raises:
         MiraError: more lanes than threads.
     """
     threads = worker_threads(threads)
-    lanes = lanes or min(DEFAULT_LANES, threads)
-    if lanes > threads:
+    if lanes is not None and lanes > threads:
         raise MiraError(f"--cpu-lanes {lanes} needs at least as many CPU threads, not {threads}; pass --cpu-threads "
                         f"{lanes} or more, or fewer lanes")
+    counts = [lanes] if lanes is not None else [count for count in LANE_COUNTS if count <= threads]
     blobs = [[store.blob(layer, expert) for expert in range(store.num_experts)] for layer in range(store.num_layers)]
 
     def make_lanes(box: Mailbox) -> CpuLanes:
         return CpuLanes(lambda: CpuExperts(store.layout, act, gate), blobs, box, threads)
 
     if costs is None or not costs.pcie_bytes_per_s or top_k is None:
-        return GraphShare(tables, make_lanes, lanes, [top_k or store.num_experts] * store.num_layers, device)
-    timed = make_lanes(Mailbox(lanes, store.layout.hidden, top_k, dtype, torch.float32, device))
-    try:
-        expert_s, call_s = time_lanes(timed, blobs[0], device)
-    finally:
-        timed.close()
-    prices = LanePrices(top_k, lanes, expert_s, call_s, costs.pcie_s(1, store.blob_bytes))
-    return GraphShare(tables, make_lanes, lanes, [prices.quota(miss_rate)] * store.num_layers, device, prices)
+        return GraphShare(tables, make_lanes, counts[-1], [top_k or store.num_experts] * store.num_layers, device)
+
+    def priced(count: int) -> LanePrices:
+        timed = make_lanes(Mailbox(count, store.layout.hidden, top_k, dtype, torch.float32, device))
+        try:
+            expert_s, call_s = time_lanes(timed, blobs[0], device)
+        finally:
+            timed.close()
+        return LanePrices(top_k, count, expert_s, call_s, costs.pcie_s(1, store.blob_bytes))
+
+    timed = [priced(count) for count in counts]
+    prices = fastest(timed, miss_rate)
+    return GraphShare(tables, make_lanes, prices.lanes, [prices.quota(miss_rate)] * store.num_layers, device, prices,
+                      timed)
 
 
 def time_lanes(lanes: CpuLanes, blobs: Sequence[torch.Tensor], device: torch.device) -> tuple[float, float]:

@@ -20,7 +20,9 @@ from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, make_moe_ffn
 from mira.runtime import engine, graph_share
 from mira.runtime.experts import MiraExperts
-from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, time_lanes
+from mira.cache.costmodel import HybridCosts, LinearCost
+from mira.runtime.graph_share import CALIBRATION_REPEATS, QUOTA_STEPS, LanePrices, fastest, make_graph_share, \
+    time_lanes
 from mira.runtime.mailbox import Mailbox
 from mira.store.convert import convert
 from tiny_models import mixtral_layer_call, mixtral_layer_reference
@@ -169,6 +171,51 @@ def test_the_lanes_time_their_experts_through_real_exchanges(mixtral_store):
     _, call_s = time_lanes(lanes, [model.store.blob(0, e) for e in range(E)], torch.device("cpu"))
     assert call_s > 0  # the tiny experts' own time is lost in this machine's noise; the round trip is not
     assert lanes.served[0] - served == (CALIBRATION_REPEATS + 1) * (2 + 4)  # jobs of 0, 2 and 4 experts, each computed
+
+
+def test_the_fastest_lane_count_is_kept():
+    # Both experts of a layer always miss; a miss crosses PCIe in 3.3 ms, an exchange takes 0.1 ms.
+    # One lane computes an expert in 2.8 ms: quota 1 gives max(2.9, 3.3) = 3.3 ms, quota 2 5.7 ms.
+    # Two lanes take 4.0 ms an expert beside each other: 4.1 ms at quota 1 or 2. One lane is faster.
+    one, two = (LanePrices(top_k=2, lanes=n, expert_s=s, call_s=1e-4, pcie_s=3.3e-3) for n, s in ((1, 2.8e-3),
+                                                                                                   (2, 4.0e-3)))
+    assert one.layer_s(1.0) == pytest.approx(3.3e-3) and two.layer_s(1.0) == pytest.approx(4.1e-3)
+    assert fastest([one, two], 1.0) is one
+    # Small experts: 0.6 ms on one lane, 0.4 on each of two, 1.0 ms over PCIe. One lane: quota 1 gives
+    # max(0.7, 1.0) = 1.0, quota 2 1.3; two lanes: quota 2 gives 0.5. Two lanes are faster.
+    one, two = (LanePrices(top_k=2, lanes=n, expert_s=s, call_s=0.1, pcie_s=1.0) for n, s in ((1, 0.6), (2, 0.4)))
+    assert fastest([one, two], 1.0) is two and two.quota(1.0) == 2
+    # a tie goes to fewer lanes
+    assert fastest([LanePrices(2, 2, 0.4, 0.1, 1.0), LanePrices(2, 1, 0.4, 0.1, 1.0)], 0.0).lanes == 1
+
+
+def test_load_times_each_lane_count_and_keeps_the_fastest(mixtral_store, monkeypatch):
+    model = _load(mixtral_store, cpu_experts="off")
+    costs = HybridCosts(blob_bytes=model.store.blob_bytes, cpu=LinearCost(1.0, 0.0), cpu_call_s=0.0,
+                        pcie_bytes_per_s=model.store.blob_bytes / 1.0)  # a miss crosses PCIe in 1 s
+    timed = []
+
+    def priced(lanes, blobs, device):  # the small experts' prices above, by the lanes' count
+        timed.append((lanes.mailbox.lanes, lanes.threads))
+        return {1: (0.6, 0.1), 2: (0.4, 0.1)}[lanes.mailbox.lanes]
+
+    monkeypatch.setattr(graph_share, "time_lanes", priced)
+
+    def made(**given):
+        return make_graph_share(model.store, model.cache.tables, torch.nn.functional.silu, None, costs, K, 1.0,
+                                torch.float32, torch.device("cpu"), **given)
+
+    share = made(threads=2)
+    assert timed == [(1, 2), (2, 1)]  # one lane of both threads, then two of one each
+    assert share.prices.lanes == 2 and share.quotas == [2] * 3 and share.lanes is None  # made by the first call
+    assert share.summary()["timed_lanes_us"] == {1: dict(expert_s=6e5, call_s=1e5, pcie_s=1e6),
+                                                 2: dict(expert_s=4e5, call_s=1e5, pcie_s=1e6)}
+    timed.clear()
+    share = made(threads=1)  # two lanes need two threads: one lane alone is timed
+    assert timed == [(1, 1)] and share.prices.lanes == 1 and share.quotas == [1] * 3
+    timed.clear()
+    share = made(threads=2, lanes=1)  # as asked
+    assert timed == [(1, 2)] and share.prices.lanes == 1
 
 
 class _HeldBox:

@@ -8,7 +8,7 @@ import pytest
 
 from mira.cache.costmodel import (
     INLINE_LAYER_S, KEEP_LAYER_S, CpuPace, Cuts, DevicePace, HybridCosts, LinearCost, cpu_may_pay, cpu_pays,
-    cpu_saving, lane_quota, paced_saving, share_keeps, split,
+    cpu_saving, lane_layer_s, lane_quota, paced_saving, share_keeps, split,
 )
 
 MB = 1 << 20
@@ -417,6 +417,15 @@ def test_lane_quota_hand_worked():
     assert lane_quota(2, 1.0, 2, 1.0, 0.1, 1.0) == 1
     # the same with a slower link: quota 2 (1.1 s) beats quota 1 (max(1.1, 1.5))
     assert lane_quota(2, 1.0, 2, 1.0, 0.1, 1.5) == 2
+
+
+def test_lane_layer_s_hand_worked():
+    # the first case above: PCIe alone 1.0 s, quota 1 0.575 s, quota 2 0.6 s
+    assert lane_layer_s(2, 0.5, 1, 0.5, 0.1, 1.0, quota=0) == pytest.approx(1.0)
+    assert lane_layer_s(2, 0.5, 1, 0.5, 0.1, 1.0, quota=1) == pytest.approx(0.575)
+    assert lane_layer_s(2, 0.5, 1, 0.5, 0.1, 1.0, quota=2) == pytest.approx(0.6)
+    # two lanes take both misses at once: 1/4 * 0.1 + 3/4 * 0.6
+    assert lane_layer_s(2, 0.5, 2, 0.5, 0.1, 1.0, quota=2) == pytest.approx(0.475)
 
 
 def test_lane_quota_matches_a_brute_force_expectation():
