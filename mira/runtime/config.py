@@ -64,8 +64,11 @@ class HybridConfig:
         measured it not paying (mira.cache.costmodel.share_keeps); on the CPU, off: both sides would
         be the same cores), "split" (auto's split on CUDA wherever there are misses, even where the
         rule judges it does not pay), "all" (every miss the policy leaves in host memory goes to
-        the CPU) or "off".
+        the CPU), "graph" (lagged decode steps replayed from CUDA graphs, each layer's share chosen
+        on the device for CPU lanes: mira.runtime.graph_share) or "off".
     threads: the CPU worker's compute threads; None: the caller's torch threads less one, at least 1.
+    lanes: with "graph", the experts the CPU computes at once, on threads / lanes threads each;
+        None: on CUDA one or two, whichever load prices the faster (mira.runtime.graph_share.fastest).
     device_pace: splits price the device's side at the pace decoding measures (on CUDA), as they
         price the CPU's; False: at its calibration (an A/B for `mira bench`).
     """
