@@ -61,7 +61,8 @@ def cpu_share_configs(result: dict) -> tuple[str, tuple[str, ...]]:
     share and `mira-cpu-auto` had the calibrated one; mira-cut-any (cuts beside whole misses too) is
     in older results only."""
     if any(row.get("config") == GPU_ONLY for row in result["runs"]):
-        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cpu-graph", "mira-cpu-graph-1", "mira-cut-any")
+        return GPU_ONLY, ("mira", "mira-cpu-split", "mira-cpu-all", "mira-cpu-graph", "mira-cpu-graph-1",
+                          "mira-cut-any")
     return "mira", ("mira-cpu-auto", "mira-cpu-all")
 
 

@@ -42,8 +42,8 @@ from mira.runtime.mailbox import Mailbox
 from mira.store.store import ExpertStore
 
 CALIBRATION_REPEATS = 5  # timed exchanges per job size (their median is kept)
-LANE_COUNTS = (1, 2)  # the lane counts load times, where there are the threads: one expert on every thread (a
-# large expert keeps them busy) or two at once on half each (small ones do not)
+LANE_COUNTS = (1, 2)  # the lane counts load times, where there are the threads: one expert at a time on every
+# thread, or two at once on half each (small experts keep fewer threads busy)
 QUOTA_STEPS = 16  # decode steps between the quotas priced again at the miss rates they saw
 ANSWER_S = 10.0  # how long load waits for the lanes to answer one exchange before giving up
 
