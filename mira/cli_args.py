@@ -226,7 +226,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-lanes", type=positive_int, metavar="N",
                         help="with --cpu-experts graph: experts the CPU computes at once, each on --cpu-threads / N "
                              "threads (default: on CUDA 1 or 2, whichever the lanes timed at load price the faster; "
-                             "else 2): lanes suit experts too small to keep every thread busy")
+                             "else 2, or 1 with one thread): lanes suit experts too small to keep every thread busy")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")
