@@ -26,6 +26,16 @@ class MiraArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"mira: error: {message}; see `{self.prog} --help`\n")
 
 
+class CommandParser(MiraArgumentParser):
+    """A command's parser: it refuses what it does not know itself, so that the error names its --help."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
+
+
 def positive_int(text: str) -> int:
     value = _number(text, int, "a whole number")
     if value < 1:

@@ -10,9 +10,10 @@ from mira.bench.command import add_command as add_bench_command
 from mira.bench.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
 from mira.bench.simulate import POLICIES as SIMULATED_POLICIES
 from mira.bench.simulate import RESIDENCY as SIMULATED_RESIDENCY
-from mira.cli_args import (QUANT_HELP, MiraArgumentParser, add_model_options, add_sampling_options,
-                           add_threads_option, check_sampling, end_quietly_on_broken_pipe, existing_file, load_model,
-                           nonnegative_int, output_dir, output_file, positive_float, positive_int, sampling_config)
+from mira.cli_args import (QUANT_HELP, CommandParser, MiraArgumentParser, add_model_options,
+                           add_sampling_options, add_threads_option, check_sampling, end_quietly_on_broken_pipe,
+                           existing_file, load_model, nonnegative_int, output_dir, output_file, positive_float,
+                           positive_int, sampling_config)
 from mira.errors import MiraError
 from mira.eval.command import add_command as add_eval_command
 from mira.cli.predictor import add_commands as add_predictor_commands
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "quantized into a host-memory store and cached in GPU memory under a byte budget.",
     )
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=CommandParser)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face MoE checkpoint into an expert store",
                                   description="Stream the experts of a local Hugging Face MoE checkpoint into a "

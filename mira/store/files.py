@@ -6,7 +6,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 CHUNK = 16 << 20
 
@@ -48,26 +50,22 @@ def fsync_path(path: Path) -> None:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON so that a reader sees either the old file or the whole new one."""
-    fd, tmp = temporary_beside(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_atomic(path, "w", lambda f: json.dump(data, f, indent=2, sort_keys=True))
 
 
 def write_npz_atomic(path: Path, arrays: dict) -> None:
     """Write compressed numpy arrays so that a reader sees either the old file or the whole new one."""
     import numpy as np
 
+    _write_atomic(path, "wb", lambda f: np.savez_compressed(f, **arrays))
+
+
+def _write_atomic(path: Path, mode: str, write: Callable[[IO], None]) -> None:
+    """`write` into a temporary file beside `path`, flushed to the disk, then renamed over it."""
     fd, tmp = temporary_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

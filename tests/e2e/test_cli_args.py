@@ -82,11 +82,19 @@ GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
     (("--cpu-threads=-1",), ("--cpu-threads", "not positive")),
     (("--cpu-experts", "some"), ("--cpu-experts", "invalid choice: 'some'")),
     (("--stats-json", "/no/such/dir/stats.json"), ("--stats-json", "does not exist")),
+    (("--budget", "1GiB"), ("unrecognized arguments: --budget 1GiB",)),
 ])
 def test_values_out_of_range_are_refused_while_parsing(argv, phrases, fresh_cache):
     code, _, err = cli(*GENERATE, *argv)
     refused(code, err, 2, *phrases, "see `mira generate --help`")
     assert nothing_converted()
+
+
+def test_an_unknown_option_names_the_help_of_its_own_command(fresh_cache):
+    code, _, err = cli("store", "ls", "--all")
+    refused(code, err, 2, "unrecognized arguments: --all", "see `mira store ls --help`")
+    code, _, err = cli("--verbose", "store", "ls")
+    refused(code, err, 2, "unrecognized arguments: --verbose", "see `mira --help`")
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path, fresh_cache):
