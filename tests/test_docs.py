@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("benchmarks_doc", ROOT / "tools" / "benchmarks_doc.py")
+def load_generator(name: str = "benchmarks_doc"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -155,3 +155,12 @@ def test_readme_python_example_runs_on_the_bundled_model():
     assert out.shape[1] == ids.shape[1] + 20
     # greedy generate's first new token is the plain forward's most likely next token
     assert out[0, ids.shape[1]].item() == torch.argmax(logits[0, -1]).item()
+
+
+def test_the_families_listed_are_those_run_against_transformers_with_every_case_passing():
+    families_doc = load_generator("families_doc")
+    runs, other = families_doc.RUNS, "test_int8_store_is_exactly_the_dequantized_model"
+    results = {"mixtral": {runs: True, other: True}, "olmoe": {runs: True, other: False},
+               "ergo": {"test_experts_wrapping_the_interface_in_their_own_forward_are_refused": True},
+               "jamba": {runs: False, other: True}}
+    assert families_doc.passing(results) == ["mixtral"]

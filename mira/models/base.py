@@ -56,8 +56,9 @@ def kv_values_per_token(config: PretrainedConfig) -> int:
 
 
 def standard_kv_values(config: PretrainedConfig) -> int:
-    """2 x kv heads x head dim, summed over the layers that attend: grouped-query attention caching
-    keys and values (each layer's own sizes where the config gives layers their own)."""
+    """2 x kv heads x head dim, summed over the layers that attend with keys and values of their own:
+    grouped-query attention caching keys and values (each layer's own sizes where the config gives
+    layers their own); a layer reusing another's (transformers' `kv_sharing_modes`) caches none."""
     layers = config.num_hidden_layers
     head_dims = _per_layer(layer_values(config, "head_dim"), layers)
     kv_heads = _per_layer(layer_values(config, "num_key_value_heads"), layers)
@@ -65,6 +66,8 @@ def standard_kv_values(config: PretrainedConfig) -> int:
     attends = [True] * layers
     if isinstance(layer_types, (list, tuple)) and layer_types:
         attends = ["attention" in str(kind) and "linear" not in str(kind) for kind in layer_types]
+    sharing = getattr(config, "kv_sharing_modes", None) or [None] * layers
+    attends = [attending and mode != "reuse" for attending, mode in zip(attends, sharing)]
     heads = config.num_attention_heads
     return sum(2 * (kv_heads[i] or heads) * (head_dims[i] or config.hidden_size // heads)
                for i in range(layers) if attends[i])

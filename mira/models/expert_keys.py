@@ -26,6 +26,9 @@ from mira.models.spec import ModelAnatomy
 _INTEGER = re.compile(r"(?<=\.)\d+(?=\.)")
 FP8_SCALE_SUFFIX = "_scale_inv"
 MXFP4_SUFFIXES = ("_blocks", "_scales")
+# transformers' operations that dequantize a family's original quantized experts on load and hand a lone plain
+# tensor on unchanged (Inkling 2 Loop's NVFP4 and MXFP8): nothing to replay on a plain expert
+DEQUANTIZING_OPS = ("Inkling2LoopDequantizeExperts",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Recipe:
         for op in self.ops:
             if isinstance(op, MergeModulelist) and op.dim == 0 and self.row is None:
                 continue  # stacks experts along dim 0: one expert's slice is its own tensor
+            if type(op).__name__ in DEQUANTIZING_OPS and self.fmt == "plain" and len(tensors) == 1:
+                continue  # a plain expert, which the op hands on unchanged
             if isinstance(op, Concatenate) and op.dim != 0:
                 tensors = [torch.cat(tensors, dim=_expert_dim(op.dim))]
             elif isinstance(op, Transpose) and 0 not in (op.dim0, op.dim1) and len(tensors) == 1:
@@ -145,6 +150,9 @@ class ExpertKeys:
             expert, position = _dropped_integer(name, target)
             converter = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
             if expert is None:
+                if target in self._fused:  # its scales beside it, say: Mira would read one of them alone
+                    raise MiraError(f"transformers makes {target} of several tensors of {source} "
+                                    f"({self._fused[target][0]}, {name}); Mira cannot read these experts")
                 self._fused[target] = (name, fmt)
                 self._ops[target] = (tuple(converter.operations) if converter else (), ())
             else:

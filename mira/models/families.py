@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from mira.errors import MiraError
-from mira.models.interface import Family, moe_families
+from mira.models.interface import Family, check_not_wrapped, moe_families
 from mira.models.registry import check_supported
 from mira.models.spec import ExpertsSpec, spec_of
 
@@ -45,6 +45,9 @@ def _status(family: Family) -> FamilyStatus:
         return FamilyStatus(family, None, problem=f"its default config builds no {family.experts_classes[0]} "
                                                   f"({type(error).__name__}); convert a checkpoint to find out")
     try:
+        for obj in vars(module).values():  # the family's model may build a class wrapping its Experts class
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                check_not_wrapped(obj, family.model_type)
         spec = spec_of(experts)
         check_supported(spec, family.model_type)
     except MiraError as error:

@@ -53,6 +53,22 @@ def uses_experts_interface(cls: type) -> bool:
             and code.co_qualname.startswith(decorator.__qualname__ + "."))
 
 
+def check_not_wrapped(cls: type, source: str = "the model") -> None:
+    """Raise where `cls` derives from an interface Experts class but replaces its forward with one of its
+    own that calls it (Ergo's ErgoExperts: one row per route into ErgoExpertProjections, then a learned
+    norm per expert before the weighted sum): Mira stands in for the interface's computation only.
+
+    Raises:
+        MiraError: naming both classes.
+    """
+    if uses_experts_interface(cls):
+        return
+    base = next((base for base in cls.__mro__[1:] if uses_experts_interface(base)), None)
+    if base is not None:
+        raise MiraError(f"{source}'s {cls.__name__} wraps the experts interface's {base.__name__} in a forward of "
+                        "its own, which Mira does not compute; run it with transformers")
+
+
 def causal_lm_class(config: PretrainedConfig) -> type:
     """The transformers class that runs `config` as a causal language model.
 

@@ -8,6 +8,8 @@ Where that forward cannot run on the meta device, the config rule of mira.models
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -44,7 +46,7 @@ def _measured(config: PretrainedConfig) -> int:
     with experts_swapped(adapter_for(config), _ZeroExperts), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config).eval()
     cached = []
-    with torch.no_grad():
+    with torch.no_grad(), _nonzero_on_meta():
         for tokens in PROBE_TOKENS:
             ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
             output = model(ids, use_cache=True)
@@ -55,9 +57,21 @@ def _measured(config: PretrainedConfig) -> int:
     return grown // tokens
 
 
+def _nonzero_on_meta():
+    """Let `nonzero` run on the meta device as though every element were nonzero (Qwen4-Exp's sparse
+    attention picks its blocks with it): the cache's sizes do not depend on which are picked."""
+    try:
+        import torch.fx.experimental._config as fx_config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(fx_config, "meta_nonzero_assume_all_nonzero"):  # a torch without the switch: where the
+        return contextlib.nullcontext()  # probe needs it, the config rule stands in
+    return fx_config.patch(meta_nonzero_assume_all_nonzero=True)
+
+
 def _cache_values(cache) -> int:
-    """Key and value entries held by a transformers cache (per-layer tensors of [batch, heads, tokens,
-    dim], or a latent's), not counting recurrent states, which keep their size."""
-    return sum(tensor.numel() for layer in getattr(cache, "layers", ())
-               for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+    """Entries of the tensors a transformers cache holds per layer: keys and values ([batch, heads,
+    tokens, dim], or a latent's), a sparse attention's indexer keys, and recurrent states, which keep
+    their size and so drop out of the growth."""
+    return sum(tensor.numel() for layer in getattr(cache, "layers", ()) for tensor in vars(layer).values()
                if isinstance(tensor, torch.Tensor) and tensor.dim() >= 3)

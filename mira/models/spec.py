@@ -22,7 +22,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from mira.errors import MiraError
-from mira.models.interface import causal_lm_class, moe_families, moe_integration, uses_experts_interface
+from mira.models.interface import (causal_lm_class, check_not_wrapped, moe_families, moe_integration,
+                                   uses_experts_interface)
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -163,8 +164,8 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
     """Build `config`'s model on the meta device and read its experts.
 
     Raises:
-        MiraError: no causal LM, no Experts module using the experts interface, mixed Experts
-            classes, or an Experts module outside a numbered decoder layer.
+        MiraError: no causal LM, no Experts module using the experts interface, one wrapping it in a
+            forward of its own, mixed Experts classes, or an Experts module outside a numbered decoder layer.
     """
     moe_integration()
     model_class = causal_lm_class(config)
@@ -176,6 +177,7 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
                             "fix config.json") from None
     sites, found, modules = {}, {}, {}
     for name, module in model.named_modules():
+        check_not_wrapped(type(module), source)
         if uses_experts_interface(type(module)):
             match = LAYER_INDEX.search(f".{name}.")
             if match is None:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mira.cli import main
 from mira.models.interface import moe_families
 
@@ -19,3 +21,22 @@ def test_mira_models_lists_every_interface_family_with_what_mira_does(capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["model_type", "runs", "kernels", "experts", "class"]
     assert any(line.split()[:3] == ["mixtral", "yes", "fused"] for line in table)
+
+
+def test_an_experts_class_wrapping_the_interface_is_refused_with_both_names(capsys):
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from mira.errors import MiraError
+    from mira.models.interface import check_not_wrapped
+
+    class NormedExperts(MixtralExperts):  # a forward of its own around the interface's (as Ergo's does)
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    check_not_wrapped(MixtralExperts)
+    with pytest.raises(MiraError, match="NormedExperts wraps the experts interface's MixtralExperts"):
+        check_not_wrapped(NormedExperts)
+    main(["models", "--json"])
+    listed = {row["model_type"]: row for row in json.loads(capsys.readouterr().out)["families"]}
+    if "ergo" in listed:  # ErgoExperts normalises each route's output with a weight of its expert's
+        assert listed["ergo"]["runs"] is False and "ErgoExperts wraps" in listed["ergo"]["problem"]
