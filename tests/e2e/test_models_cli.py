@@ -17,6 +17,9 @@ def test_mira_models_lists_every_interface_family_with_what_mira_does(capsys):
     assert listed["nemotron_h"]["kernels"] == "reference"  # ungated experts
     if "bailing_hybrid" in listed:  # its Experts take the layer index (a clamp per layer)
         assert listed["bailing_hybrid"]["runs"] is True
+    for dense_default in ("gemma4_text", "dots1"):  # built with experts on and their counts filled in
+        if dense_default in listed:
+            assert listed[dense_default]["runs"] is True, listed[dense_default]
     main(["models"])
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["model_type", "runs", "kernels", "experts", "class"]
