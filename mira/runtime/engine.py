@@ -316,7 +316,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
     popularity = _popularity(config.profile, total_experts) if config.profile is not None else None
     budget = config.vram_budget
     if isinstance(budget, str):
-        budget = _share_budget(budget_share(budget), hf_model, store, setup.max_context)
+        budget = _share_budget(budget, hf_model, store, setup.max_context)
     config = dataclasses.replace(config, device=setup.device, dtype=dtype, vram_budget=budget,
                                  max_context=setup.max_context, quant=store.manifest.scheme)
     return assemble(hf_model, sites, store, store_tokenizer(store_path), config, popularity)
@@ -518,11 +518,26 @@ def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: in
     return non_expert, kv_bytes, workspace
 
 
-def _share_budget(share: float, hf_model, store: ExpertStore, max_context: int) -> int:
-    """The budget that gives slots to `share` of all experts beyond the reserve (as `mira bench`'s 25%)."""
-    slots = max(1, round(share * store.num_layers * store.num_experts))
+def _share_budget(text: str, hf_model, store: ExpertStore, max_context: int) -> int:
+    """The budget that gives slots to a share of all experts (`text`, as "25%") beyond the reserve.
+
+    Raises:
+        MiraError: the share leaves fewer slots than one MoE layer has experts (all of a layer's
+            must fit while it computes); the message gives the least share that fits.
+    """
+    total = store.num_layers * store.num_experts
+    slots = _share_slots(budget_share(text), total)
+    if slots < store.num_experts:
+        least = next(percent for percent in range(1, 101) if _share_slots(percent / 100, total) >= store.num_experts)
+        raise MiraError(f"--vram-budget {text.strip()} gives slots for {slots} of the model's {total} experts, fewer "
+                        f"than the {store.num_experts} of one MoE layer, which must all fit while it computes; "
+                        f"pass --vram-budget {least}% or more")
     device = next(hf_model.parameters()).device
     return sum(_reserve(device, hf_model, store, max_context)) + slots * store.blob_bytes
+
+
+def _share_slots(share: float, total_experts: int) -> int:
+    return max(1, round(share * total_experts))
 
 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,

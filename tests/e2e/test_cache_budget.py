@@ -11,6 +11,7 @@ from mira.predict.heads import HeadConfig, PredictorHeads, TrainedPredictor, pre
 from mira.runtime.experts import MiraExperts
 from mira.runtime.tracing import RoutingRecorder
 from mira.store.manifest import Manifest
+from mira.store.store import ExpertStore
 from tiny_models import COMMON
 
 GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
@@ -135,3 +136,12 @@ def test_a_runtime_config_and_overrides_on_top_of_it_load_the_same_model(stores)
     assert by_config.config == by_name.config
     with pytest.raises(mira.MiraError, match="unknown setting vram"):
         mira.load(store, config, vram="1GiB")
+
+
+def test_a_share_too_small_for_one_layer_is_refused_with_the_least_share_that_fits(stores):
+    store = ExpertStore.open(stores["mixtral", "int8-row"], progress=False)
+    assert (store.num_layers, store.num_experts) == (3, 8)  # 24 experts: 31% gives 7 slots (7.44), 32% 8 (7.68)
+    with pytest.raises(mira.MiraError, match=r"31% gives slots for 7 of the model's 24 experts, fewer than the 8 of "
+                                             r"one MoE layer.*pass --vram-budget 32% or more"):
+        mira.load(store.path, device="cpu", vram_budget="31%", progress=False)
+    assert mira.load(store.path, device="cpu", vram_budget="32%", progress=False).stats()["slots"] == 8
