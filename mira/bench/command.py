@@ -161,6 +161,12 @@ def _bench(args: argparse.Namespace) -> None:
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
     print(format_table(result))
+    for run in result["runs"]:  # the table cuts each reason short
+        if run.get("skipped"):
+            print(f"skipped {run['config']} at {run['budget']}: {run['skipped']}", file=sys.stderr)
+    if all(run.get("skipped") for run in result["runs"]):
+        print(f"results: {out} (every cell skipped, so no chart)", file=sys.stderr)
+        return
     try:
         plot(result, str(out.with_suffix(".png")))
     except ImportError:

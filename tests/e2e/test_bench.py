@@ -99,6 +99,7 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     assert set(rows) == {(c, b) for c in ("mira+p", "mira", "mira-cpu-all", "static") for b in ("25%", "all")} | {
         ("hf-gpu", "all"), ("hf-offload", "all")}
     assert "needs a CUDA device" in rows["hf-offload", "all"]["skipped"]
+    assert f"skipped hf-offload at all: {rows['hf-offload', 'all']['skipped']}\n" in run.stderr  # whole, not cut
     for (config, budget), row in rows.items():
         if config.startswith("mira") or config == "static":
             assert row["new_tokens"] == 4 and row["prompt_tokens"] == 8
