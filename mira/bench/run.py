@@ -42,7 +42,7 @@ from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
 from mira.bench.sources import Source
-from mira.cache.budget import format_size, parse_size
+from mira.cache.budget import format_size, parse_size, share_slots
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
@@ -425,7 +425,7 @@ def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int,
     if label == ALL:
         return all_bytes
     if label.endswith("%"):
-        slots = max(1, round(float(label[:-1]) / 100 * total_experts))
+        slots = share_slots(float(label[:-1]) / 100, total_experts)
         return reserve + slots * blob_bytes
     return parse_size(label)
 

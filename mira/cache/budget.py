@@ -47,6 +47,11 @@ def plan_slots(budget: int, non_expert_bytes: int, kv_bytes: int, workspace_byte
     return SlotPlan(budget, reserve, blob_bytes, int(slots))
 
 
+def share_slots(share: float, total_experts: int) -> int:
+    """Slots a budget given as a share of all experts (0.25 for "25%") asks for: at least one."""
+    return max(1, round(share * total_experts))
+
+
 def format_size(nbytes: int, up: bool = False) -> str:
     """Bytes as GiB (from 1 GiB) or MiB, two decimals; rounded up when `up` (for a minimum to ask for)."""
     unit, name = (GiB, "GiB") if nbytes >= GiB else (1 << 20, "MiB")

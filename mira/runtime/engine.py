@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
-from mira.cache.budget import SlotPlan, plan_slots
+from mira.cache.budget import SlotPlan, plan_slots, share_slots
 from mira.cache.cache import ExpertCache
 from mira.cache.config import CacheConfig
 from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
@@ -526,18 +526,14 @@ def _share_budget(text: str, hf_model, store: ExpertStore, max_context: int) -> 
             must fit while it computes); the message gives the least share that fits.
     """
     total = store.num_layers * store.num_experts
-    slots = _share_slots(budget_share(text), total)
+    slots = share_slots(budget_share(text), total)
     if slots < store.num_experts:
-        least = next(percent for percent in range(1, 101) if _share_slots(percent / 100, total) >= store.num_experts)
+        least = next(percent for percent in range(1, 101) if share_slots(percent / 100, total) >= store.num_experts)
         raise MiraError(f"--vram-budget {text.strip()} gives slots for {slots} of the model's {total} experts, fewer "
                         f"than the {store.num_experts} of one MoE layer, which must all fit while it computes; "
                         f"pass --vram-budget {least}% or more")
     device = next(hf_model.parameters()).device
     return sum(_reserve(device, hf_model, store, max_context)) + slots * store.blob_bytes
-
-
-def _share_slots(share: float, total_experts: int) -> int:
-    return max(1, round(share * total_experts))
 
 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
