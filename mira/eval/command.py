@@ -86,7 +86,8 @@ def _ppl(args: argparse.Namespace) -> None:
     from mira.errors import MiraError
     from mira.eval.data import HELDOUT_TEXT, read_documents, token_stream
     from mira.eval.ppl import measure, model_log_probs, windows
-    from mira.runtime.engine import BUNDLED_MODEL, FREE_MEMORY_MARGIN, default_device, load
+    from mira.runtime.engine import BUNDLED_MODEL, default_device, load
+    from mira.runtime.plan import FREE_MEMORY_MARGIN
     from mira.store.files import write_json_atomic
     from mira.store.manifest import is_store
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, StaticCache
 
-from mira.cache.budget import SlotPlan, plan_slots, share_slots
+from mira.cache.budget import SlotPlan
 from mira.cache.cache import ExpertCache
 from mira.cache.config import CacheConfig
 from mira.cache.policy import Popularity, make_policy, policy_class, stage_slots
@@ -24,7 +24,6 @@ from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, CpuMoEFFN, make_moe_ffn
 from mira.models.hub import locate
-from mira.models.kvcache import kv_values_per_token
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
@@ -35,7 +34,8 @@ from mira.runtime.experts import MiraExperts
 from mira.runtime.graph_share import GraphShare, make_graph_share
 from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_costs, worker_threads
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache, takes_static_cache
-from mira.runtime.config import Facts, RuntimeConfig, budget_share, default_dtype, resolve, resolve_setup
+from mira.runtime.config import Facts, RuntimeConfig, default_dtype, resolve, resolve_setup
+from mira.runtime.plan import share_budget, slot_plan
 from mira.runtime.threads import free_idle_team
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -43,8 +43,6 @@ from mira.store.manifest import Manifest, is_store, looks_like_store
 from mira.store.store import ExpertStore
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
-FREE_MEMORY_MARGIN = 1 << 30  # left to the CUDA context, allocator fragmentation and other processes
-ACTIVATION_WORKSPACE = 256 << 20
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
 REVIEW_CHECKS = 3  # judgements in a row under KEEP_LAYER_S that drop it: a slow start must persist
 
@@ -316,7 +314,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
     popularity = _popularity(config.profile, total_experts) if config.profile is not None else None
     budget = config.vram_budget
     if isinstance(budget, str):
-        budget = _share_budget(budget, hf_model, store, setup.max_context)
+        budget = share_budget(budget, hf_model, store, setup.max_context)
     config = dataclasses.replace(config, device=setup.device, dtype=dtype, vram_budget=budget,
                                  max_context=setup.max_context, quant=store.manifest.scheme)
     return assemble(hf_model, sites, store, store_tokenizer(store_path), config, popularity)
@@ -342,7 +340,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
     config = dataclasses.replace(config or RuntimeConfig(), device=str(torch_device),
                                  dtype=str(hf_model.dtype).removeprefix("torch."), max_context=setup.max_context,
                                  quant=store.manifest.scheme)
-    plan = _plan(config, hf_model, store, setup.max_context)
+    plan = slot_plan(config, hf_model, store, setup.max_context)
     capacity = plan.slots if plan else 0
     act, gate = adapter_for(hf_model.config).spec.ffn_functions()  # the family's own arithmetic
     ffn = make_moe_ffn(torch_device, store.layout, act, gate=gate, num_experts=store.num_experts, dtype=hf_model.dtype)
@@ -494,46 +492,6 @@ def parse_device(device: str | None) -> torch.device:
                             f"{torch.cuda.device_count()}); pass --device cuda:0 .. "
                             f"cuda:{torch.cuda.device_count() - 1}")
     return torch_device
-
-
-def _plan(config: RuntimeConfig, hf_model, store: ExpertStore, max_context: int) -> SlotPlan | None:
-    device = torch.device(config.device)
-    budget = config.vram_budget
-    if budget is None:
-        if device.type == "cpu":
-            return None
-        free, _ = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        budget = free + allocated - FREE_MEMORY_MARGIN
-    non_expert, kv_bytes, workspace = _reserve(device, hf_model, store, max_context)
-    return plan_slots(budget, non_expert, kv_bytes, workspace, store.blob_bytes, store.num_experts,
-                      store.num_layers * store.num_experts, max_context)
-
-
-def _reserve(device: torch.device, hf_model, store: ExpertStore, max_context: int) -> tuple[int, int, int]:
-    """Bytes a budget holds before any expert slot: non-expert weights, KV cache, workspaces."""
-    non_expert = sum(t.nbytes for t in hf_model.parameters()) + sum(t.nbytes for t in hf_model.buffers())
-    kv_bytes = kv_values_per_token(hf_model.config) * max_context * hf_model.dtype.itemsize
-    workspace = ACTIVATION_WORKSPACE if device.type == "cuda" else 0
-    return non_expert, kv_bytes, workspace
-
-
-def _share_budget(text: str, hf_model, store: ExpertStore, max_context: int) -> int:
-    """The budget that gives slots to a share of all experts (`text`, as "25%") beyond the reserve.
-
-    Raises:
-        MiraError: the share leaves fewer slots than one MoE layer has experts (all of a layer's
-            must fit while it computes); the message gives the least share that fits.
-    """
-    total = store.num_layers * store.num_experts
-    slots = share_slots(budget_share(text), total)
-    if slots < store.num_experts:
-        least = next(percent for percent in range(1, 101) if share_slots(percent / 100, total) >= store.num_experts)
-        raise MiraError(f"--vram-budget {text.strip()} gives slots for {slots} of the model's {total} experts, fewer "
-                        f"than the {store.num_experts} of one MoE layer, which must all fit while it computes; "
-                        f"pass --vram-budget {least}% or more")
-    device = next(hf_model.parameters()).device
-    return sum(_reserve(device, hf_model, store, max_context)) + slots * store.blob_bytes
 
 
 def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.device,
