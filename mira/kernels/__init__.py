@@ -3,9 +3,9 @@
 `make_moe_ffn` chooses the implementation once, at construction (never per call):
 
 - the fused Triton kernels (`mira.kernels.triton_ffn`; `mira.kernels.triton_int4` for `int4`) on a
-  CUDA device, for gated experts whose gating has a closed form (SwiGLU, or a family's clamped
-  variant: mira.models.spec.GluForm), with or without biases, on the `int8-shared`, `int8-row` or
-  `int4` schemes;
+  CUDA device, for gated experts whose gating has a closed form (SwiGLU, GeGLU with the tanh GELU,
+  or a family's clamped variant: mira.models.spec.GluForm), with or without biases, on the
+  `int8-shared`, `int8-row` or `int4` schemes;
 - on the CPU for bf16 and fp16 states, the CPU executor (`CpuMoEFFN` over
   `mira.kernels.cpu_experts`: weight-only products that read the blobs in place, dense ones for an
   INT8 expert of many tokens; `CpuMoEFFN.bind` lays an int4 store's codes out for this CPU);
@@ -34,7 +34,7 @@ from mira.errors import MiraError
 from mira.kernels import cpu_int4
 from mira.kernels.cpu_experts import CpuExpertFFN
 from mira.kernels.reference import moe_ffn_reference
-from mira.models.spec import GluForm
+from mira.models.spec import GELU_TANH, GluForm
 from mira.store.layout import ExpertLayout
 from mira.store.store import ExpertStore
 
@@ -125,11 +125,38 @@ def is_silu(act: Callable | str) -> bool:
 
 
 def glu_of(act: Callable | str | None, gate: Callable | None) -> GluForm | None:
-    """The closed form of the experts' gating the fused kernels compute: SwiGLU for a SiLU
-    activation, a family gating's own form (mira.models.spec.FamilyGate.form); else None."""
+    """The closed form of the experts' gating the fused kernels compute: act(gate) * up for an
+    activation of `ACTIVATION_FORMS`, a family gating's own form (mira.models.spec.FamilyGate.form);
+    else None."""
     if gate is not None:
         return getattr(gate, "form", None)
-    return GluForm() if act is not None and is_silu(act) else None
+    if act is None:
+        return None
+    if is_silu(act):
+        return GluForm()
+    return activation_form(act)
+
+
+ACTIVATION_FORMS = (GluForm(), GELU_TANH, GluForm(alpha=1.702))  # SiLU, GELU's tanh approximation, quick GELU
+
+
+def activation_form(act: Callable | str) -> GluForm | None:
+    """The form of `ACTIVATION_FORMS` whose gate factor is `act` (a callable, or a name of
+    transformers' ACT2FN), tried in float64 on values well past where the forms part: None for any
+    other activation (the exact, erf GELU among them)."""
+    if isinstance(act, str):
+        from transformers.activations import ACT2FN
+
+        if act not in ACT2FN:
+            return None
+        act = ACT2FN[act]
+    probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
+    try:
+        values = act(probe).to(torch.float64)
+    except Exception:  # an activation that takes more than a tensor
+        return None
+    return next((form for form in ACTIVATION_FORMS
+                 if torch.allclose(form(probe, torch.ones_like(probe)), values, rtol=1e-6, atol=1e-9)), None)
 
 
 def fused_unsupported(layout: ExpertLayout, act: Callable | str | None, gate: Callable | None) -> str | None:

@@ -109,17 +109,21 @@ def _int8_to_f32(w, CVT: tl.constexpr):
 
 @triton.jit
 def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-           NAN_ABSENT: tl.constexpr):
+           CUBIC: tl.constexpr, NAN_ABSENT: tl.constexpr):
     """The experts' gated activation from the gate and up outputs (mira.models.spec.GluForm):
-    g * sigmoid(ALPHA * g) * (u + UP_OFFSET), g clamped from above and u on both sides at LIMIT
-    first when LIMIT > 0. SwiGLU is (1, 0, 0); gpt-oss's clamped SwiGLU (1.702, 7, 1)."""
+    g * sigmoid(ALPHA * (g + CUBIC g^3)) * (u + UP_OFFSET), g clamped from above and u on both
+    sides at LIMIT first when LIMIT > 0. SwiGLU is (1, 0, 0, 0); gpt-oss's clamped SwiGLU
+    (1.702, 7, 1, 0); GeGLU with the tanh GELU (2 sqrt(2 / pi), 0, 0, 0.044715)."""
     if LIMIT > 0:
         g = tl.minimum(g, LIMIT)
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    inner = g
+    if CUBIC != 0.0:
+        inner = g + CUBIC * g * g * g
     if ALPHA == 1.0:
-        act = g * tl.sigmoid(g)
+        act = g * tl.sigmoid(inner)
     else:
-        act = g * tl.sigmoid(g * ALPHA)
+        act = g * tl.sigmoid(inner * ALPHA)
     if UP_OFFSET != 0.0:
         u = u + UP_OFFSET
     return _absent(act * u, present, NAN_ABSENT)
@@ -149,7 +153,8 @@ def _gate_up_gemv(
     H, I, K, S_IN_OFF, B13_OFF, ROWS, limits_ptr,  # limits_ptr: [E] int32, read with CUT
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
     CUT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
@@ -171,7 +176,7 @@ def _gate_up_gemv(
     for i0 in range(row_start, row_end, BLOCK_I):
         _gate_up_rows(x_row, base, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present,
                       h_limit, H, I, B13_OFF, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC, HAS_BIAS, ALPHA,
-                      LIMIT, UP_OFFSET, NAN_ABSENT)
+                      LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
 
 
 @triton.jit
@@ -179,7 +184,8 @@ def _gate_up_rows(
     x_row, base, w13, s_in, act_row, offs_i, row_end, present, h_limit, H, I, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end. Each thread
     sums its VEC adjacent products of a row before accumulating, so the accumulators are
@@ -213,7 +219,7 @@ def _gate_up_rows(
         u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
     u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
     tl.store(act_row + offs_i, act, mask=in_rows)
 
 
@@ -300,7 +306,8 @@ def _gate_up_gemv_mma(
     H, I, K, S_IN_OFF, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
     operand (the other columns are zero), the weights the left one. The MMA work is wasted
@@ -344,7 +351,7 @@ def _gate_up_gemv_mma(
         u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
     u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
     tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
 
 
@@ -416,7 +423,8 @@ def _gate_up_gemm(
     P, H, I, K, S_IN_OFF, B13_OFF,
     SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. The
     pairs' token rows are x's rows pair // K: the hidden states (int8-row) or the pairs' scaled
@@ -460,7 +468,7 @@ def _gate_up_gemm(
     if HAS_BIAS:
         acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
         acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
-    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, NAN_ABSENT)
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -611,7 +619,7 @@ class TritonMoEFFN:
         self._b2_off = sections["b2"].offset if layout.bias else 0
         # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
         self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
-                              UP_OFFSET=float(glu.up_offset), NAN_ABSENT=not absent_zero)
+                              UP_OFFSET=float(glu.up_offset), CUBIC=float(glu.cubic), NAN_ABSENT=not absent_zero)
         self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4

@@ -87,19 +87,26 @@ class ExpertsSpec:
 @dataclass(frozen=True)
 class GluForm:
     """A gated activation in closed form, as the fused kernels compute it:
-    g * sigmoid(alpha * g) * (u + up_offset), with g = min(gate, limit) and u = clamp(up, -limit,
-    limit) when there is a limit. SwiGLU is the default; gpt-oss's clamped SwiGLU is (1.702, 7, 1).
+    g * sigmoid(alpha * (g + cubic * g^3)) * (u + up_offset), with g = min(gate, limit) and
+    u = clamp(up, -limit, limit) when there is a limit. SwiGLU is the default; gpt-oss's clamped
+    SwiGLU is (1.702, 7, 1); GeGLU with the tanh GELU is `GELU_TANH` (0.5 x (1 + tanh(y)) is
+    x * sigmoid(2y)).
     """
 
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
+    cubic: float = 0.0
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.limit is not None:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
-        return gate * torch.sigmoid(self.alpha * gate) * (up + self.up_offset)
+        inner = gate + self.cubic * gate**3 if self.cubic else gate
+        return gate * torch.sigmoid(self.alpha * inner) * (up + self.up_offset)
+
+
+GELU_TANH = GluForm(alpha=2 * math.sqrt(2 / math.pi), cubic=0.044715)  # GeGLU, tanh GELU (Gemma 4's experts)
 
 
 # The module attributes a family's own gating reads its constants from (gpt-oss: alpha, limit;

@@ -26,13 +26,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton.language")
 
 from transformers import GptOssConfig  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
 
-from mira.kernels import make_moe_ffn  # noqa: E402
+from mira.kernels import glu_of, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import expert_ffn, moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN  # noqa: E402
 from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig  # noqa: E402
-from mira.models.spec import GluForm, anatomy  # noqa: E402
+from mira.models.spec import GELU_TANH, GluForm, anatomy  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
@@ -124,6 +125,36 @@ def test_biases_and_clamped_swiglu_match_the_familys_own_gating(gate, scheme, co
     ffn = KERNELS[scheme](layout, DEVICE, config=config_of(scheme, config), glu=gate.form)
     out = ffn(hidden, index, weights, blobs)
     ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
+    assert relative_error(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("name", ["gelu_pytorch_tanh", "gelu_new", "quick_gelu"])
+def test_gelu_activations_are_recognised_in_closed_form_and_the_exact_one_is_not(name):
+    act = ACT2FN[name]
+    form = glu_of(act, None)
+    assert form == glu_of(name, None) and form is not None
+    probe = torch.linspace(-20, 20, 401, dtype=torch.float64)
+    assert torch.allclose(form(probe, torch.ones_like(probe)), act(probe), rtol=1e-9, atol=1e-12)
+    assert glu_of("gelu", None) is None and glu_of(ACT2FN["gelu"], None) is None  # erf: the reference computes it
+    assert glu_of("relu", None) is None
+
+
+@pytest.mark.parametrize(("scheme", "config"), CASES)
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_geglu_with_the_tanh_gelu_matches_the_activation_in_the_reference(scheme, config, tokens, bias):
+    """Gemma 4's experts: GELU's tanh approximation of the gate times up, computed by the kernels
+    as g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) and by the reference with transformers' own
+    activation."""
+    layout = ExpertLayout(scheme, *sizes(scheme), bias=bias)
+    blobs = biased_blobs(layout, E, seed=13)
+    hidden = 2.0 * torch.randn(tokens, layout.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens + 1)
+    act = ACT2FN["gelu_pytorch_tanh"]
+    ffn = make_moe_ffn(DEVICE, layout, act, backend="triton", config=config_of(scheme, config), num_experts=E)
+    assert isinstance(ffn, KERNELS[scheme]) and ffn._after_up["CUBIC"] == GELU_TANH.cubic
+    out = ffn(hidden, index, weights, blobs)
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, act)
     assert relative_error(out, ref) < FP32_TOL
 
 
