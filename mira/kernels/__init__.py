@@ -4,8 +4,8 @@
 
 - the fused Triton kernels (`mira.kernels.triton_ffn`; `mira.kernels.triton_int4` for `int4`) on a
   CUDA device, for gated experts whose gating has a closed form (SwiGLU, GeGLU with the tanh GELU,
-  or a family's clamped variant: mira.models.spec.GluForm), with or without biases, on the
-  `int8-shared`, `int8-row` or `int4` schemes;
+  or a family's clamped variant: mira.models.spec.GluForm) and ungated ones with the squared ReLU,
+  with or without biases, on the `int8-shared`, `int8-row` or (gated) `int4` schemes;
 - on the CPU for bf16 and fp16 states, the CPU executor (`CpuMoEFFN` over
   `mira.kernels.cpu_experts`: weight-only products that read the blobs in place, dense ones for an
   INT8 expert of many tokens; `CpuMoEFFN.bind` lays an int4 store's codes out for this CPU);
@@ -144,30 +144,56 @@ def activation_form(act: Callable | str) -> GluForm | None:
     """The form of `ACTIVATION_FORMS` whose gate factor is `act` (a callable, or a name of
     transformers' ACT2FN), tried in float64 on values well past where the forms part: None for any
     other activation (the exact, erf GELU among them)."""
-    if isinstance(act, str):
-        from transformers.activations import ACT2FN
-
-        if act not in ACT2FN:
-            return None
-        act = ACT2FN[act]
+    act = _activation(act)
+    if act is None:
+        return None
     probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
-    try:
-        values = act(probe).to(torch.float64)
-    except Exception:  # an activation that takes more than a tensor
+    values = _values(act, probe)
+    if values is None:
         return None
     return next((form for form in ACTIVATION_FORMS
                  if torch.allclose(form(probe, torch.ones_like(probe)), values, rtol=1e-6, atol=1e-9)), None)
 
 
+def _activation(act: Callable | str) -> Callable | None:
+    """A callable activation: `act` itself, or transformers' ACT2FN entry of that name (None if none)."""
+    if not isinstance(act, str):
+        return act
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[act] if act in ACT2FN else None
+
+
+def _values(act: Callable, probe: torch.Tensor) -> torch.Tensor | None:
+    """`act` on a float64 probe, or None for an activation that takes more than a tensor."""
+    try:
+        return act(probe).to(torch.float64)
+    except Exception:
+        return None
+
+
 def fused_unsupported(layout: ExpertLayout, act: Callable | str | None, gate: Callable | None) -> str | None:
     """What of these experts the fused kernels do not compute (None: they compute all of it)."""
     if not layout.gated:
-        return "ungated experts"
+        if gate is None and act is not None and ungated_form(act) is not None:
+            return None if layout.scheme in ("int8-shared", "int8-row") else f"ungated {layout.scheme} blobs"
+        return f"ungated experts with the activation {act!r}"
     if glu_of(act, gate) is None:
         return f"the gating {gate!r}" if gate is not None else f"the activation {act!r}"
     if layout.scheme not in ("int8-shared", "int8-row", "int4"):
         return f"{layout.scheme} blobs"
     return None
+
+
+def ungated_form(act: Callable | str) -> str | None:
+    """"relu2" where `act` (a callable, or a name of transformers' ACT2FN) is the squared ReLU, the
+    activation of ungated experts the fused kernels compute (Nemotron-H's); else None."""
+    act = _activation(act)
+    if act is None:
+        return None
+    probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
+    values = _values(act, probe)
+    return "relu2" if values is not None and torch.allclose(values, probe.clamp(min=0) ** 2) else None
 
 
 def make_moe_ffn(
@@ -216,7 +242,8 @@ def make_moe_ffn(
         raise MiraError(f"the fused kernels do not compute {unsupported}; use backend='auto' or 'reference'")
     installed = importlib.util.find_spec("triton") is not None
     if backend == "triton" or (backend == "auto" and unsupported is None and device.type == "cuda" and installed):
-        options = dict(glu=glu_of(act, gate), absent_zero=absent_zero, dtype=dtype, **triton_options)
+        options = dict(glu=glu_of(act, gate) or GluForm(), ungated=None if layout.gated else ungated_form(act),
+                       absent_zero=absent_zero, dtype=dtype, **triton_options)
         if layout.scheme == "int4":
             from mira.kernels.triton_int4 import TritonInt4MoEFFN
 

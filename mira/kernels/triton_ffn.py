@@ -109,24 +109,30 @@ def _int8_to_f32(w, CVT: tl.constexpr):
 
 @triton.jit
 def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-           CUBIC: tl.constexpr, NAN_ABSENT: tl.constexpr):
-    """The experts' gated activation from the gate and up outputs (mira.models.spec.GluForm):
+           CUBIC: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr):
+    """The experts' activation from the gate and up outputs (mira.models.spec.GluForm):
     g * sigmoid(ALPHA * (g + CUBIC g^3)) * (u + UP_OFFSET), g clamped from above and u on both
     sides at LIMIT first when LIMIT > 0. SwiGLU is (1, 0, 0, 0); gpt-oss's clamped SwiGLU
-    (1.702, 7, 1, 0); GeGLU with the tanh GELU (2 sqrt(2 / pi), 0, 0, 0.044715)."""
-    if LIMIT > 0:
-        g = tl.minimum(g, LIMIT)
-        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-    inner = g
-    if CUBIC != 0.0:
-        inner = g + CUBIC * g * g * g
-    if ALPHA == 1.0:
-        act = g * tl.sigmoid(inner)
+    (1.702, 7, 1, 0); GeGLU with the tanh GELU (2 sqrt(2 / pi), 0, 0, 0.044715). Ungated experts
+    (not GATED: `g` is the up output, `u` unused) take the squared ReLU (Nemotron-H's)."""
+    if GATED:
+        if LIMIT > 0:
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        inner = g
+        if CUBIC != 0.0:
+            inner = g + CUBIC * g * g * g
+        if ALPHA == 1.0:
+            act = g * tl.sigmoid(inner)
+        else:
+            act = g * tl.sigmoid(inner * ALPHA)
+        if UP_OFFSET != 0.0:
+            u = u + UP_OFFSET
+        out = act * u
     else:
-        act = g * tl.sigmoid(inner * ALPHA)
-    if UP_OFFSET != 0.0:
-        u = u + UP_OFFSET
-    return _absent(act * u, present, NAN_ABSENT)
+        relu = tl.maximum(g, 0.0)
+        out = relu * relu
+    return _absent(out, present, NAN_ABSENT)
 
 
 @triton.jit
@@ -154,7 +160,7 @@ def _gate_up_gemv(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
     CUT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
@@ -176,7 +182,7 @@ def _gate_up_gemv(
     for i0 in range(row_start, row_end, BLOCK_I):
         _gate_up_rows(x_row, base, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present,
                       h_limit, H, I, B13_OFF, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC, HAS_BIAS, ALPHA,
-                      LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
+                      LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
 
 
 @triton.jit
@@ -185,7 +191,7 @@ def _gate_up_rows(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end. Each thread
     sums its VEC adjacent products of a row before accumulating, so the accumulators are
@@ -209,17 +215,22 @@ def _gate_up_rows(
             if SCHEME == 0:  # int8-shared: W13q diag(s) x = W13q (s * x)
                 x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
             wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
-            wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0, eviction_policy="evict_first")
             acc_g += tl.sum(tl.reshape(_int8_to_f32(wg, CVT) * x[None, :], [BLOCK_I, BLOCK_H // VEC, VEC]), axis=2)
-            acc_u += tl.sum(tl.reshape(_int8_to_f32(wu, CVT) * x[None, :], [BLOCK_I, BLOCK_H // VEC, VEC]), axis=2)
+            if GATED:
+                acc_u += tl.sum(tl.reshape(_int8_to_f32(wu, CVT) * x[None, :], [BLOCK_I, BLOCK_H // VEC, VEC]),
+                                axis=2)
     g = tl.sum(acc_g, axis=1)  # [BLOCK_I]
     u = tl.sum(acc_u, axis=1)
     if SCHEME == 1:  # int8-row: one scale per output row
         g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
-        u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
-    u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
+    if GATED:
+        u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
     tl.store(act_row + offs_i, act, mask=in_rows)
 
 
@@ -307,7 +318,7 @@ def _gate_up_gemv_mma(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
     operand (the other columns are zero), the weights the left one. The MMA work is wasted
@@ -341,17 +352,21 @@ def _gate_up_gemv_mma(
             x = x * tl.load(s_in + offs_h, mask=offs_h < h_limit, other=0.0).to(tl.float32)
         x_t = tl.where(first, x[:, None], 0.0).to(hidden_ptr.dtype.element_ty).to(DOT_DTYPE)  # [BLOCK_H, 16]
         wg = tl.load(gate_rows + offs_h[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BLOCK_I, BLOCK_H]
-        wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
+        if GATED:
+            wu = tl.load(up_rows + offs_h[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
         acc_g = tl.dot(wg, x_t, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
     g = tl.sum(acc_g, axis=1)  # columns 1..15 are zero
     u = tl.sum(acc_u, axis=1)
     if SCHEME == 1:
         g = g * tl.load(s_in + offs_i, mask=row_mask, other=0.0).to(tl.float32)
-        u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = u * tl.load(s_in + I + offs_i, mask=row_mask, other=0.0).to(tl.float32)
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
-    u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
+    if GATED:
+        u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
     tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
 
 
@@ -424,7 +439,7 @@ def _gate_up_gemm(
     SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
-    NAN_ABSENT: tl.constexpr,
+    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. The
     pairs' token rows are x's rows pair // K: the hidden states (int8-row) or the pairs' scaled
@@ -459,16 +474,20 @@ def _gate_up_gemm(
             w_mask = row_mask[:, None] & in_k[None, :]
         x_t = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0).to(DOT_DTYPE)  # [BK, BM]
         wg = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)  # [BN, BK]
-        wu = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
+        if GATED:
+            wu = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0).to(DOT_DTYPE)
         acc_g = tl.dot(wg, x_t, acc_g, input_precision=PRECISION)  # [BN, BM]
-        acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(wu, x_t, acc_u, input_precision=PRECISION)
     if SCHEME == 1:
         acc_g = acc_g * tl.load(s_in + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        acc_u = acc_u * tl.load(s_in + I + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            acc_u = acc_u * tl.load(s_in + I + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     if HAS_BIAS:
         acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
-        acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
-    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, NAN_ABSENT)
+        if GATED:
+            acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -571,12 +590,13 @@ class TritonMoEFFN:
         top_k: int | None = None,
         dtype: torch.dtype | None = None,
         glu: GluForm = GluForm(),
+        ungated: str | None = None,
         absent_zero: bool = False,
     ) -> None:
         """
         Args:
             layout: the blob layout of the store; its scheme one these kernels read (`schemes`:
-                int8-shared or int8-row here), its experts gated (biases are read when it has them).
+                int8-shared or int8-row here); biases are read when it has them.
             device: where the kernels run ("cuda", "cuda:N"; "cpu" under TRITON_INTERPRET=1).
             config: launch configuration; default: the stored tuning for this device and shape
                 (`mira.kernels.tuning.load_config`).
@@ -584,11 +604,13 @@ class TritonMoEFFN:
             max_tokens, top_k: with both given, the prefill workspaces for max_tokens * top_k
                 routed pairs are allocated now (in `dtype`, default bf16 on CUDA, fp32 on CPU).
             glu: the experts' gated activation (default SwiGLU).
+            ungated: the activation of ungated experts (`layout.gated` False): "relu2", the squared
+                ReLU, the one these kernels compute (mira.kernels.ungated_form).
             absent_zero: a routed expert with address 0 adds zero instead of NaN rows (another
                 executor computes it).
 
         Raises:
-            ValueError: the scheme has no kernel here, the experts are ungated, a blob would need
+            ValueError: the scheme has no kernel here, ungated experts without "relu2", a blob would need
                 offsets beyond int32, or the configuration cannot run (`_validate`).
         """
         if layout.scheme not in self.schemes:
@@ -596,9 +618,9 @@ class TritonMoEFFN:
                 f"these fused kernels read {' or '.join(self.schemes)} blobs, not {layout.scheme!r}; "
                 "use mira.kernels.make_moe_ffn, which falls back to the PyTorch reference"
             )
-        if not layout.gated:
-            raise ValueError("the fused kernels compute gated experts only; use mira.kernels.make_moe_ffn, which "
-                             "falls back to the PyTorch reference")
+        if not layout.gated and ungated != "relu2":
+            raise ValueError(f"the fused kernels compute ungated experts with the squared ReLU only (ungated='relu2'), "
+                             f"not {ungated!r}; use mira.kernels.make_moe_ffn, which falls back to the PyTorch reference")
         if layout.nbytes >= 2**31:
             raise ValueError(f"an expert blob of {layout.nbytes} bytes needs 64-bit offsets, which these kernels do not use")
         self.layout = layout
@@ -619,7 +641,8 @@ class TritonMoEFFN:
         self._b2_off = sections["b2"].offset if layout.bias else 0
         # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
         self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
-                              UP_OFFSET=float(glu.up_offset), CUBIC=float(glu.cubic), NAN_ABSENT=not absent_zero)
+                              UP_OFFSET=float(glu.up_offset), CUBIC=float(glu.cubic), GATED=layout.gated,
+                              NAN_ABSENT=not absent_zero)
         self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4

@@ -28,7 +28,8 @@ pytest.importorskip("triton.language")
 from transformers import GptOssConfig  # noqa: E402
 from transformers.activations import ACT2FN  # noqa: E402
 
-from mira.kernels import glu_of, make_moe_ffn  # noqa: E402
+from mira.errors import MiraError  # noqa: E402
+from mira.kernels import fused_unsupported, glu_of, make_moe_ffn, ungated_form  # noqa: E402
 from mira.kernels.reference import expert_ffn, moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN  # noqa: E402
@@ -86,11 +87,12 @@ def biased_blobs(layout: ExpertLayout, experts: int, seed: int, device: str = DE
     """`experts` blobs quantized from random weights on the device, with random float32 biases."""
     gen = torch.Generator(device=device).manual_seed(seed)
     H, I = layout.hidden, layout.intermediate
+    rows13 = 2 * I if layout.gated else I
     blobs = []
     for _ in range(experts):
-        w13 = torch.randn(2 * I, H, generator=gen, device=device) / H**0.5  # [2I, H]
+        w13 = torch.randn(rows13, H, generator=gen, device=device) / H**0.5  # [2I, H] (ungated: [I, H])
         w2 = torch.randn(H, I, generator=gen, device=device) / I**0.5  # [H, I]
-        b13 = torch.randn(2 * I, generator=gen, device=device)  # [2I]
+        b13 = torch.randn(rows13, generator=gen, device=device)  # [2I]
         b2 = torch.randn(H, generator=gen, device=device)  # [H]
         blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         layout.pack(quantize_expert(w13, w2, layout, b13, b2), blob)
@@ -156,6 +158,36 @@ def test_geglu_with_the_tanh_gelu_matches_the_activation_in_the_reference(scheme
     out = ffn(hidden, index, weights, blobs)
     ref = moe_ffn_reference(hidden, index, weights, blobs, layout, act)
     assert relative_error(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize(("scheme", "config"), [case for case in CASES if case[0] != "int4"])  # int4: gated only
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ungated_experts_with_the_squared_relu_match_the_reference(scheme, config, tokens, bias):
+    """Nemotron-H's experts: up rows only, then the squared ReLU, computed by the kernels without
+    the gate rows' loads and by the reference with transformers' own activation."""
+    layout = ExpertLayout(scheme, H, I, gated=False, bias=bias)
+    blobs = biased_blobs(layout, E, seed=17)
+    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens + 2)
+    act = ACT2FN["relu2"]
+    ffn = make_moe_ffn(DEVICE, layout, act, backend="triton", config=config_of(scheme, config), num_experts=E)
+    assert isinstance(ffn, TritonMoEFFN) and ffn._after_up["GATED"] is False
+    out = ffn(hidden, index, weights, blobs)
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, act)
+    assert relative_error(out, ref) < FP32_TOL
+
+
+def test_ungated_experts_of_another_activation_are_left_to_the_reference():
+    layout = ExpertLayout("int8-shared", H, I, gated=False)
+    assert ungated_form("relu2") == ungated_form(ACT2FN["relu2"]) == "relu2"
+    assert ungated_form("relu") is None and ungated_form("silu") is None
+    assert fused_unsupported(layout, "relu2", None) is None
+    assert fused_unsupported(layout, "silu", None) == "ungated experts with the activation 'silu'"
+    with pytest.raises(MiraError, match="do not compute ungated experts with the activation 'silu'"):
+        make_moe_ffn(DEVICE, layout, "silu", backend="triton")
+    with pytest.raises(ValueError, match="squared ReLU only"):
+        TritonMoEFFN(layout, DEVICE, config=CONFIGS["gemv"])
 
 
 def test_the_clamp_is_reached(gate, store):
