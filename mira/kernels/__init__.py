@@ -28,7 +28,6 @@ import importlib.util
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from mira.errors import MiraError
 from mira.kernels import cpu_int4
@@ -113,28 +112,13 @@ class CpuMoEFFN:
         return self.executor(hidden, top_k_index, top_k_weights, blobs, experts, out=out)
 
 
-def is_silu(act: Callable | str) -> bool:
-    """Whether `act` is SiLU (swish): a name, `F.silu`, an `nn.SiLU` module or transformers'
-    SiLUActivation (ACT2FN["silu"], an Experts module's act_fn)."""
-    if isinstance(act, str):
-        return act.lower() in ("silu", "swish")
-    from transformers import activations
-
-    modules = tuple(c for c in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
-    return act is F.silu or isinstance(act, modules)
-
-
 def glu_of(act: Callable | str | None, gate: Callable | None) -> GluForm | None:
     """The closed form of the experts' gating the fused kernels compute: act(gate) * up for an
     activation of `ACTIVATION_FORMS`, a family gating's own form (mira.models.spec.FamilyGate.form);
     else None."""
     if gate is not None:
         return getattr(gate, "form", None)
-    if act is None:
-        return None
-    if is_silu(act):
-        return GluForm()
-    return activation_form(act)
+    return activation_form(act) if act is not None else None
 
 
 ACTIVATION_FORMS = (GluForm(), GELU_TANH, GluForm(alpha=1.702))  # SiLU, GELU's tanh approximation, quick GELU

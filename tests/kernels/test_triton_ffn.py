@@ -36,13 +36,14 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(triton_language.zeros).__n
     )
 
 from mira.errors import MiraError
-from mira.kernels import ReferenceMoEFFN, is_silu, make_moe_ffn  # noqa: E402
+from mira.kernels import ReferenceMoEFFN, glu_of, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels import triton_ffn  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN, group_by_expert  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     GemmConfig, GemvConfig, KernelConfig, default_config, device_key, load_config, save_configs,
 )
+from mira.models.spec import GluForm  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
@@ -327,7 +328,7 @@ def test_factory_chooses_reference_on_cpu_and_for_other_activations_or_schemes()
     assert isinstance(make_moe_ffn("cpu", shared, F.silu), ReferenceMoEFFN)
     assert isinstance(make_moe_ffn("cuda", shared, F.gelu), ReferenceMoEFFN)
     assert isinstance(make_moe_ffn("cuda", ExpertLayout("none", H, I, torch.bfloat16), "silu"), ReferenceMoEFFN)
-    assert is_silu(torch.nn.SiLU()) and is_silu("silu") and not is_silu(F.gelu)
+    assert glu_of(torch.nn.SiLU(), None) == glu_of("silu", None) == GluForm() and glu_of(F.gelu, None) is None
     with pytest.raises(MiraError, match="do not compute the activation"):
         make_moe_ffn("cpu", shared, F.gelu, backend="triton")
     with pytest.raises(ValueError, match="unknown kernel backend"):
