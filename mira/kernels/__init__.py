@@ -128,30 +128,27 @@ def activation_form(act: Callable | str) -> GluForm | None:
     """The form of `ACTIVATION_FORMS` whose gate factor is `act` (a callable, or a name of
     transformers' ACT2FN), tried in float64 on values well past where the forms part: None for any
     other activation (the exact, erf GELU among them)."""
-    act = _activation(act)
-    if act is None:
-        return None
-    probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
-    values = _values(act, probe)
+    values = _probed(act)
     if values is None:
         return None
     return next((form for form in ACTIVATION_FORMS
-                 if torch.allclose(form(probe, torch.ones_like(probe)), values, rtol=1e-6, atol=1e-9)), None)
+                 if torch.allclose(form(PROBE, torch.ones_like(PROBE)), values, rtol=1e-6, atol=1e-9)), None)
 
 
-def _activation(act: Callable | str) -> Callable | None:
-    """A callable activation: `act` itself, or transformers' ACT2FN entry of that name (None if none)."""
-    if not isinstance(act, str):
-        return act
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[act] if act in ACT2FN else None
+PROBE = torch.linspace(-12, 12, 97, dtype=torch.float64)  # where the activations above part, and then some
 
 
-def _values(act: Callable, probe: torch.Tensor) -> torch.Tensor | None:
-    """`act` on a float64 probe, or None for an activation that takes more than a tensor."""
+def _probed(act: Callable | str) -> torch.Tensor | None:
+    """`act` (a callable, or a name of transformers' ACT2FN) on `PROBE`; None for an unknown name
+    or an activation that takes more than a tensor."""
+    if isinstance(act, str):
+        from transformers.activations import ACT2FN
+
+        if act not in ACT2FN:
+            return None
+        act = ACT2FN[act]
     try:
-        return act(probe).to(torch.float64)
+        return act(PROBE).to(torch.float64)
     except Exception:
         return None
 
@@ -172,12 +169,8 @@ def fused_unsupported(layout: ExpertLayout, act: Callable | str | None, gate: Ca
 def ungated_form(act: Callable | str) -> str | None:
     """"relu2" where `act` (a callable, or a name of transformers' ACT2FN) is the squared ReLU, the
     activation of ungated experts the fused kernels compute (Nemotron-H's); else None."""
-    act = _activation(act)
-    if act is None:
-        return None
-    probe = torch.linspace(-12, 12, 97, dtype=torch.float64)
-    values = _values(act, probe)
-    return "relu2" if values is not None and torch.allclose(values, probe.clamp(min=0) ** 2) else None
+    values = _probed(act)
+    return "relu2" if values is not None and torch.allclose(values, PROBE.clamp(min=0) ** 2) else None
 
 
 def make_moe_ffn(
