@@ -257,3 +257,28 @@ def test_gpt_oss_20b_shape_bf16_matches_fp32_reference(scheme, tokens):
     ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
                             None, gate)
     assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # decode and prefill
+@pytest.mark.parametrize(("scheme", "activation", "gated"), [
+    ("int8-shared", "gelu_pytorch_tanh", True), ("int4", "gelu_pytorch_tanh", True),  # Gemma 4's GeGLU
+    ("int8-shared", "relu2", False), ("int8-row", "relu2", False),  # Nemotron-H's ungated experts
+])
+def test_real_size_geglu_and_ungated_experts_bf16_match_fp32_reference(scheme, activation, gated, tokens):
+    """At Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768), in bf16 on the GPU, chosen by
+    make_moe_ffn as the fused kernels."""
+    H, I, E, K = 2048, 768, 16, 4
+    layout = ExpertLayout(scheme, H, I, gated=gated)
+    blobs = biased_blobs(layout, E, seed=19, device="cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, H, generator=gen)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
+    act = ACT2FN[activation]
+    ffn = make_moe_ffn("cuda", layout, act, backend="auto", num_experts=E)
+    assert isinstance(ffn, KERNELS[scheme])
+    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
+    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, act)
+    assert relative_error(out, ref) < 1e-2
