@@ -122,6 +122,7 @@ def glu_of(act: Callable | str | None, gate: Callable | None) -> GluForm | None:
 
 
 ACTIVATION_FORMS = (GluForm(), GELU_TANH, GluForm(alpha=1.702))  # SiLU, GELU's tanh approximation, quick GELU
+PROBE = torch.linspace(-12, 12, 97, dtype=torch.float64)  # where these forms part, and then some
 
 
 def activation_form(act: Callable | str) -> GluForm | None:
@@ -133,9 +134,6 @@ def activation_form(act: Callable | str) -> GluForm | None:
         return None
     return next((form for form in ACTIVATION_FORMS
                  if torch.allclose(form(PROBE, torch.ones_like(PROBE)), values, rtol=1e-6, atol=1e-9)), None)
-
-
-PROBE = torch.linspace(-12, 12, 97, dtype=torch.float64)  # where the activations above part, and then some
 
 
 def _probed(act: Callable | str) -> torch.Tensor | None:
