@@ -56,7 +56,8 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
                      "ROWS": I32, "limits_ptr": "*i32"}
         constants = {"SCHEME": 0, "BLOCK_I": config.block_rows, "BLOCK_H": config.block_cols, "UNROLL": config.unroll,
                      "EVEN_H": hidden % (config.block_cols * config.unroll) == 0, "HAS_BIAS": False, "ALPHA": 1.0,
-                     "LIMIT": 0.0, "UP_OFFSET": 0.0, "CUBIC": 0.0, "GATED": True, "NAN_ABSENT": True,
+                     "LIMIT": 0.0, "UP_OFFSET": 0.0, "CUBIC": 0.0,
+                     "GATE_CAP": 0.0, "UP_CAP": 0.0, "GATED": True, "NAN_ABSENT": True,
                      "CUT": False}
     else:
         fn = triton_ffn._down_gemv
@@ -87,8 +88,8 @@ def compile_launch4(launch: str, config: GemvConfig, hidden: int, intermediate: 
         signature = {"hidden_ptr": "*bf16", "stride_ht": I32, "index_ptr": "*i64", "bases_ptr": "*i64",
                      "act_ptr": "*fp32", "H": I32, "I": I32, "K": I32, "SZ13_OFF": I32, "B13_OFF": I32,
                      "TILES": I32, "MAGIC": I32}
-        constants = {"HAS_BIAS": False, "ALPHA": 1.0, "LIMIT": 0.0, "UP_OFFSET": 0.0, "CUBIC": 0.0, "GATED": True,
-                     "NAN_ABSENT": True}
+        constants = {"HAS_BIAS": False, "ALPHA": 1.0, "LIMIT": 0.0, "UP_OFFSET": 0.0, "CUBIC": 0.0,
+                     "GATE_CAP": 0.0, "UP_CAP": 0.0, "GATED": True, "NAN_ABSENT": True}
     else:
         fn = triton_int4._down_gemv4
         signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",

@@ -189,8 +189,8 @@ def make_moe_ffn(
         layout: the blob layout of the store.
         act: the experts' activation: a callable such as `F.silu`, or a name of transformers'
             ACT2FN (a config's `hidden_act`, e.g. "silu"); None with `gate`.
-        gate: the family's own gating of the gate-and-up output (mira.models.spec.FamilyGate), which
-            only the reference computes.
+        gate: the family's own gating of the gate-and-up output (mira.models.spec.FamilyGate); the
+            kernels compute its closed form where it has one (`glu_of`), else the reference runs it.
         backend: "auto" (Triton where it applies and is installed, else `CpuMoEFFN` on a CPU device for
             bf16 and fp16 states and the reference elsewhere), "triton" (raise if it does not apply; on
             a CPU device it needs TRITON_INTERPRET=1) or "reference".

@@ -109,12 +109,14 @@ def _int8_to_f32(w, CVT: tl.constexpr):
 
 @triton.jit
 def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-           CUBIC: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr):
+           CUBIC: tl.constexpr, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATED: tl.constexpr,
+           NAN_ABSENT: tl.constexpr):
     """The experts' activation from the gate and up outputs (mira.models.spec.GluForm):
-    g * sigmoid(ALPHA * (g + CUBIC g^3)) * (u + UP_OFFSET), g clamped from above and u on both
-    sides at LIMIT first when LIMIT > 0. SwiGLU is (1, 0, 0, 0); gpt-oss's clamped SwiGLU
-    (1.702, 7, 1, 0); GeGLU with the tanh GELU (2 sqrt(2 / pi), 0, 0, 0.044715). Ungated experts
-    (not GATED: `g` is the up output, `u` unused) take the squared ReLU (Nemotron-H's)."""
+    cap(g) * sigmoid(ALPHA * (g + CUBIC g^3)) * (cap(u) + UP_OFFSET), g clamped from above and u
+    on both sides at LIMIT first when LIMIT > 0, cap(x) = C tanh(x / C) at GATE_CAP / UP_CAP when
+    not 0. SwiGLU is (1, 0, 0, 0, 0, 0); gpt-oss's clamped SwiGLU (1.702, 7, 1, 0, 0, 0); GeGLU
+    with the tanh GELU (2 sqrt(2 / pi), 0, 0, 0.044715, 0, 0). Ungated experts (not GATED: `g`
+    is the up output, `u` unused) take the squared ReLU (Nemotron-H's)."""
     if GATED:
         if LIMIT > 0:
             g = tl.minimum(g, LIMIT)
@@ -122,10 +124,16 @@ def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: t
         inner = g
         if CUBIC != 0.0:
             inner = g + CUBIC * g * g * g
-        if ALPHA == 1.0:
-            act = g * tl.sigmoid(inner)
+        if GATE_CAP != 0.0:
+            linear = _softcap(g, GATE_CAP)
         else:
-            act = g * tl.sigmoid(inner * ALPHA)
+            linear = g
+        if ALPHA == 1.0:
+            act = linear * tl.sigmoid(inner)
+        else:
+            act = linear * tl.sigmoid(inner * ALPHA)
+        if UP_CAP != 0.0:
+            u = _softcap(u, UP_CAP)
         if UP_OFFSET != 0.0:
             u = u + UP_OFFSET
         out = act * u
@@ -133,6 +141,12 @@ def _gated(g, u, present, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: t
         relu = tl.maximum(g, 0.0)
         out = relu * relu
     return _absent(out, present, NAN_ABSENT)
+
+
+@triton.jit
+def _softcap(x, CAP: tl.constexpr):
+    """CAP * tanh(x / CAP), as CAP * (2 sigmoid(2 x / CAP) - 1): Triton has no tanh of its own."""
+    return CAP * (2.0 * tl.sigmoid(x * (2.0 / CAP)) - 1.0)
 
 
 @triton.jit
@@ -160,6 +174,7 @@ def _gate_up_gemv(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
     CUT: tl.constexpr,
 ):
@@ -182,7 +197,7 @@ def _gate_up_gemv(
     for i0 in range(row_start, row_end, BLOCK_I):
         _gate_up_rows(x_row, base, w13, s_in, act_ptr + pair * I, i0 + tl.arange(0, BLOCK_I), row_end, present,
                       h_limit, H, I, B13_OFF, SCHEME, BLOCK_I, BLOCK_H, UNROLL, EVEN_H, CVT, VEC, HAS_BIAS, ALPHA,
-                      LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+                      LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
 
 
 @triton.jit
@@ -191,6 +206,7 @@ def _gate_up_rows(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_H: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """One block of _gate_up_gemv's rows: act_row[offs_i] for the rows below row_end. Each thread
@@ -230,7 +246,7 @@ def _gate_up_rows(
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
     if GATED:
         u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
     tl.store(act_row + offs_i, act, mask=in_rows)
 
 
@@ -318,6 +334,7 @@ def _gate_up_gemv_mma(
     SCHEME: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
@@ -366,7 +383,7 @@ def _gate_up_gemv_mma(
     g += _bias(base, B13_OFF, offs_i, row_mask, HAS_BIAS)
     if GATED:
         u += _bias(base, B13_OFF, offs_i + I, row_mask, HAS_BIAS)
-    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+    act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
     tl.store(act_ptr + pair * I + offs_i, act, mask=in_rows)
 
 
@@ -439,6 +456,7 @@ def _gate_up_gemm(
     SCHEME: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. The
@@ -487,7 +505,7 @@ def _gate_up_gemm(
         acc_g += _bias(base, B13_OFF, offs_n, row_mask, HAS_BIAS)[:, None]
         if GATED:
             acc_u += _bias(base, B13_OFF, offs_n + I, row_mask, HAS_BIAS)[:, None]
-    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + offs_n[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 
@@ -641,8 +659,9 @@ class TritonMoEFFN:
         self._b2_off = sections["b2"].offset if layout.bias else 0
         # what follows each product: the bias, the gating, what an absent expert gives (constexprs)
         self._after_up = dict(HAS_BIAS=layout.bias, ALPHA=float(glu.alpha), LIMIT=float(glu.limit or 0.0),
-                              UP_OFFSET=float(glu.up_offset), CUBIC=float(glu.cubic), GATED=layout.gated,
-                              NAN_ABSENT=not absent_zero)
+                              UP_OFFSET=float(glu.up_offset), CUBIC=float(glu.cubic),
+                              GATE_CAP=float(glu.gate_cap or 0.0), UP_CAP=float(glu.up_cap or 0.0),
+                              GATED=layout.gated, NAN_ABSENT=not absent_zero)
         self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4

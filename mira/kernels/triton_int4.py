@@ -307,7 +307,7 @@ def _gate_up_gemv4(
     H, I, K, SZ13_OFF, B13_OFF, TILES, MAGIC,
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-    CUBIC: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    CUBIC: tl.constexpr, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
     BLOCK_T at a time: their gate tiles, then their up tiles."""
@@ -330,7 +330,7 @@ def _gate_up_gemv4(
         units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
         g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
         u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
-        act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+        act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
         tl.store(act_ptr + pair * I + units, act, mask=units < tile_end * TILE_W)
 
 
@@ -398,7 +398,8 @@ def _gate_up_gemm4(
     P, H, I, K, SZ13_OFF, B13_OFF,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
+    GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Prefill launch 1: program (block of one expert's pairs, block of I rows) -> act rows. A K
     step lies in one group: its codes' product with the tokens is scaled per row afterwards."""
@@ -438,7 +439,7 @@ def _gate_up_gemm4(
     if HAS_BIAS:
         acc_g += _bias(base, B13_OFF, rows, row_mask, HAS_BIAS)[:, None]
         acc_u += _bias(base, B13_OFF, rows + I, row_mask, HAS_BIAS)[:, None]
-    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATED, NAN_ABSENT)
+    act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + rows[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])
 

@@ -87,42 +87,61 @@ class ExpertsSpec:
 @dataclass(frozen=True)
 class GluForm:
     """A gated activation in closed form, as the fused kernels compute it:
-    g * sigmoid(alpha * (g + cubic * g^3)) * (u + up_offset), with g = min(gate, limit) and
-    u = clamp(up, -limit, limit) when there is a limit. SwiGLU is the default; gpt-oss's clamped
-    SwiGLU is (1.702, 7, 1); GeGLU with the tanh GELU is `GELU_TANH` (0.5 x (1 + tanh(y)) is
-    x * sigmoid(2y)).
+    cap(g) * sigmoid(alpha * (g + cubic * g^3)) * (cap(u) + up_offset), with g = min(gate, limit)
+    and u = clamp(up, -limit, limit) when there is a limit, and cap(x) = c tanh(x / c) at
+    gate_cap / up_cap when set (Inkling 2's softcapped SwiGLU: the sigmoid sees the uncapped
+    gate). SwiGLU is the default; gpt-oss's clamped SwiGLU is (1.702, 7, 1); GeGLU with the tanh
+    GELU is `GELU_TANH` (0.5 x (1 + tanh(y)) is x * sigmoid(2y)).
     """
 
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
     cubic: float = 0.0
+    gate_cap: float | None = None
+    up_cap: float | None = None
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.limit is not None:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(min=-self.limit, max=self.limit)
         inner = gate + self.cubic * gate**3 if self.cubic else gate
-        return gate * torch.sigmoid(self.alpha * inner) * (up + self.up_offset)
+        linear = _softcap(gate, self.gate_cap)
+        return linear * torch.sigmoid(self.alpha * inner) * (_softcap(up, self.up_cap) + self.up_offset)
+
+
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else cap * torch.tanh(x / cap)
 
 
 GELU_TANH = GluForm(alpha=2 * math.sqrt(2 / math.pi), cubic=0.044715)  # GeGLU, tanh GELU (Gemma 4's experts)
 
 
 # The module attributes a family's own gating reads its constants from (gpt-oss: alpha, limit;
-# MiniMax-M3, HY-V4: swiglu_alpha, swiglu_limit; DeepSeek-V4: limit).
+# MiniMax-M3, HY-V4: swiglu_alpha, swiglu_limit; DeepSeek-V4: limit), and those of its submodules
+# that softcap (Inkling 2: act_fn.gate_softcap.softcap, act_fn.up_softcap.softcap).
 _ALPHA_NAMES = ("alpha", "swiglu_alpha")
 _LIMIT_NAMES = ("limit", "swiglu_limit")
+_CAP_NAMES = ("softcap",)
+
+
+def _floats(module: nn.Module, names: tuple[str, ...]) -> set[float]:
+    return {float(v) for name in names if isinstance(v := getattr(module, name, None), (int, float))}
+
+
+def _caps(module: nn.Module) -> set[float]:
+    """The softcaps of the module's submodules."""
+    return {cap for sub in module.modules() for cap in _floats(sub, _CAP_NAMES) if 0 < cap < math.inf}
 
 
 def glu_form(gate: Callable[[torch.Tensor], torch.Tensor], module: nn.Module) -> GluForm | None:
     """The closed form of a family's gating, when it has one: each GluForm built from the
-    module's constants is tried on gate-and-up values in float64 that cross every limit; the
-    first that gives the gating's own output is it. None: only the family's code computes it."""
-    alphas = {1.0} | {float(v) for name in _ALPHA_NAMES if isinstance(v := getattr(module, name, None), (int, float))}
-    limits = {None} | {float(v) for name in _LIMIT_NAMES
-                       if isinstance(v := getattr(module, name, None), (int, float)) and 0 < v < math.inf}
-    reach = max((limit for limit in limits if limit is not None), default=1.0) * 2 + 2
+    module's constants is tried on gate-and-up values in float64 that cross every limit and cap;
+    the first that gives the gating's own output is it. None: only the family's code computes it."""
+    alphas = {1.0} | _floats(module, _ALPHA_NAMES)
+    limits = {limit for limit in _floats(module, _LIMIT_NAMES) if 0 < limit < math.inf}
+    caps = _caps(module)
+    reach = max(limits | caps, default=1.0) * 2 + 2
     probe = torch.linspace(-reach, reach, 64, dtype=torch.float64)
     gate_up = torch.cat((probe.repeat_interleave(64)[None], probe.repeat(64)[None]), dim=-1)  # every (g, u) pair
     try:
@@ -130,8 +149,10 @@ def glu_form(gate: Callable[[torch.Tensor], torch.Tensor], module: nn.Module) ->
     except Exception:  # a gating that needs more than its input is not a closed form
         return None
     g, u = gate_up.chunk(2, dim=-1)
-    for alpha, limit, up_offset in itertools.product(sorted(alphas), [None, *sorted(l for l in limits if l)], (0.0, 1.0)):
-        form = GluForm(alpha, limit, up_offset)
+    cap_choices = [None, *sorted(caps)]
+    for alpha, limit, up_offset, gate_cap, up_cap in itertools.product(
+            sorted(alphas), [None, *sorted(limits)], (0.0, 1.0), cap_choices, cap_choices):
+        form = GluForm(alpha, limit, up_offset, gate_cap=gate_cap, up_cap=up_cap)
         if torch.allclose(form(g, u), expected, rtol=1e-5, atol=1e-6):  # a float32 step in the family's code
             return form
     return None
@@ -209,10 +230,11 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
 
 def refuse_per_layer_gating(modules: dict[int, nn.Module], source: str = "the model") -> None:
     """Raises MiraError where the Experts modules of different decoder layers gate with different
-    constants (alpha, limit: a per-layer clamped SwiGLU): Mira computes one gating, the first
+    constants (alpha, limit, softcaps: a per-layer clamped SwiGLU): Mira computes one gating, the first
     layer's, for every MoE layer."""
     constants = {layer: tuple((name, getattr(module, name, None)) for name in (*_ALPHA_NAMES, *_LIMIT_NAMES)
-                              if hasattr(module, name)) for layer, module in sorted(modules.items())}
+                              if hasattr(module, name)) + tuple(("softcap", cap) for cap in sorted(_caps(module)))
+                 for layer, module in sorted(modules.items())}
     if len(set(constants.values())) > 1:
         shown = "; ".join(f"layer {layer}: " + (", ".join(f"{n}={v}" for n, v in values) or "none")
                           for layer, values in list(constants.items())[:4])

@@ -5,10 +5,11 @@ gpt-oss is the case: biases on both projections, gate and up rows interleaved in
 (Mira stores them gate first), and a clamped SwiGLU with its alpha, limit and up offset. The
 reference calls transformers' GptOssExperts._apply_gate itself (mira.models.spec.FamilyGate); the
 kernels compute the closed form Mira recognised in it (GluForm). Hidden states are scaled so that
-gate and up values cross the clamp limit on both sides.
+gate and up values cross the clamp limit on both sides. Inkling 2's softcapped SwiGLU, Gemma 4's
+GeGLU and Nemotron-H's ungated squared ReLU follow.
 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, as in test_triton_ffn);
-the `gpu` tests add gpt-oss-20b's real shapes in bf16.
+the `gpu` tests add real shapes in bf16.
 
 T tokens, E experts, K routed per token, H hidden, I expert intermediate.
 """
@@ -160,6 +161,44 @@ def test_geglu_with_the_tanh_gelu_matches_the_activation_in_the_reference(scheme
     assert relative_error(out, ref) < FP32_TOL
 
 
+def inkling2_gate(gate_cap: float, up_cap: float):
+    """transformers' own Inkling 2 gating (a SwiGLU whose linear gate factor and up are softcapped,
+    the sigmoid seeing the raw gate), at these caps, as Mira reads it from the family's Experts module."""
+    pytest.importorskip("transformers.models.inkling2", reason="this transformers has no Inkling 2")
+    from tiny_families import tiny_config
+
+    config = tiny_config("inkling2_text")
+    config.mlp_gate_softcap, config.mlp_up_softcap = gate_cap, up_cap
+    return anatomy(config).spec.gate_function()
+
+
+def test_inkling2_softcapped_swiglu_is_recognised_in_closed_form():
+    gate = inkling2_gate(2.0, 3.0)
+    assert gate.form == GluForm(gate_cap=2.0, up_cap=3.0)
+    probe = torch.linspace(-12, 12, 50, dtype=torch.float64)[None].repeat(3, 2)  # [3, 2 * 50]: g | u
+    assert torch.allclose(gate.form(*probe.chunk(2, dim=-1)), gate(probe), rtol=1e-6)
+    assert inkling2_gate(4.0, 25.0).form == GluForm(gate_cap=4.0, up_cap=25.0)  # the family's defaults
+
+
+@pytest.mark.parametrize(("scheme", "config"), CASES)
+@pytest.mark.parametrize("tokens", [1, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_softcapped_swiglu_matches_the_familys_own_gating(scheme, config, tokens, bias):
+    """Inkling 2's experts at caps of 2 (gate) and 3 (up), which the hidden scale crosses on both
+    sides: the kernels compute cap * tanh(x / cap) through a sigmoid, the reference calls the family's
+    own `_apply_gate`."""
+    gate = inkling2_gate(2.0, 3.0)
+    layout = ExpertLayout(scheme, *sizes(scheme), bias=bias)
+    blobs = biased_blobs(layout, E, seed=23)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, layout.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    index, weights = routing(tokens, E, K, seed=tokens + 3)
+    ffn = make_moe_ffn(DEVICE, layout, None, gate=gate, backend="triton", config=config_of(scheme, config), num_experts=E)
+    assert isinstance(ffn, KERNELS[scheme]) and (ffn._after_up["GATE_CAP"], ffn._after_up["UP_CAP"]) == (2.0, 3.0)
+    out = ffn(hidden, index, weights, blobs)
+    ref = moe_ffn_reference(hidden, index, weights, blobs, layout, None, gate)
+    assert relative_error(out, ref) < FP32_TOL
+
+
 @pytest.mark.parametrize(("scheme", "config"), [case for case in CASES if case[0] != "int4"])  # int4: gated only
 @pytest.mark.parametrize("tokens", [1, 37])
 @pytest.mark.parametrize("bias", [False, True])
@@ -281,4 +320,37 @@ def test_real_size_geglu_and_ungated_experts_bf16_match_fp32_reference(scheme, a
     assert isinstance(ffn, KERNELS[scheme])
     out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
     ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, act)
+    assert relative_error(out, ref) < 1e-2
+
+
+class FormGate:
+    """A family gating given by its closed form alone (the device's transformers may lack the family)."""
+
+    def __init__(self, form: GluForm):
+        self.form = form
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.form(*gate_up.chunk(2, dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # decode and prefill
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_real_size_softcapped_swiglu_bf16_matches_fp32_reference(scheme, tokens):
+    """Inkling 2's gating at its default caps (4 on the gate's linear factor, 25 on up), at
+    Qwen3-30B-A3B's expert size, in bf16 on the GPU, chosen by make_moe_ffn as the fused kernels."""
+    H, I, E, K = 2048, 768, 16, 4
+    gate = FormGate(GluForm(gate_cap=4.0, up_cap=25.0))
+    layout = ExpertLayout(scheme, H, I, bias=True)
+    blobs = biased_blobs(layout, E, seed=29, device="cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=gen)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
+    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
+    ffn = make_moe_ffn("cuda", layout, None, gate=gate, backend="auto", num_experts=E)
+    assert isinstance(ffn, KERNELS[scheme])
+    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
+    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
+                            None, gate)
     assert relative_error(out, ref) < 1e-2
