@@ -42,7 +42,7 @@ from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
 from mira.bench.sources import Source
-from mira.cache.budget import format_size, parse_size, share_slots
+from mira.cache.budget import format_size, parse_size, share_shortfall, share_slots
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
@@ -169,6 +169,17 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
     source.replay_from = CALIBRATION_ROWS
     for label, budget in budgets.items():
         names = [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]
+        shortfall = label.endswith("%") and share_shortfall(float(label[:-1]) / 100, total_experts,
+                                                             source.store.num_experts)
+        if shortfall:
+            reason, least = shortfall
+            for name in names:
+                row = {"config": name, "quant": scheme, "budget": label, "budget_bytes": budget, "num_beams": 1,
+                       "skipped": f"{reason}; pass --budgets {least}% or more"}
+                rows.append(row)
+                print(_brief(row), file=sys.stderr, flush=True)
+            save()
+            continue
 
         def measured(name: str, repeats: int) -> dict:
             return _mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,

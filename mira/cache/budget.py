@@ -52,6 +52,18 @@ def share_slots(share: float, total_experts: int) -> int:
     return max(1, round(share * total_experts))
 
 
+def share_shortfall(share: float, total_experts: int, per_layer: int) -> tuple[str, int] | None:
+    """Why a share of all experts cannot run, and the least whole percentage that can: its slots
+    are fewer than one MoE layer's experts, which must all fit while the layer computes. None: the
+    share runs."""
+    slots = share_slots(share, total_experts)
+    if slots >= per_layer:
+        return None
+    least = next(percent for percent in range(1, 101) if share_slots(percent / 100, total_experts) >= per_layer)
+    return (f"{share * 100:g}% gives slots for {slots} of the model's {total_experts} experts, fewer than the "
+            f"{per_layer} of one MoE layer, which must all fit while it computes"), least
+
+
 def format_size(nbytes: int, up: bool = False) -> str:
     """Bytes as GiB (from 1 GiB) or MiB, two decimals; rounded up when `up` (for a minimum to ask for)."""
     unit, name = (GiB, "GiB") if nbytes >= GiB else (1 << 20, "MiB")

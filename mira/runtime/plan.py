@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mira.cache.budget import SlotPlan, plan_slots, share_slots
+from mira.cache.budget import SlotPlan, plan_slots, share_shortfall, share_slots
 from mira.errors import MiraError
 from mira.models.kvcache import kv_values_per_token
 from mira.runtime.config import RuntimeConfig, budget_share
@@ -47,11 +47,11 @@ def share_budget(text: str, hf_model, store: ExpertStore, max_context: int) -> i
             must fit while it computes); the message gives the least share that fits.
     """
     total = store.num_layers * store.num_experts
-    slots = share_slots(budget_share(text), total)
-    if slots < store.num_experts:
-        least = next(percent for percent in range(1, 101) if share_slots(percent / 100, total) >= store.num_experts)
-        raise MiraError(f"--vram-budget {text.strip()} gives slots for {slots} of the model's {total} experts, fewer "
-                        f"than the {store.num_experts} of one MoE layer, which must all fit while it computes; "
-                        f"pass --vram-budget {least}% or more")
+    share = budget_share(text)
+    shortfall = share_shortfall(share, total, store.num_experts)
+    if shortfall:
+        reason, least = shortfall
+        raise MiraError(f"--vram-budget {reason}; pass --vram-budget {least}% or more")
+    slots = share_slots(share, total)
     device = next(hf_model.parameters()).device
     return sum(reserve(device, hf_model, store, max_context)) + slots * store.blob_bytes
