@@ -277,25 +277,30 @@ def test_reference_backend_skips_absent_experts_too(gate, store):
 GPT_OSS_20B = dict(hidden=2880, intermediate=2880, experts=32, top_k=4)
 
 
+def assert_bf16_matches_fp32_reference(layout: ExpertLayout, experts: int, top_k: int, tokens: int, seed: int,
+                                       act=None, gate=None, gain: float = 1.0) -> None:
+    """The FFN make_moe_ffn picks on the GPU, the fused kernels, in bf16 against the float32 reference."""
+    blobs = biased_blobs(layout, experts, seed=seed, device="cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = gain * torch.randn(tokens, layout.hidden, generator=gen)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1).cuda()
+    ffn = make_moe_ffn("cuda", layout, act, gate=gate, backend="auto", num_experts=experts)
+    assert isinstance(ffn, KERNELS[layout.scheme])
+    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
+    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
+                            act, gate)
+    assert relative_error(out, ref) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 4, 64])  # 4 and 16 routed pairs (decode), 256 (prefill)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_gpt_oss_20b_shape_bf16_matches_fp32_reference(scheme, tokens):
     H, I, E, K = (GPT_OSS_20B[k] for k in ("hidden", "intermediate", "experts", "top_k"))
-    gate = gpt_oss_gate(H, I, E)
-    layout = ExpertLayout(scheme, H, I, bias=True)
-    blobs = biased_blobs(layout, E, seed=11, device="cuda")
-    gen = torch.Generator().manual_seed(tokens)
-    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=gen)
-    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
-    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
-    ffn = make_moe_ffn("cuda", layout, None, gate=gate, backend="auto", num_experts=E)
-    assert isinstance(ffn, KERNELS[scheme])
-    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
-    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
-                            None, gate)
-    assert relative_error(out, ref) < 1e-2
+    assert_bf16_matches_fp32_reference(ExpertLayout(scheme, H, I, bias=True), E, K, tokens, seed=11,
+                                       gate=gpt_oss_gate(H, I, E), gain=HIDDEN_GAIN)
 
 
 @pytest.mark.gpu
@@ -306,21 +311,9 @@ def test_gpt_oss_20b_shape_bf16_matches_fp32_reference(scheme, tokens):
     ("int8-shared", "relu2", False), ("int8-row", "relu2", False),  # Nemotron-H's ungated experts
 ])
 def test_real_size_geglu_and_ungated_experts_bf16_match_fp32_reference(scheme, activation, gated, tokens):
-    """At Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768), in bf16 on the GPU, chosen by
-    make_moe_ffn as the fused kernels."""
-    H, I, E, K = 2048, 768, 16, 4
-    layout = ExpertLayout(scheme, H, I, gated=gated)
-    blobs = biased_blobs(layout, E, seed=19, device="cuda")
-    gen = torch.Generator().manual_seed(tokens)
-    hidden = torch.randn(tokens, H, generator=gen)
-    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
-    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
-    act = ACT2FN[activation]
-    ffn = make_moe_ffn("cuda", layout, act, backend="auto", num_experts=E)
-    assert isinstance(ffn, KERNELS[scheme])
-    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
-    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout, act)
-    assert relative_error(out, ref) < 1e-2
+    """At Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768)."""
+    assert_bf16_matches_fp32_reference(ExpertLayout(scheme, 2048, 768, gated=gated), 16, 4, tokens, seed=19,
+                                       act=ACT2FN[activation])
 
 
 class FormGate:
@@ -339,18 +332,6 @@ class FormGate:
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_real_size_softcapped_swiglu_bf16_matches_fp32_reference(scheme, tokens):
     """Inkling 2's gating at its default caps (4 on the gate's linear factor, 25 on up), at
-    Qwen3-30B-A3B's expert size, in bf16 on the GPU, chosen by make_moe_ffn as the fused kernels."""
-    H, I, E, K = 2048, 768, 16, 4
-    gate = FormGate(GluForm(gate_cap=4.0, up_cap=25.0))
-    layout = ExpertLayout(scheme, H, I, bias=True)
-    blobs = biased_blobs(layout, E, seed=29, device="cuda")
-    gen = torch.Generator().manual_seed(tokens)
-    hidden = HIDDEN_GAIN * torch.randn(tokens, H, generator=gen)
-    index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)]).cuda()
-    weights = torch.softmax(torch.randn(tokens, K, generator=gen), dim=-1).cuda()
-    ffn = make_moe_ffn("cuda", layout, None, gate=gate, backend="auto", num_experts=E)
-    assert isinstance(ffn, KERNELS[scheme])
-    out = ffn(hidden.cuda().bfloat16(), index, weights.bfloat16(), blobs)
-    ref = moe_ffn_reference(hidden.cuda().bfloat16().float(), index, weights.bfloat16().float(), blobs, layout,
-                            None, gate)
-    assert relative_error(out, ref) < 1e-2
+    Qwen3-30B-A3B's expert size, hidden states large enough to cross the gate's cap."""
+    assert_bf16_matches_fp32_reference(ExpertLayout(scheme, 2048, 768, bias=True), 16, 4, tokens, seed=29,
+                                       gate=FormGate(GluForm(gate_cap=4.0, up_cap=25.0)), gain=HIDDEN_GAIN)
