@@ -72,12 +72,13 @@ FAMILY_SIZES: dict[str, dict] = {
 PER_LAYER_FIELDS = ("layer_types", "mlp_layer_types", "per_layer_config")  # sized to the default's layers
 
 
-def tiny_config(model_type: str) -> PretrainedConfig:
-    """A small `model_type` config: every shared size the family's config has, shrunk."""
+def tiny_config(model_type: str, **sizes_override) -> PretrainedConfig:
+    """A small `model_type` config: every shared size the family's config has, shrunk (to
+    `sizes_override` where given)."""
     default = AutoConfig.for_model(model_type)
     text = getattr(default, "text_config", None)
     target = text if isinstance(text, PretrainedConfig) else default
-    family = FAMILY_SIZES.get(model_type, {})
+    family = {**FAMILY_SIZES.get(model_type, {}), **sizes_override}
     sizes = {k: v for k, v in {**SIZES, **family}.items() if _has(target, k) or k in family}
     if _get(target, "kv_lora_rank"):  # multi-head latent attention: head_dim is the rope dims (the config
         if "head_dim" not in family:  # derives it, unless the family gives it), and every head has its keys, as
@@ -124,10 +125,10 @@ OFFERED = {family.model_type for family in moe_families()}
 CASES = [family for family in VERIFIED if family in OFFERED]
 
 
-def family_checkpoint(family: str, directory: Path) -> Path:
+def family_checkpoint(family: str, directory: Path, **sizes_override) -> Path:
     """A tiny random checkpoint of `family` in `directory`, with experts and routers that matter."""
     torch.manual_seed(0)
-    config = tiny_config(family)
+    config = tiny_config(family, **sizes_override)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     num_experts = adapter_for(model.config).spec.num_experts
     with torch.no_grad():

@@ -21,7 +21,6 @@ from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
 from mira.models.loader import build_model, moe_skeleton_layers, read_config
-from mira.models.registry import adapter_for
 from mira.runtime.config import RuntimeConfig
 from mira.runtime.engine import BUNDLED_MODEL, MiraModel, assemble, resolve_store, store_tokenizer
 from mira.store.manifest import Manifest, is_store
@@ -143,8 +142,6 @@ class SyntheticSource(Source):
         if scheme not in SYNTHETIC_SCHEMES:
             raise MiraError(f"a synthetic model's experts are random quantized weights: pass --quant with "
                             f"{', '.join(SYNTHETIC_SCHEMES)}, not {scheme}")
-        if scheme == "int4" and not adapter_for(self.config).spec.gated:
-            raise MiraError(f"int4 stores gated experts only, and {self.name}'s have no gate; pass --quant int8-shared")
         return scheme
 
     def open_store(self, scheme: str | None) -> None:

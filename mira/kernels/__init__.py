@@ -153,14 +153,13 @@ def _probed(act: Callable | str) -> torch.Tensor | None:
 
 def fused_unsupported(layout: ExpertLayout, act: Callable | str | None, gate: Callable | None) -> str | None:
     """What of these experts the fused kernels do not compute (None: they compute all of it)."""
-    if not layout.gated:
-        if gate is None and act is not None and ungated_form(act) is not None:
-            return None if layout.scheme in ("int8-shared", "int8-row") else f"ungated {layout.scheme} blobs"
-        return f"ungated experts with the activation {act!r}"
-    if glu_of(act, gate) is None:
-        return f"the gating {gate!r}" if gate is not None else f"the activation {act!r}"
     if layout.scheme not in ("int8-shared", "int8-row", "int4"):
         return f"{layout.scheme} blobs"
+    if not layout.gated:
+        return None if gate is None and act is not None and ungated_form(act) is not None else \
+            f"ungated experts with the activation {act!r}"
+    if glu_of(act, gate) is None:
+        return f"the gating {gate!r}" if gate is not None else f"the activation {act!r}"
     return None
 
 

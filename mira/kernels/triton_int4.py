@@ -310,7 +310,7 @@ def _gate_up_gemv4(
     CUBIC: tl.constexpr, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
-    BLOCK_T at a time: their gate tiles, then their up tiles."""
+    BLOCK_T at a time: their gate tiles, then their up tiles (ungated: the up tiles, rows [0, I))."""
     pair = tl.program_id(0)
     tile_start = tl.program_id(1) * TILES
     tile_end = tl.minimum(tile_start + TILES, I // TILE_W)
@@ -322,14 +322,17 @@ def _gate_up_gemv4(
     groups = tl.where(present, H // GROUP_W, 0)  # an absent expert's loops do not run
     x_row = hidden_ptr + token * stride_ht
     unit_end = tl.where(present, tile_end * TILE_W, 0)  # the units whose biases are read
+    rows13 = 2 * I if GATED else I
     for t0 in range(tile_start, tile_end, BLOCK_T):
         tiles = t0 + tl.arange(0, BLOCK_T)
-        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL, CVT)
-        u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, 2 * I, H, 0, groups, MAGIC, LANES, UNROLL,
-                                CVT)
+        g_lo, g_hi = _tiles_dot(x_row, w13, sz13, tiles, rows13, H, 0, groups, MAGIC, LANES, UNROLL, CVT)
         units = tl.arange(0, BLOCK_T * TILE_W) + t0 * TILE_W
         g = _tile_rows(g_lo, g_hi) + _bias(base, B13_OFF, units, units < unit_end, HAS_BIAS)
-        u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
+        u = g  # unused when not GATED
+        if GATED:
+            u_lo, u_hi = _tiles_dot(x_row, w13, sz13, tiles + I // TILE_W, rows13, H, 0, groups, MAGIC, LANES, UNROLL,
+                                    CVT)
+            u = _tile_rows(u_lo, u_hi) + _bias(base, B13_OFF, units + I, units < unit_end, HAS_BIAS)
         act = _gated(g, u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
         tl.store(act_ptr + pair * I + units, act, mask=units < tile_end * TILE_W)
 
@@ -419,6 +422,7 @@ def _gate_up_gemm4(
     in_rows = rows < I
     row_mask = rows < tl.where(present, I, 0)
     x_cols = x_ptr + tokens[None, :] * stride_xt  # [1, BM]
+    rows13 = 2 * I if GATED else I
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -427,18 +431,19 @@ def _gate_up_gemm4(
         x_sum = tl.sum(x_t.to(tl.float32), axis=0)[None, :]  # [1, BM]: the step's columns, once for both halves
         x_t = x_t.to(DOT_DTYPE)
         group = k0 // GROUP_W
-        for half in tl.static_range(2):  # gate rows, then up rows
+        for half in tl.static_range(2 if GATED else 1):  # gate rows, then up rows (ungated: up rows only)
             q = _block_codes(w13, n0 + half * I, tl.where(present, (half + 1) * I, 0), k0, H, BLOCK_N, BLOCK_K,
                              DOT_DTYPE)  # [BN, BK]
             part = tl.dot(q, x_t, input_precision=PRECISION)  # [BN, BM]
-            s, zz = _group_scales(tl.load(sz13 + group * 2 * I + rows + half * I, mask=row_mask, other=0), 8)
+            s, zz = _group_scales(tl.load(sz13 + group * rows13 + rows + half * I, mask=row_mask, other=0), 8)
             if half == 0:  # two fmas per element
                 acc_g = acc_g + part * s[:, None] + zz[:, None] * x_sum
             else:
                 acc_u = acc_u + part * s[:, None] + zz[:, None] * x_sum
     if HAS_BIAS:
         acc_g += _bias(base, B13_OFF, rows, row_mask, HAS_BIAS)[:, None]
-        acc_u += _bias(base, B13_OFF, rows + I, row_mask, HAS_BIAS)[:, None]
+        if GATED:
+            acc_u += _bias(base, B13_OFF, rows + I, row_mask, HAS_BIAS)[:, None]
     act = _gated(acc_g, acc_u, present, ALPHA, LIMIT, UP_OFFSET, CUBIC, GATE_CAP, UP_CAP, GATED, NAN_ABSENT)
     tl.store(act_ptr + pairs[None, :] * I + rows[:, None], act.to(act_ptr.dtype.element_ty),
              mask=valid[None, :] & in_rows[:, None])

@@ -14,8 +14,9 @@ On the GPU a tile's column is one 32-byte load. A blob is
 
     w13 uint8 [2I, H/2] | w2 uint8 [H, I/2] | sz13 bf16 [H/G, 2I, 2] | sz2 bf16 [I/G, H, 2]
 
-(the codes' shapes are the bytes counted per row, as torch takes them; sz holds (s, z) per group
-and row). Rows and columns must be whole tiles and groups: H and I multiples of TILE (and of G).
+(2I rows are I for ungated experts, which have up rows only; the codes' shapes are the bytes
+counted per row, as torch takes them; sz holds (s, z) per group and row). Rows and columns must
+be whole tiles and groups: H and I multiples of TILE (and of G).
 
 Scales come from round-to-nearest with a clipping search per group: the group's range is shrunk by
 each factor of SHRINK in turn and the candidate whose dequantized group (with its scale and zero
@@ -43,8 +44,10 @@ _CODES = 15  # the largest code
 MID = 8  # the code whose weight is the zero z: w = s (q - MID) + z
 
 
-def sections(hidden: int, intermediate: int, group: int = GROUP) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(name, dtype, shape) of each section of one expert's blob, in blob order.
+def sections(hidden: int, intermediate: int, group: int = GROUP, gated: bool = True
+             ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each section of one expert's blob, in blob order (w13 has the up rows
+    only where not `gated`).
 
     Raises:
         ValueError: a hidden or intermediate size that is not whole tiles and groups.
@@ -54,13 +57,14 @@ def sections(hidden: int, intermediate: int, group: int = GROUP) -> list[tuple[s
     if H % unit or I % unit:
         raise ValueError(f"int4 stores tiles of {TILE} rows and groups of {group} weights, so the hidden size ({H}) "
                          f"and the expert intermediate size ({I}) must be multiples of {unit}; use an int8 scheme")
-    return [("w13", torch.uint8, (2 * I, H // 2)), ("w2", torch.uint8, (H, I // 2)),
-            ("sz13", torch.bfloat16, (H // group, 2 * I, 2)), ("sz2", torch.bfloat16, (I // group, H, 2))]
+    rows13 = 2 * I if gated else I
+    return [("w13", torch.uint8, (rows13, H // 2)), ("w2", torch.uint8, (H, I // 2)),
+            ("sz13", torch.bfloat16, (H // group, rows13, 2)), ("sz2", torch.bfloat16, (I // group, H, 2))]
 
 
 def quantize(w13: torch.Tensor, w2: torch.Tensor, group: int = GROUP, zero_points: bool = ZERO_POINTS
              ) -> dict[str, torch.Tensor]:
-    """One expert's sections (as `sections` names them) from w13 [2I, H] and w2 [H, I]."""
+    """One expert's sections (as `sections` names them) from w13 [2I, H] (ungated: [I, H]) and w2 [H, I]."""
     out = {}
     for name, weights in (("13", w13), ("2", w2)):
         out[f"w{name}"], out[f"sz{name}"] = quantize_matrix(weights, group, zero_points)
@@ -194,5 +198,5 @@ def dequantize_matrix(packed: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype
 
 
 def dequantize(views: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [2I, H] and w2 [H, I] in `dtype` from the typed views of one int4 blob."""
+    """w13 [2I, H] (ungated: [I, H]) and w2 [H, I] in `dtype` from the typed views of one int4 blob."""
     return tuple(dequantize_matrix(views[f"w{name}"], views[f"sz{name}"], dtype) for name in ("13", "2"))

@@ -85,9 +85,7 @@ class ExpertLayout:
         elif self.scheme == "int8-row":
             specs += [("scale13", torch.bfloat16, (rows13,)), ("scale2", torch.bfloat16, (H,))]
         elif self.scheme == "int4":  # packed codes and group scales
-            if not self.gated:
-                raise ValueError("int4 stores gated experts only; convert this model with --quant int8-shared")
-            specs = int4.sections(H, I)
+            specs = int4.sections(H, I, gated=self.gated)
         if self.bias:
             specs += [("b13", torch.float32, (rows13,)), ("b2", torch.float32, (H,))]
         sections, offset = {}, 0

@@ -172,6 +172,33 @@ def test_int8_store_is_exactly_the_dequantized_model(family, family_store, famil
     assert (got - unquantized).abs().max().item() > 0  # the experts really were quantized
 
 
+def test_ungated_experts_in_an_int4_store_compute_exactly_the_dequantized_model(tmp_path):
+    """Nemotron-H's experts (up rows only, the squared ReLU) in int4, at an intermediate size of
+    whole tiles: Mira computes transformers' model with the store's dequantized weights put back."""
+    checkpoint = family_checkpoint("nemotron_h", tmp_path / "checkpoint", moe_intermediate_size=64)
+    convert(checkpoint, tmp_path / "store", "int4", progress=False)
+    store = ExpertStore.open(tmp_path / "store", progress=False)
+    assert store.layout.scheme == "int4" and not store.layout.gated
+    original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    dequantized = copy.deepcopy(original)
+    spec = adapter_for(original.config).spec
+    with torch.no_grad():
+        for position, module in enumerate(_experts_modules(dequantized)):
+            for expert in range(store.num_experts):
+                up, down = dequantize_expert(store.layout.views(store.blob(position, expert)), store.layout)
+                if spec.transposed:
+                    up, down = up.T, down.T
+                getattr(module, spec.up_name)[expert] = up.float()
+                module.down_proj[expert] = down.float()
+    model = mira.load(tmp_path / "store", device="cpu", progress=False)
+    ids = _prompt()
+    with torch.no_grad():
+        got, expected, unquantized = model(ids).logits, dequantized(ids).logits, original(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert (got - unquantized).abs().max().item() > 0  # the experts really were quantized
+    assert torch.equal(model.generate(ids, **GREEDY), dequantized.generate(ids, **GREEDY, disable_compile=True))
+
+
 # Families with their own gating or activation, outside the derived bound: their int8 stores are checked
 # by test_int8_store_is_exactly_the_dequantized_model (weights within half a step, Mira = that model).
 OWN_ARITHMETIC = {"beam", "deepseek_v4", "gemma4", "gemma4_text", "gpt_oss", "hy_v4", "inkling2_loop_text",

@@ -153,13 +153,13 @@ def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, views: dict, layo
     assert error.max() <= 3 * (in_dtype - exact).abs().max()
 
 
-# (gated, bias, gate) beyond the plain SwiGLU layout; int4 stores gated experts only
+# (gated, bias, gate) beyond the plain SwiGLU layout
 VARIANTS = {"bias": (True, True, None), "ungated": (False, False, None), "ungated+bias": (False, True, None),
             "gate": (True, False, clamped_swiglu), "gate+bias": (True, True, clamped_swiglu)}
 
 
 @pytest.mark.parametrize("scheme,weight_dtype,variant", [
-    (*s, v) for s in SCHEMES for v in VARIANTS if not (s[0] == "int4" and not VARIANTS[v][0])])
+    (*s, v) for s in SCHEMES for v in VARIANTS])
 @pytest.mark.parametrize("shape", [(64, 32), (96, 40)])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [5, DENSE_TOKENS])

@@ -199,19 +199,19 @@ def test_softcapped_swiglu_matches_the_familys_own_gating(scheme, config, tokens
     assert relative_error(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize(("scheme", "config"), [case for case in CASES if case[0] != "int4"])  # int4: gated only
+@pytest.mark.parametrize(("scheme", "config"), CASES)
 @pytest.mark.parametrize("tokens", [1, 37])
 @pytest.mark.parametrize("bias", [False, True])
 def test_ungated_experts_with_the_squared_relu_match_the_reference(scheme, config, tokens, bias):
     """Nemotron-H's experts: up rows only, then the squared ReLU, computed by the kernels without
     the gate rows' loads and by the reference with transformers' own activation."""
-    layout = ExpertLayout(scheme, H, I, gated=False, bias=bias)
+    layout = ExpertLayout(scheme, *sizes(scheme), gated=False, bias=bias)
     blobs = biased_blobs(layout, E, seed=17)
-    hidden = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    hidden = torch.randn(tokens, layout.hidden, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     index, weights = routing(tokens, E, K, seed=tokens + 2)
     act = ACT2FN["relu2"]
     ffn = make_moe_ffn(DEVICE, layout, act, backend="triton", config=config_of(scheme, config), num_experts=E)
-    assert isinstance(ffn, TritonMoEFFN) and ffn._after_up["GATED"] is False
+    assert isinstance(ffn, KERNELS[scheme]) and ffn._after_up["GATED"] is False
     out = ffn(hidden, index, weights, blobs)
     ref = moe_ffn_reference(hidden, index, weights, blobs, layout, act)
     assert relative_error(out, ref) < FP32_TOL
@@ -308,7 +308,7 @@ def test_gpt_oss_20b_shape_bf16_matches_fp32_reference(scheme, tokens):
 @pytest.mark.parametrize("tokens", [1, 4, 64])  # decode and prefill
 @pytest.mark.parametrize(("scheme", "activation", "gated"), [
     ("int8-shared", "gelu_pytorch_tanh", True), ("int4", "gelu_pytorch_tanh", True),  # Gemma 4's GeGLU
-    ("int8-shared", "relu2", False), ("int8-row", "relu2", False),  # Nemotron-H's ungated experts
+    *[(scheme, "relu2", False) for scheme in SCHEMES],  # Nemotron-H's ungated experts
 ])
 def test_real_size_geglu_and_ungated_experts_bf16_match_fp32_reference(scheme, activation, gated, tokens):
     """At Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768)."""

@@ -50,6 +50,9 @@ def test_int4_stores_are_version_3_and_older_int4_stores_are_refused_with_the_fi
     assert _manifest(tmp_path, layout, 3).expert_layout == layout
     with pytest.raises(MiraError, match="int4 experts in an older blob layout.*mira convert src"):
         _manifest(tmp_path, layout, 1)
+    ungated = ExpertLayout("int4", H, H, gated=False)  # up rows only: half of w13's codes and scales
+    assert format_version(ungated) == 3 and _manifest(tmp_path, ungated, 3).expert_layout == ungated
+    assert ungated.sections["w13"].shape == (H, H // 2) and ungated.sections["sz13"].shape[1] == H
 
 
 def test_a_blob_with_biases_packs_and_views_every_section():
