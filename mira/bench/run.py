@@ -167,25 +167,22 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
         "blob_bytes": source.store.blob_bytes, "reserve_bytes": reserve, "all_experts_bytes": all_bytes,
         "budgets": budgets, "timings": getattr(source.store, "timings", None)}  # synthetic: fill, page-lock s
     source.replay_from = CALIBRATION_ROWS
+    too_small = {label: _share_too_small(label, total_experts, source.store.num_experts) for label in budgets}
+
+    def skipped(name: str, label: str, num_beams: int = 1) -> dict:
+        return {"config": name, "quant": scheme, "budget": label, "budget_bytes": budgets[label],
+                "num_beams": num_beams, "skipped": too_small[label]}
+
     for label, budget in budgets.items():
         names = [c for c in setup.configs if c in MIRA_CONFIGS and _key(c, label, quant=scheme) not in done]
-        shortfall = label.endswith("%") and share_shortfall(float(label[:-1]) / 100, total_experts,
-                                                             source.store.num_experts)
-        if shortfall:
-            reason, least = shortfall
-            for name in names:
-                row = {"config": name, "quant": scheme, "budget": label, "budget_bytes": budget, "num_beams": 1,
-                       "skipped": f"{reason}; pass --budgets {least}% or more"}
-                rows.append(row)
-                print(_brief(row), file=sys.stderr, flush=True)
-            save()
-            continue
 
         def measured(name: str, repeats: int) -> dict:
             return _mira_row(source, name, label, budget, setup.prompts, max_context, profile, vocab,
                              repeats=repeats)
 
-        if setup.interleave:
+        if too_small[label]:
+            budget_rows = (skipped(name, label) for name in names)
+        elif setup.interleave:
             turns = [[_turn(measured(name, 1), turn, setup.repeats) for name in names]
                      for turn in range(setup.repeats)]  # [round][config]
             budget_rows = (merged_turns(list(of_config)) for of_config in zip(*turns))
@@ -196,11 +193,13 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
             print(_brief(row), file=sys.stderr, flush=True)
             save()
     if setup.beams and setup.beam_budget in budgets:
+        label = setup.beam_budget
         beam_prompts = [BenchPrompt(None, 64, setup.beam_new_tokens)]
-        for width in [w for w in setup.beams if _key("mira+p", setup.beam_budget, w, True, scheme) not in done]:
-            rows.append(_mira_row(source, "mira+p", setup.beam_budget, budgets[setup.beam_budget], beam_prompts,
-                                  max_context, profile, vocab, num_beams=width, repeats=setup.repeats)
-                        | {"beam_search": True})
+        for width in [w for w in setup.beams if _key("mira+p", label, w, True, scheme) not in done]:
+            row = skipped("mira+p", label, width) if too_small[label] else _mira_row(
+                source, "mira+p", label, budgets[label], beam_prompts, max_context, profile, vocab, num_beams=width,
+                repeats=setup.repeats)
+            rows.append(row | {"beam_search": True})
             print(_brief(rows[-1]), file=sys.stderr, flush=True)
             save()
     return budgets
@@ -429,6 +428,15 @@ def _resumed(path: Path, fresh: dict) -> dict:
     first = {key: previous[key] for key in segment if key in previous}
     previous["segments"] = previous.get("segments", [first]) + [{key: fresh[key] for key in segment if key in fresh}]
     return previous
+
+
+def _share_too_small(label: str, total_experts: int, per_layer: int) -> str | None:
+    """Why a budget given as a share of the experts cannot run (None: it is a size, or it can)."""
+    shortfall = label.endswith("%") and share_shortfall(float(label[:-1]) / 100, total_experts, per_layer)
+    if not shortfall:
+        return None
+    reason, least = shortfall
+    return f"{reason}; a share of {least}% or more fits"
 
 
 def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int, all_bytes: int) -> int:

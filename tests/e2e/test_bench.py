@@ -91,20 +91,22 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     run = subprocess.run(
         [sys.executable, "-m", "mira.cli", "bench", "--budgets", "5%,25%,all", "--configs",
          "mira+p,mira,mira-cpu-all,static,hf-gpu,hf-offload", "--fixed", "8x4", "--repeats", "2", "--out", str(out),
-         "--quiet", "--cpu-threads", "2"],  # on 2 cores the default is 1
+         "--quiet", "--beams", "2", "--beam-budget", "5%", "--cpu-threads", "2"],  # on 2 cores the default is 1
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
-    rows = {(row["config"], row["budget"]): row for row in result["runs"]}
+    rows = {(row["config"], row["budget"]): row for row in result["runs"] if not row.get("beam_search")}
     mira_configs = ("mira+p", "mira", "mira-cpu-all", "static")
+    (beam,) = [row for row in result["runs"] if row.get("beam_search")]
     assert set(rows) == {(c, b) for c in mira_configs for b in ("5%", "25%", "all")} | {
         ("hf-gpu", "all"), ("hf-offload", "all")}
     assert "needs a CUDA device" in rows["hf-offload", "all"]["skipped"]
     assert f"skipped hf-offload at all: {rows['hf-offload', 'all']['skipped']}\n" in run.stderr  # whole, not cut
     for config in mira_configs:  # 12 layers of 8 experts: 5% is 5 slots, 8% the least that holds one layer's 8
         assert rows[config, "5%"]["skipped"] == ("5% gives slots for 5 of the model's 96 experts, fewer than the 8 of "
-                                                 "one MoE layer, which must all fit while it computes; pass --budgets "
-                                                 "8% or more")
+                                                 "one MoE layer, which must all fit while it computes; a share of 8% "
+                                                 "or more fits")
+    assert beam["num_beams"] == 2 and beam["skipped"] == rows["mira", "5%"]["skipped"]  # the beams' budget too
     for (config, budget), row in rows.items():
         if (config.startswith("mira") or config == "static") and budget != "5%":
             assert row["new_tokens"] == 4 and row["prompt_tokens"] == 8
