@@ -4,8 +4,8 @@
 
 - the fused Triton kernels (`mira.kernels.triton_ffn`; `mira.kernels.triton_int4` for `int4`) on a
   CUDA device, for gated experts whose gating has a closed form (SwiGLU, GeGLU with the tanh GELU,
-  or a family's clamped variant: mira.models.spec.GluForm) and ungated ones with the squared ReLU,
-  with or without biases, on the `int8-shared`, `int8-row` or (gated) `int4` schemes;
+  or a family's clamped or softcapped variant: mira.models.spec.GluForm) and ungated ones with the
+  squared ReLU, with or without biases, on the `int8-shared`, `int8-row` or `int4` schemes;
 - on the CPU for bf16 and fp16 states, the CPU executor (`CpuMoEFFN` over
   `mira.kernels.cpu_experts`: weight-only products that read the blobs in place, dense ones for an
   INT8 expert of many tokens; `CpuMoEFFN.bind` lays an int4 store's codes out for this CPU);
