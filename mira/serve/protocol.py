@@ -3,9 +3,9 @@ and the response, stream-chunk and error bodies."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 
@@ -13,6 +13,21 @@ MAX_STOP_STRINGS = 4  # as OpenAI's API
 class _Strict(BaseModel):
     # strict: a string is not a number and a number is not a string; fields Mira does not know are ignored
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# Fields of OpenAI's API that would change the answer and that Mira does not serve: a request that sets one
+# is refused rather than answered as if it had not (each value here is what leaves the field unset).
+UNSERVED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def _refuse_unserved(value: Any, info: ValidationInfo) -> Any:
+    if any(value == unset and type(value) is type(unset) for unset in UNSERVED[info.field_name]):
+        return value
+    raise ValueError(f"mira serve does not support {info.field_name}; leave it out of the request")
 
 
 class StreamOptions(_Strict):
@@ -36,6 +51,9 @@ class SamplingRequest(_Strict):
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: Any = None  # these and those of the endpoints below: refused unless left unset (UNSERVED)
+
+    _unserved = field_validator("logit_bias")(_refuse_unserved)
 
     @field_validator("stop")
     @classmethod
@@ -71,6 +89,14 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    _unserved_chat = field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "response_format")(
+        _refuse_unserved)
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -79,6 +105,12 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    _unserved_completion = field_validator("logprobs", "echo", "best_of", "suffix")(_refuse_unserved)
 
     @field_validator("prompt")
     @classmethod

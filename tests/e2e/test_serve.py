@@ -192,6 +192,14 @@ BAD = {
                                                        "max_tokens": 5000}), "context"),
     "an unknown model": (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
                          "does not exist"),
+    "log probabilities": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                      "top_logprobs": 2}), "logprobs"),
+    "tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}), "tools"),
+    "a JSON response format": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_object"}}), "response_format"),
+    "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
+                     "logit_bias"),
 }
 
 
@@ -210,6 +218,15 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body_and_the_server_keeps_servi
 def test_bad_input_through_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    for unserved in ({"logprobs": 2}, {"echo": True}, {"suffix": " end"}, {"best_of": 2}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=NAME, prompt="Hi", max_tokens=2, **unserved)
+        assert error.value.param == next(iter(unserved)) and "does not support" in error.value.message
+    unset = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+             "response_format": {"type": "text"}, "logit_bias": {}}
+    reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           **unset)
+    assert reply.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=NAME, prompt="word " * 3000, max_tokens=5)
     assert error.value.code == "context_length_exceeded" and error.value.param == "prompt"
