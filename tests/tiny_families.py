@@ -112,7 +112,7 @@ def _has(config: PretrainedConfig, name: str) -> bool:
 # The families verified to pass (tests/e2e/test_moe_families.py); tests take those this transformers offers.
 VERIFIED = [
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text", "ernie4_5_moe", "exaone_moe",
+    "deepseek_v32", "deepseek_v4", "dots1", "dots3_note", "dots3_note_text", "ergo", "ernie4_5_moe", "exaone_moe",
     "flex_olmo", "flint", "gemma4", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss",
     "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
     "inkling2_loop_text", "inkling2_text", "inkling_text", "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna",

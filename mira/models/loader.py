@@ -9,6 +9,7 @@ shared experts, LM head) loads through transformers' own code, in the requested 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import re
 from collections.abc import Iterator
@@ -45,13 +46,28 @@ def routed_per_token(config) -> int | None:
 
 
 class ExpertsPlaceholder(nn.Module):
-    """Stands where the Experts module was while the model is built; replaced before first use."""
+    """Stands where the Experts module was while the model is built; replaced before first use.
+
+    Where the family normalises each route's output (ExpertsSpec.route_norm), it holds that norm
+    module under the family's name, so that its weights load with the rest of the model.
+    """
+
+    route_norm: str | None = None  # set by experts_swapped for such a family
+    norm_template: nn.Module | None = None  # the family's norm module on the meta device
 
     def __init__(self, config: PretrainedConfig, *args, **kwargs):
         super().__init__()
-        # Nothing to initialise; transformers' weight init would otherwise take it for the Experts class
+        if self.route_norm is not None:  # on the device being built on (meta while loading a checkpoint)
+            norm = copy.deepcopy(self.norm_template).to_empty(device=torch.get_default_device())
+            setattr(self, self.route_norm, norm)
+        # Nothing else to initialise; transformers' weight init would otherwise take it for the Experts class
         # it stands for (the name it finds in the family's module while the model is built).
         self._is_hf_initialized = True
+
+    @property
+    def norm(self) -> nn.Module | None:
+        """The family's per-route norm, loaded; None where it has none."""
+        return None if self.route_norm is None else getattr(self, self.route_norm)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("the experts of this model are not bound to a Mira expert store")
@@ -68,6 +84,11 @@ class MoESite:
     @property
     def router(self) -> nn.Module | None:
         return router_of(self.parent)
+
+    @property
+    def route_norm(self) -> nn.Module | None:
+        """The family's per-route norm held by the placeholder at this site (ExpertsPlaceholder.norm)."""
+        return getattr(self.parent, self.attr).norm
 
 
 def router_of(parent: nn.Module) -> nn.Module | None:
@@ -107,7 +128,12 @@ def read_config(model_dir: Path) -> PretrainedConfig:
 
 @contextlib.contextmanager
 def experts_swapped(adapter: Adapter, placeholder: type[ExpertsPlaceholder] = ExpertsPlaceholder) -> Iterator[None]:
-    """While inside, the family's Experts class is `placeholder` (restored on exit, even on error)."""
+    """While inside, the family's Experts class is `placeholder` (restored on exit, even on error), with
+    the family's per-route norm where it has one."""
+    spec = adapter.spec
+    if spec.route_norm is not None:
+        placeholder = type(placeholder.__name__, (placeholder,), {
+            "route_norm": spec.route_norm, "norm_template": getattr(spec.module, spec.route_norm)})
     module = importlib.import_module(adapter.experts_module)
     original = getattr(module, adapter.experts_class)
     setattr(module, adapter.experts_class, placeholder)

@@ -32,7 +32,9 @@ def check_supported(spec: ExpertsSpec, source: str = "the model") -> None:
         raise MiraError(f"{source} normalises each expert's output ({name}.post_expert_norm), which Mira does not "
                         "compute; run it with transformers")
     stored = set(spec.param_names)
-    extra = sorted(n for n, _ in spec.module.named_parameters() if n not in stored)
+    norm = f"{spec.route_norm}." if spec.route_norm else None  # loaded with the model's other weights
+    extra = sorted(n for n, _ in spec.module.named_parameters()
+                   if n not in stored and not (norm and n.startswith(norm)))
     if extra:
         raise MiraError(f"{source}'s {name} has parameters Mira does not store ({', '.join(extra)}); run it with "
                         "transformers")

@@ -22,8 +22,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from mira.errors import MiraError
-from mira.models.interface import (causal_lm_class, check_not_wrapped, moe_families, moe_integration,
-                                   uses_experts_interface)
+from mira.models.interface import (causal_lm_class, check_not_wrapped, is_experts_class, moe_families,
+                                   moe_integration, route_norm_of)
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -38,6 +38,8 @@ class ExpertsSpec:
     bias: gate_up_proj_bias (or up_proj_bias) and down_proj_bias.
     post_norm: a norm after each expert (has_post_expert_norm).
     custom_gate: the family has its own `_apply_gate` (e.g. a clamped SwiGLU), not act(gate) * up.
+    route_norm: the attribute of the module that normalises each route's output with its expert's
+        weights before the weighted sum (Ergo's `post_expert_norm`), where the class wraps the interface so.
     """
 
     experts_class: type
@@ -51,6 +53,7 @@ class ExpertsSpec:
     post_norm: bool
     custom_gate: bool
     module: nn.Module  # one Experts module on the meta device: its act_fn and _apply_gate are the family's
+    route_norm: str | None = None
 
     @property
     def up_name(self) -> str:
@@ -193,7 +196,8 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
 
     Raises:
         MiraError: no causal LM, no Experts module using the experts interface, one wrapping it in a
-            forward of its own, mixed Experts classes, or an Experts module outside a numbered decoder layer.
+            forward of its own other than a per-route norm, mixed Experts classes, or an Experts module
+            outside a numbered decoder layer.
     """
     moe_integration()
     model_class = causal_lm_class(config)
@@ -206,7 +210,7 @@ def anatomy(config: PretrainedConfig, source: str = "the model") -> ModelAnatomy
     sites, found, modules = {}, {}, {}
     for name, module in model.named_modules():
         check_not_wrapped(type(module), source)
-        if uses_experts_interface(type(module)):
+        if is_experts_class(type(module)):
             match = LAYER_INDEX.search(f".{name}.")
             if match is None:
                 raise MiraError(f"cannot tell the decoder layer of experts module {name} of {source}")
@@ -263,5 +267,6 @@ def spec_of(module: nn.Module) -> ExpertsSpec:
         experts_class=type(module), num_experts=num_experts, hidden=hidden, intermediate=intermediate, gated=gated,
         concatenated=getattr(module, "is_concatenated", True), transposed=transposed,
         bias=getattr(module, "has_bias", False), post_norm=getattr(module, "has_post_expert_norm", False),
-        custom_gate=gated and getattr(type(module), "_apply_gate", default_gate) is not default_gate, module=module)
+        custom_gate=gated and getattr(type(module), "_apply_gate", default_gate) is not default_gate, module=module,
+        route_norm=route_norm_of(type(module)))
 

@@ -397,7 +397,8 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                                device_pace=config.hybrid.device_pace)
     for position, site in enumerate(sites):
         setattr(site.parent, site.attr, MiraExperts(position, cache, ffn, torch_device, predictor, routers[position],
-                                                    lagged=decided.lagged, hybrid=hybrid, graph_share=graph_share))
+                                                    lagged=decided.lagged, hybrid=hybrid, graph_share=graph_share,
+                                                    route_norm=site.route_norm))
     model = MiraModel(hf_model, tokenizer, config, store, cache, plan, setup.max_context, decided.lagged, hybrid,
                       costs, decided.share_review, graph_share)
     if not config.graphs.enabled and model.decode_graphs is not None:

@@ -38,6 +38,9 @@ class MiraExperts(nn.Module):
     (mira.runtime.hybrid). With `graph_share`, a lagged decode call does the same with no host
     sync: the device chooses the CPU's misses and the CPU lanes compute them (mira.runtime.graph_share).
 
+    With `route_norm` (Ergo's per-expert norm), every route is a row of its own through all of the
+    above at unit weight, and the family's norm of each row comes before the routing-weighted sum.
+
     A decode call (at most `DECODE_TOKENS` tokens) allocates no device memory: the predicted expert
     and the output live in buffers this layer owns. The output is a view of this layer's own
     buffer, valid until this layer's next call: transformers' MoE blocks (Mixtral, Qwen2/3-MoE,
@@ -55,6 +58,7 @@ class MiraExperts(nn.Module):
         hybrid: the CPU's share of the misses (inline only; the FFN must add zero for absent experts).
         graph_share: the CPU lanes' share of decode calls' misses (lagged only; the FFN must add
             zero for absent experts).
+        route_norm: the family's norm of each route's output, called as norm(rows [R, H], expert_ids [R]).
 
     Raises:
         ValueError: lagged on CUDA under a budget with an FFN that cannot read the pinned host
@@ -64,7 +68,8 @@ class MiraExperts(nn.Module):
 
     def __init__(self, layer_position: int, cache: ExpertCache, ffn: MoEFFN, device: torch.device,
                  predictor: Predictor | None = None, router: nn.Module | None = None, lagged: bool = False,
-                 hybrid: HybridExperts | None = None, graph_share: GraphShare | None = None):
+                 hybrid: HybridExperts | None = None, graph_share: GraphShare | None = None,
+                 route_norm: nn.Module | None = None):
         super().__init__()
         device = torch.device(device)
         if lagged and hybrid is not None:
@@ -81,6 +86,7 @@ class MiraExperts(nn.Module):
         self.lagged = lagged
         self.hybrid = hybrid
         self.graph_share = graph_share
+        self.route_norm = route_norm
         self._predicts = predictor is not None and layer_position + 2 < predictor.num_layers
         self._router_logits: torch.Tensor | None = None
         if self._predicts and router is not None:
@@ -106,13 +112,30 @@ class MiraExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # T tokens, K routed per token, H hidden, E experts
-        decode = hidden_states.shape[0] <= DECODE_TOKENS
+        tokens, top_k = top_k_index.shape
+        rows = tokens * top_k if self.route_norm is not None else tokens
+        decode = rows <= DECODE_TOKENS
         if self.lagged and not decode:
             self.cache.settle()  # earlier lagged steps' counts go to the policy before this call's
         routed = top_k_index.reshape(-1)  # [T*K]
         self._pending.scatter_add_(0, routed, self._one.expand(routed.numel()))  # [E]
         if self._staging is not None:
             self._stage(hidden_states, top_k_index)
+        if self.route_norm is None:
+            out = self._experts(hidden_states, top_k_index, top_k_weights, decode)
+        else:  # each route a row of its own [T*K, H], normalised, then weighted and summed
+            routes = routed[:, None]  # [T*K, 1]
+            out = self._experts(hidden_states.repeat_interleave(top_k, 0), routes,
+                                torch.ones_like(routes, dtype=top_k_weights.dtype), decode)
+            normed = self.route_norm(out, routed).view(tokens, top_k, -1)  # [T, K, H]
+            out = (normed * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
+        if self._staging is not None:
+            self._staging.after_layer(self.layer_position)
+        return out
+
+    def _experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 decode: bool) -> torch.Tensor:
+        """The routed experts' weighted sum per row [T, H], its misses shared with the CPU where it takes some."""
         share = None
         if not (self.lagged and decode):
             if self.hybrid is not None:  # ahead of the settle's waits for the copies of experts it admits
@@ -132,8 +155,6 @@ class MiraExperts(nn.Module):
                 self.hybrid.abandon(share)  # the table whole again, the worker's job accounted for
                 raise
             out = self.hybrid.finish(share, out)
-        if self._staging is not None:
-            self._staging.after_layer(self.layer_position)
         return out
 
     def _kernel(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -45,5 +45,5 @@ def test_an_experts_class_wrapping_the_interface_is_refused_with_both_names(caps
         check_not_wrapped(NormedExperts)
     main(["models", "--json"])
     listed = {row["model_type"]: row for row in json.loads(capsys.readouterr().out)["families"]}
-    if "ergo" in listed:  # ErgoExperts normalises each route's output with a weight of its expert's
-        assert listed["ergo"]["runs"] is False and "ErgoExperts wraps" in listed["ergo"]["problem"]
+    if "ergo" in listed:  # ErgoExperts' forward of its own is a per-route norm, which Mira computes
+        assert listed["ergo"]["runs"] is True, listed["ergo"]
