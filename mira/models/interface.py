@@ -106,8 +106,8 @@ def route_norm_of(cls: type) -> str | None:
     then the weighted sum); None where it does not.
 
     Found by running cls.forward in float64 with stand-ins for the interface's computation and for
-    every attribute the forward reads but the interface does not set: it must read exactly one, call
-    it as a norm, and give the formula Mira computes (mira.runtime.experts).
+    every attribute the forward reads other than `num_experts`: it must read exactly one, call it as a
+    norm, and give the formula Mira computes (mira.runtime.experts).
     """
     base = interface_base(cls)
     if base is None:

@@ -80,15 +80,11 @@ class MoESite:
     parent: nn.Module
     attr: str
     layer: int
+    route_norm: nn.Module | None = None  # the family's per-route norm, loaded by the placeholder here
 
     @property
     def router(self) -> nn.Module | None:
         return router_of(self.parent)
-
-    @property
-    def route_norm(self) -> nn.Module | None:
-        """The family's per-route norm held by the placeholder at this site (ExpertsPlaceholder.norm)."""
-        return getattr(self.parent, self.attr).norm
 
 
 def router_of(parent: nn.Module) -> nn.Module | None:
@@ -193,5 +189,5 @@ def moe_sites(model: nn.Module) -> list[MoESite]:
                 match = _LAYER_INDEX.search(f".{name}.")
                 if match is None:
                     raise MiraError(f"cannot tell the decoder layer of experts module {name}.{attr}")
-                sites.append(MoESite(module, attr, int(match.group(1))))
+                sites.append(MoESite(module, attr, int(match.group(1)), child.norm))
     return sorted(sites, key=lambda s: s.layer)
