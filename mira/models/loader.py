@@ -52,22 +52,23 @@ class ExpertsPlaceholder(nn.Module):
     module under the family's name, so that its weights load with the rest of the model.
     """
 
-    route_norm: str | None = None  # set by experts_swapped for such a family
-    norm_template: nn.Module | None = None  # the family's norm module on the meta device
+    # set by experts_swapped for such a family; private names, which no family's attribute can shadow
+    _norm_name: str | None = None
+    _norm_template: nn.Module | None = None  # the family's norm module on the meta device
 
     def __init__(self, config: PretrainedConfig, *args, **kwargs):
         super().__init__()
-        if self.route_norm is not None:  # on the device being built on (meta while loading a checkpoint)
-            norm = copy.deepcopy(self.norm_template).to_empty(device=torch.get_default_device())
-            setattr(self, self.route_norm, norm)
+        if self._norm_name is not None:  # on the device being built on (meta while loading a checkpoint)
+            norm = copy.deepcopy(self._norm_template).to_empty(device=torch.get_default_device())
+            setattr(self, self._norm_name, norm)
         # Nothing else to initialise; transformers' weight init would otherwise take it for the Experts class
         # it stands for (the name it finds in the family's module while the model is built).
         self._is_hf_initialized = True
 
     @property
-    def norm(self) -> nn.Module | None:
+    def _norm(self) -> nn.Module | None:
         """The family's per-route norm, loaded; None where it has none."""
-        return None if self.route_norm is None else getattr(self, self.route_norm)
+        return None if self._norm_name is None else getattr(self, self._norm_name)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("the experts of this model are not bound to a Mira expert store")
@@ -129,7 +130,7 @@ def experts_swapped(adapter: Adapter, placeholder: type[ExpertsPlaceholder] = Ex
     spec = adapter.spec
     if spec.route_norm is not None:
         placeholder = type(placeholder.__name__, (placeholder,), {
-            "route_norm": spec.route_norm, "norm_template": getattr(spec.module, spec.route_norm)})
+            "_norm_name": spec.route_norm, "_norm_template": getattr(spec.module, spec.route_norm)})
     module = importlib.import_module(adapter.experts_module)
     original = getattr(module, adapter.experts_class)
     setattr(module, adapter.experts_class, placeholder)
@@ -189,5 +190,5 @@ def moe_sites(model: nn.Module) -> list[MoESite]:
                 match = _LAYER_INDEX.search(f".{name}.")
                 if match is None:
                     raise MiraError(f"cannot tell the decoder layer of experts module {name}.{attr}")
-                sites.append(MoESite(module, attr, int(match.group(1)), child.norm))
+                sites.append(MoESite(module, attr, int(match.group(1)), child._norm))
     return sorted(sites, key=lambda s: s.layer)
