@@ -39,7 +39,8 @@ class MiraExperts(nn.Module):
     sync: the device chooses the CPU's misses and the CPU lanes compute them (mira.runtime.graph_share).
 
     With `route_norm` (Ergo's per-expert norm), every route is a row of its own through all of the
-    above at unit weight, and the family's norm of each row comes before the routing-weighted sum.
+    above at unit weight, and the family's norm of each row comes before the routing-weighted sum
+    (new tensors: such a decode call allocates, and its output is its own).
 
     A decode call (at most `DECODE_TOKENS` tokens) allocates no device memory: the predicted expert
     and the output live in buffers this layer owns. The output is a view of this layer's own
