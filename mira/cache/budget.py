@@ -65,8 +65,12 @@ def share_shortfall(share: float, total_experts: int, per_layer: int) -> tuple[s
 
 
 def format_size(nbytes: int, up: bool = False) -> str:
-    """Bytes as GiB (from 1 GiB) or MiB, two decimals; rounded up when `up` (for a minimum to ask for)."""
-    unit, name = (GiB, "GiB") if nbytes >= GiB else (1 << 20, "MiB")
+    """Bytes as GiB, MiB or KiB (the largest not above them), two decimals, or under 1 KiB as bytes;
+    rounded up when `up` (for a minimum to ask for)."""
+    if nbytes < 1 << 10:
+        return f"{nbytes} B"
+    unit, name = next((unit, name) for unit, name in ((GiB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+                      if nbytes >= unit)
     value = nbytes / unit
     if up:
         value = math.ceil(value * 100) / 100
