@@ -22,6 +22,7 @@ from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once if the token was generated at all
     stop: tuple[str, ...] = ()  # generation ends before the first of these; it is not part of the text
     seed: int | None = None  # None: a fresh random seed
+    logprobs: int | None = None  # k: each new token's log-probability and the k most likely; None: off
 
     def __post_init__(self) -> None:
         checks = [
@@ -51,6 +53,8 @@ class SamplingConfig:
             (self.repetition_penalty is None or self.repetition_penalty > 0,
              f"repetition penalty must be > 0 (1: off), not {self.repetition_penalty}"),
             (all(self.stop), "a stop string must not be empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} most likely tokens, not {self.logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -64,6 +68,16 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's natural-log probability under the model's own logits (before penalties,
+    temperature, top-k or top-p), and the most likely tokens of that step with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
 class GenerationReport:
     text: str
     prompt_tokens: int
@@ -71,6 +85,7 @@ class GenerationReport:
     ttft_s: float  # prompt in -> first new token out
     decode_tokens_per_s: float  # new tokens after the first, per second
     finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the sampling settings ask for them
 
 
 def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
@@ -179,11 +194,40 @@ class TextStream:
             self.on_text(text)
 
 
-class _Streamer(BaseStreamer):
-    """transformers' streamer hook: new ids into the TextStream, with the time each arrives."""
+class LogprobTap:
+    """Each decoding step's log-probabilities, read from the logits the model's forward returns (a
+    forward hook: what generate's logits processors do to them afterwards does not reach it), kept
+    for the token that step chose. Batch 1; `close` removes the hook."""
 
-    def __init__(self, stream: TextStream):
+    def __init__(self, hf_model: torch.nn.Module, top: int, on_logprob: Callable[[TokenLogprob], None]):
+        self.top = top
+        self.on_logprob = on_logprob
+        self.taken: list[TokenLogprob] = []
+        self._logits: torch.Tensor | None = None  # [V] of the last forward
+        self._hook = hf_model.register_forward_hook(self._keep)
+
+    def _keep(self, module: torch.nn.Module, args, output) -> None:
+        self._logits = output.logits[0, -1]
+
+    def take(self, token: int) -> None:
+        """Record the step's log-probability of `token`, the token the step chose."""
+        logprobs = torch.log_softmax(self._logits.float(), dim=-1)  # [V]
+        values, ids = logprobs.topk(self.top)
+        entry = TokenLogprob(token, logprobs[token].item(), tuple(zip(ids.tolist(), values.tolist())))
+        self.taken.append(entry)
+        self.on_logprob(entry)
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+class _Streamer(BaseStreamer):
+    """transformers' streamer hook: new ids into the TextStream (and the logprob tap, if any), with
+    the time each arrives."""
+
+    def __init__(self, stream: TextStream, tap: LogprobTap | None):
         self.stream = stream
+        self.tap = tap
         self.token_times: list[float] = []
         self._prompt_seen = False
 
@@ -192,7 +236,10 @@ class _Streamer(BaseStreamer):
             self._prompt_seen = True
             return
         self.token_times.append(time.perf_counter())
-        self.stream.add(value.reshape(-1).tolist())
+        ids = value.reshape(-1).tolist()
+        if self.tap is not None:
+            self.tap.take(ids[0])
+        self.stream.add(ids)
 
     def end(self) -> None:
         self.stream.finish()
@@ -239,8 +286,10 @@ def encode_prompt(model: MiraModel, prompt: str, raw: bool) -> torch.Tensor:
 
 
 def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: SamplingConfig,
-                    on_text: Callable[[str], None], cancel: threading.Event | None = None) -> GenerationReport:
-    """Generate from token ids [1, T], handing each new piece of text to `on_text` as it comes.
+                    on_text: Callable[[str], None], cancel: threading.Event | None = None,
+                    on_logprob: Callable[[TokenLogprob], None] = lambda entry: None) -> GenerationReport:
+    """Generate from token ids [1, T], handing each new piece of text to `on_text` as it comes, and,
+    when `sampling.logprobs` asks for them, each new token's log-probabilities to `on_logprob`.
 
     Seeds torch's generator from `sampling.seed` first, so a seeded call gives the same text whatever
     ran before it; the caller runs one generation at a time on the device. Setting `cancel` ends the
@@ -252,7 +301,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     tokenizer = _tokenizer(model)
     cancel = cancel or threading.Event()
     stream = TextStream(tokenizer, sampling.stop, on_text)
-    streamer = _Streamer(stream)
+    tap = None if sampling.logprobs is None else LogprobTap(model.hf_model, sampling.logprobs, on_logprob)
+    streamer = _Streamer(stream, tap)
     processors = LogitsProcessorList()
     if sampling.frequency_penalty or sampling.presence_penalty:
         processors.append(OccurrencePenalty(input_ids.shape[1], sampling.frequency_penalty, sampling.presence_penalty))
@@ -261,13 +311,17 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     else:
         torch.manual_seed(sampling.seed)
     start = time.perf_counter()
-    output = model.generate(
-        input_ids, **generation_kwargs(model, sampling), logits_processor=processors, streamer=streamer,
-        attention_mask=torch.ones_like(input_ids),  # else transformers masks every id equal to the pad id: the
-        # bundled model's BOS is its pad token
-        stopping_criteria=StoppingCriteriaList([_Halt(stream, cancel)]),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )
+    try:
+        output = model.generate(
+            input_ids, **generation_kwargs(model, sampling), logits_processor=processors, streamer=streamer,
+            attention_mask=torch.ones_like(input_ids),  # else transformers masks every id equal to the pad id:
+            # the bundled model's BOS is its pad token
+            stopping_criteria=StoppingCriteriaList([_Halt(stream, cancel)]),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    finally:
+        if tap is not None:
+            tap.close()
     new_tokens = output.shape[1] - input_ids.shape[1]
     times = streamer.token_times
     ttft = times[0] - start if times else float("nan")
@@ -278,7 +332,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
         finish = "stop"
     else:
         finish = "length"
-    return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish)
+    return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish,
+                            tuple(tap.taken) if tap is not None else ())
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

@@ -11,7 +11,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import torch
@@ -23,11 +23,11 @@ from starlette.exceptions import HTTPException
 
 from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
-from mira.runtime.generate import GenerationReport, SamplingConfig, encode_messages
+from mira.runtime.generate import GenerationReport, SamplingConfig, TokenLogprob, encode_messages
 from mira.serve import protocol
 from mira.serve.metrics import Metrics
 from mira.serve.relay import STREAM_INTERVAL_S
-from mira.serve.worker import DeviceWorker, Job, QueueFull
+from mira.serve.worker import STREAMED, DeviceWorker, Job, QueueFull
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
@@ -159,7 +159,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             max_new_tokens=wanted or room, min_new_tokens=body.min_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=tuple(body.stop),
-            seed=body.seed)
+            seed=body.seed, logprobs=body.requested_logprobs())
         return sampling.with_defaults(defaults)
 
     async def respond(request: Request, endpoint: str, body: protocol.SamplingRequest, input_ids: torch.Tensor):
@@ -170,7 +170,8 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(full.retry_after)}) from None
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat")
+        token_text = (lambda token: model.tokenizer.decode([token])) if body.requested_logprobs() is not None else None
+        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat", token_text)
         if body.stream:
             metrics.request(_endpoint(request), 200)
             return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
@@ -185,23 +186,40 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
 
 
 class Reply:
-    """The bodies of one request's answer: whole, or as server-sent events."""
+    """The bodies of one request's answer: whole, or as server-sent events. `token_text` (a token id's
+    text) is given when the request asked for log-probabilities."""
 
-    def __init__(self, request_id: str, created: int, model_id: str, chat: bool):
+    def __init__(self, request_id: str, created: int, model_id: str, chat: bool,
+                 token_text: Callable[[int], str] | None = None):
         self.request_id, self.created, self.model_id, self.chat = request_id, created, model_id, chat
+        self.token_text = token_text
+        self._offset = 0  # a streamed completion's text so far, where its next chunk's text_offset starts
 
     def whole(self, report: GenerationReport) -> dict:
         make = protocol.chat_completion if self.chat else protocol.completion
         return make(self.request_id, self.created, self.model_id, report.text, report.finish_reason,
-                    report.prompt_tokens, report.new_tokens)
+                    report.prompt_tokens, report.new_tokens, logprobs=self._logprobs(report.logprobs))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None) -> str:
+    def chunk(self, text: str | None, finish_reason: str | None = None, entries: Sequence[TokenLogprob] = ()) -> str:
+        """One chunk of the stream: its text (None in the last, which carries the finish reason) and the
+        log-probabilities of the tokens generated since the last chunk."""
+        logprobs = self._logprobs(entries) if text is not None else None
         if self.chat:
             delta = {} if text is None else {"content": text}
-            body = protocol.chat_chunk(self.request_id, self.created, self.model_id, delta, finish_reason)
+            body = protocol.chat_chunk(self.request_id, self.created, self.model_id, delta, finish_reason, logprobs)
         else:
-            body = protocol.completion(self.request_id, self.created, self.model_id, text or "", finish_reason)
+            body = protocol.completion(self.request_id, self.created, self.model_id, text or "", finish_reason,
+                                       logprobs=logprobs)
+            if logprobs and logprobs["tokens"]:
+                self._offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return _event(body)
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
+        if self.token_text is None:
+            return None
+        if self.chat:
+            return protocol.chat_logprobs(entries, self.token_text)
+        return protocol.completion_logprobs(entries, self.token_text, self._offset)
 
     def opening(self) -> str | None:
         if not self.chat:
@@ -235,10 +253,11 @@ async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[s
         while True:
             events = await job.events.take()  # what came since the last chunk goes in one chunk
             text = "".join(value for kind, value in events if kind == "text")
-            if text:
-                yield reply.chunk(text)
+            entries = [value for kind, value in events if kind == "logprob"]
+            if text or entries:
+                yield reply.chunk(text, entries=entries)
             kind, value = events[-1]  # "done" or "error" is always the last event
-            if kind == "text":
+            if kind in STREAMED:
                 continue
             if kind == "done":
                 yield reply.chunk(None, value.finish_reason)

@@ -22,7 +22,8 @@ def add_command(subparsers) -> None:
         "serve", help="serve the OpenAI API (chat and completions) over HTTP",
         description="Load one model and serve the OpenAI API over HTTP: GET /v1/models, POST /v1/chat/completions "
                     "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
-                    "and GET /metrics (Prometheus). Log probabilities, tools, response formats, logit bias, echo, suffix "
+                    "and GET /metrics (Prometheus). Log probabilities (logprobs) are the model's own, before "
+                    "temperature and the other sampling settings; tools, response formats, logit bias, echo, suffix "
                     "and best_of are refused (400). Generations run one at a time on the device; others wait in a "
                     "bounded queue. Needs `pip install mira[serve]`.")
     add_model_options(serve)

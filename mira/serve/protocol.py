@@ -3,11 +3,17 @@ and the response, stream-chunk and error bodies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from mira.runtime.generate import MAX_TOP_LOGPROBS, TokenLogprob
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_COMPLETION_LOGPROBS = 5  # likewise, for the completions endpoint's most likely tokens
+LEAST_LOGPROB = -9999.0  # a log-probability that underflowed to -inf is sent as this: JSON has no infinity
 
 
 class _Strict(BaseModel):
@@ -18,9 +24,8 @@ class _Strict(BaseModel):
 # Fields of OpenAI's API that would change the answer and that Mira does not serve: a request that sets one
 # is refused rather than answered as if it had not (each value here is what leaves the field unset).
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
 }
 
 
@@ -66,6 +71,10 @@ class SamplingRequest(_Strict):
     def requested_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """How many most likely tokens to give beside each new token's log-probability; None: no logprobs."""
+        return None
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -89,28 +98,40 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
 
-    _unserved_chat = field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "response_format")(
-        _refuse_unserved)
+    _unserved_chat = field_validator("tools", "tool_choice", "response_format")(_refuse_unserved)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return top
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
 
-    _unserved_completion = field_validator("logprobs", "echo", "best_of", "suffix")(_refuse_unserved)
+    _unserved_completion = field_validator("echo", "best_of", "suffix")(_refuse_unserved)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -136,24 +157,47 @@ def model_list(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mira"}]}
 
 
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """A chat choice's `logprobs`: each token's text, UTF-8 bytes and log-probability, with the most
+    likely tokens of its step."""
+    def token(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": max(logprob, LEAST_LOGPROB), "bytes": list(text.encode())}
+
+    return {"content": [{**token(e.token, e.logprob), "top_logprobs": [token(i, lp) for i, lp in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str], offset: int = 0) -> dict:
+    """A completion choice's `logprobs`: the tokens, their log-probabilities, each step's most likely
+    tokens by text, and where each token's text starts in the completion (the first at `offset`)."""
+    tokens = [token_text(e.token) for e in entries]
+    return {"tokens": tokens, "token_logprobs": [max(e.logprob, LEAST_LOGPROB) for e in entries],
+            "top_logprobs": [{token_text(i): max(lp, LEAST_LOGPROB) for i, lp in e.top} for e in entries],
+            "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
+
+
 def chat_completion(request_id: str, created: int, model_id: str, text: str, finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> dict:
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model_id,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+                         "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(request_id: str, created: int, model_id: str, delta: dict, finish_reason: str | None = None) -> dict:
+def chat_chunk(request_id: str, created: int, model_id: str, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
 
 def completion(request_id: str, created: int, model_id: str, text: str, finish_reason: str | None,
-               prompt_tokens: int | None = None, completion_tokens: int | None = None) -> dict:
+               prompt_tokens: int | None = None, completion_tokens: int | None = None,
+               logprobs: dict | None = None) -> dict:
     """A completion, or one chunk of a streamed one (no usage)."""
     body = {"id": request_id, "object": "text_completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
     if prompt_tokens is not None:
         body["usage"] = usage(prompt_tokens, completion_tokens)
     return body

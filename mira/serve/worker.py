@@ -19,6 +19,9 @@ from mira.serve.metrics import Metrics
 from mira.serve.relay import Relay
 
 
+STREAMED = ("text", "logprob")  # a streaming job's events before its last
+
+
 class QueueFull(Exception):
     """Every place in the queue is taken; `retry_after` seconds is a guess at when one frees."""
 
@@ -29,9 +32,10 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request's generation. Its events, in order: ("text", piece) any number of times when it
-    streams, then ("done", GenerationReport) or ("error", exception); the event loop takes them in
-    batches. Setting `cancel` ends it at its next step, or before it starts."""
+    """One request's generation. Its events, in order: ("text", piece) and, when it asks for log-
+    probabilities, ("logprob", TokenLogprob) any number of times when it streams, then ("done",
+    GenerationReport) or ("error", exception); the event loop takes them in batches. Setting
+    `cancel` ends it at its next step, or before it starts."""
 
     input_ids: torch.Tensor  # [1, T]
     sampling: SamplingConfig
@@ -43,7 +47,7 @@ class Job:
     def send(self, kind: str, value) -> None:
         """Hand an event to the event loop (called from the device thread); the last goes at once."""
         self.events.put((kind, value))
-        if kind != "text":
+        if kind not in STREAMED:
             self.events.flush()
 
 
@@ -114,8 +118,11 @@ class DeviceWorker:
             self.metrics.cancelled()
             return GenerationReport("", job.input_ids.shape[1], 0, math.nan, math.nan, "cancelled")
         waited = time.perf_counter() - job.submitted
-        on_text = (lambda text: job.send("text", text)) if job.stream else (lambda text: None)
-        report = stream_generate(self.model, job.input_ids, job.sampling, on_text, job.cancel)
+        if job.stream:
+            report = stream_generate(self.model, job.input_ids, job.sampling, lambda text: job.send("text", text),
+                                     job.cancel, lambda entry: job.send("logprob", entry))
+        else:
+            report = stream_generate(self.model, job.input_ids, job.sampling, lambda text: None, job.cancel)
         job.events.flush()  # the last text goes out now, not after the statistics below
         self.metrics.generated(report, waited, self.model.stats())  # stats here: the device is ours
         return report

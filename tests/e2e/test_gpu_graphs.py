@@ -11,6 +11,7 @@ import torch
 from transformers import StaticCache
 
 import mira
+from mira.runtime.generate import SamplingConfig, encode_prompt, stream_generate
 from mira.runtime.tracing import RoutingRecorder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -69,3 +70,19 @@ def test_replayed_decode_steps_match_eager_steps(mixtral_store, budget_experts):
     if budget_experts is None:
         assert np.array_equal(replayed_counts, eager_counts)
 
+
+
+def test_logprobs_of_replayed_steps_are_those_of_one_forward_over_the_text():
+    model = mira.load(device="cuda", progress=False)  # the bundled model, every expert resident
+    prompt = encode_prompt(model, "Tell me about the sea.", raw=False)
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0, logprobs=3)
+    report = stream_generate(model, prompt, sampling, lambda text: None)
+    assert model.decode_graphs.replays >= NEW_TOKENS - 3  # the steps whose logits the tap read were replayed
+    generated = [entry.token for entry in report.logprobs]
+    assert len(generated) == report.new_tokens == NEW_TOKENS
+    with torch.no_grad():  # many tokens at once: an eager forward
+        logits = model(torch.cat([prompt, torch.tensor([generated])], dim=1).to(model.device)).logits[0].double().cpu()
+    reference = torch.log_softmax(logits, dim=-1)[prompt.shape[1] - 1:-1]  # [NEW_TOKENS, V]
+    for step, entry in enumerate(report.logprobs):
+        assert entry.top[0][0] == entry.token  # greedy took the step's likeliest token
+        assert entry.logprob == pytest.approx(reference[step, entry.token].item(), abs=0.1)  # bf16 logits

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 import mira
@@ -140,6 +141,74 @@ def test_completions_streamed_and_not_with_stop_and_top_k(client, model):
     assert streamed == whole.choices[0].text
 
 
+def _generated_ids(model, input_ids, **settings):
+    """The ids the library generates for the same request (its log-probabilities' tokens)."""
+    report = stream_generate(model, input_ids, SamplingConfig(logprobs=0, **settings), lambda text: None)
+    return [entry.token for entry in report.logprobs]
+
+
+def _reference_logprobs(model, input_ids, generated):
+    """[N, V] float64 log-probabilities of each generated token's step, from one forward of the model over
+    the prompt and the generated tokens together (no KV cache, no generate loop)."""
+    ids = torch.cat([input_ids, torch.tensor([generated])], dim=1)
+    with torch.no_grad():
+        logits = model.hf_model(ids).logits[0].double()  # [T + N, V]
+    return torch.log_softmax(logits, dim=-1)[input_ids.shape[1] - 1:-1]
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=1.3, top_k=3, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_chat_logprobs_are_the_models_at_each_step_before_sampling_settings(client, model, settings):
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    input_ids = encode_messages(model, messages)
+    generated = _generated_ids(model, input_ids, max_new_tokens=12, **settings)
+    reference = _reference_logprobs(model, input_ids, generated)
+    extra = {"extra_body": {"top_k": settings["top_k"]}} if "top_k" in settings else {}
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, logprobs=True, top_logprobs=4,
+                                           temperature=settings["temperature"], seed=settings.get("seed"), **extra)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(generated)
+    for step, (entry, token) in enumerate(zip(content, generated)):
+        text = model.tokenizer.decode([token])
+        assert entry.token == text and entry.bytes == list(text.encode())
+        assert entry.logprob == pytest.approx(reference[step, token].item(), abs=2e-3)  # the raw logits'
+        top = reference[step].topk(4)
+        assert [t.token for t in entry.top_logprobs] == [model.tokenizer.decode([i]) for i in top.indices.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+    if settings["temperature"] == 0:
+        assert all(entry.token == entry.top_logprobs[0].token for entry in content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, logprobs=True,
+                                                 top_logprobs=4, temperature=settings["temperature"],
+                                                 seed=settings.get("seed"), stream=True, **extra))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert streamed == content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+
+
+def test_completion_logprobs_name_each_token_its_offset_and_the_likeliest(client, model):
+    prompt = "Once upon a time"
+    input_ids = model.tokenizer(prompt, return_tensors="pt").input_ids
+    generated = _generated_ids(model, input_ids, max_new_tokens=10, temperature=0)
+    reference = _reference_logprobs(model, input_ids, generated)
+    texts = [model.tokenizer.decode([token]) for token in generated]
+    reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.tokens == texts
+    assert logprobs.token_logprobs == pytest.approx([reference[i, t].item() for i, t in enumerate(generated)],
+                                                    abs=2e-3)
+    assert logprobs.text_offset == [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    for step, top in enumerate(logprobs.top_logprobs):
+        likeliest = reference[step].topk(2)
+        assert top == pytest.approx({model.tokenizer.decode([i]): v for i, v in
+                                     zip(likeliest.indices.tolist(), likeliest.values.tolist())}, abs=2e-3)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for part in parts for t in part.tokens] == texts
+    assert [o for part in parts for o in part.text_offset] == logprobs.text_offset
+    assert client.completions.create(model=NAME, prompt=prompt, max_tokens=2).choices[0].logprobs is None
+
+
 def test_concurrent_clients_get_what_they_would_get_alone(url, client):
     def request(client_index: int, round_index: int):
         """One of 24 distinct seeded requests: chat or completion, streamed or not."""
@@ -192,8 +261,10 @@ BAD = {
                                                        "max_tokens": 5000}), "context"),
     "an unknown model": (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
                          "does not exist"),
-    "log probabilities": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                                      "top_logprobs": 2}), "logprobs"),
+    "top_logprobs without logprobs": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                  "top_logprobs": 2}), "needs logprobs"),
+    "21 top logprobs": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                    "top_logprobs": 21}), "top_logprobs"),
     "tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
                           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}), "tools"),
     "a JSON response format": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
@@ -218,10 +289,13 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body_and_the_server_keeps_servi
 def test_bad_input_through_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    for unserved in ({"logprobs": 2}, {"echo": True}, {"suffix": " end"}, {"best_of": 2}):
+    for unserved in ({"echo": True}, {"suffix": " end"}, {"best_of": 2}):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=NAME, prompt="Hi", max_tokens=2, **unserved)
         assert error.value.param == next(iter(unserved)) and "does not support" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=2, logprobs=6)
+    assert error.value.param == "logprobs" and "5" in error.value.message
     unset = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
              "response_format": {"type": "text"}, "logit_bias": {}}
     reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
