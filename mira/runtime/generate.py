@@ -41,6 +41,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()  # generation ends before the first of these; it is not part of the text
     seed: int | None = None  # None: a fresh random seed
     logprobs: int | None = None  # k: each new token's log-probability and the k most likely; None: off
+    prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too (each but the first), by one forward
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +56,7 @@ class SamplingConfig:
             (all(self.stop), "a stop string must not be empty"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} most likely tokens, not {self.logprobs}"),
+            (not self.prompt_logprobs or self.logprobs is not None, "prompt logprobs need logprobs set"),
         ]
         for ok, message in checks:
             if not ok:
@@ -86,6 +88,7 @@ class GenerationReport:
     decode_tokens_per_s: float  # new tokens after the first, per second
     finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the sampling settings ask for them
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
 
 
 def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
@@ -194,6 +197,24 @@ class TextStream:
             self.on_text(text)
 
 
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each position's log-probability of its token and its `top` likeliest, from logits [N, V]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)  # [N]
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    values, ids = logprobs.topk(top, dim=-1)  # [N, top]
+    return [TokenLogprob(token, logprob, tuple(zip(row_ids, row_values)))
+            for token, logprob, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
+def prompt_logprobs(model: MiraModel, input_ids: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Each prompt token's log-probability given the tokens before it (all but the first), and the `top`
+    likeliest at its place: one forward over the prompt [1, T]."""
+    with torch.no_grad():
+        logits = model(input_ids.to(model.device)).logits[0, :-1]  # [T - 1, V]
+    return token_logprobs(logits, input_ids[0, 1:].tolist(), top)
+
+
 class LogprobTap:
     """Each decoding step's log-probabilities, read from the logits the model's forward returns (a
     forward hook: what generate's logits processors do to them afterwards does not reach it), kept
@@ -211,9 +232,7 @@ class LogprobTap:
 
     def take(self, token: int) -> None:
         """Record the step's log-probability of `token`, the token the step chose."""
-        logprobs = torch.log_softmax(self._logits.float(), dim=-1)  # [V]
-        values, ids = logprobs.topk(self.top)
-        entry = TokenLogprob(token, logprobs[token].item(), tuple(zip(ids.tolist(), values.tolist())))
+        entry, = token_logprobs(self._logits[None], [token], self.top)
         self.taken.append(entry)
         self.on_logprob(entry)
 
@@ -289,7 +308,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
                     on_text: Callable[[str], None], cancel: threading.Event | None = None,
                     on_logprob: Callable[[TokenLogprob], None] = lambda entry: None) -> GenerationReport:
     """Generate from token ids [1, T], handing each new piece of text to `on_text` as it comes, and,
-    when `sampling.logprobs` asks for them, each new token's log-probabilities to `on_logprob`.
+    when `sampling.logprobs` asks for them, each new token's log-probabilities to `on_logprob` (after
+    the prompt's, when `sampling.prompt_logprobs` asks for those too).
 
     Seeds torch's generator from `sampling.seed` first, so a seeded call gives the same text whatever
     ran before it; the caller runs one generation at a time on the device. Setting `cancel` ends the
@@ -300,6 +320,9 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     """
     tokenizer = _tokenizer(model)
     cancel = cancel or threading.Event()
+    prompt_entries = prompt_logprobs(model, input_ids, sampling.logprobs) if sampling.prompt_logprobs else []
+    for entry in prompt_entries:
+        on_logprob(entry)
     stream = TextStream(tokenizer, sampling.stop, on_text)
     tap = None if sampling.logprobs is None else LogprobTap(model.hf_model, sampling.logprobs, on_logprob)
     streamer = _Streamer(stream, tap)
@@ -333,7 +356,7 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     else:
         finish = "length"
     return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish,
-                            tuple(tap.taken) if tap is not None else ())
+                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries))
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

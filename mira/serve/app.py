@@ -134,8 +134,15 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         check_model(body.model)
         if model.tokenizer is None:
             raise ApiError(400, f"{model.store.path} has no tokenizer files")
-        input_ids = model.tokenizer(body.prompt, return_tensors="pt").input_ids
-        return await respond(request, "completions", body, input_ids)
+        if isinstance(body.prompt, str):
+            input_ids, text = model.tokenizer(body.prompt, return_tensors="pt").input_ids, body.prompt
+        else:
+            vocabulary = model.hf_model.get_input_embeddings().num_embeddings
+            if not all(0 <= token < vocabulary for token in body.prompt):
+                raise ApiError(400, f"the prompt's token ids must be in 0..{vocabulary - 1}, the model's vocabulary",
+                               param="prompt")
+            input_ids, text = torch.tensor([body.prompt]), model.tokenizer.decode(body.prompt)
+        return await respond(request, "completions", body, input_ids, echo=text if body.echo else None)
 
     app.include_router(api)
 
@@ -159,10 +166,11 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             max_new_tokens=wanted or room, min_new_tokens=body.min_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=tuple(body.stop),
-            seed=body.seed, logprobs=body.requested_logprobs())
+            seed=body.seed, logprobs=body.requested_logprobs(), prompt_logprobs=body.requested_prompt_logprobs())
         return sampling.with_defaults(defaults)
 
-    async def respond(request: Request, endpoint: str, body: protocol.SamplingRequest, input_ids: torch.Tensor):
+    async def respond(request: Request, endpoint: str, body: protocol.SamplingRequest, input_ids: torch.Tensor,
+                      echo: str | None = None):
         try:
             job = worker.submit(input_ids, sampling_for(body, input_ids.shape[1]), stream=body.stream)
         except QueueFull as full:
@@ -171,7 +179,8 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
                            headers={"Retry-After": str(full.retry_after)}) from None
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         token_text = (lambda token: model.tokenizer.decode([token])) if body.requested_logprobs() is not None else None
-        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat", token_text)
+        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat", token_text,
+                      None if echo is None else (echo, int(input_ids[0, 0])))
         if body.stream:
             metrics.request(_endpoint(request), 200)
             return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
@@ -187,22 +196,31 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
 
 class Reply:
     """The bodies of one request's answer: whole, or as server-sent events. `token_text` (a token id's
-    text) is given when the request asked for log-probabilities."""
+    text) is given when the request asked for log-probabilities; `echo` (a completion's prompt text and
+    its first token) when the prompt comes back before the completion."""
 
     def __init__(self, request_id: str, created: int, model_id: str, chat: bool,
-                 token_text: Callable[[int], str] | None = None):
+                 token_text: Callable[[int], str] | None = None, echo: tuple[str, int] | None = None):
         self.request_id, self.created, self.model_id, self.chat = request_id, created, model_id, chat
         self.token_text = token_text
+        self.echo = echo
         self._offset = 0  # a streamed completion's text so far, where its next chunk's text_offset starts
 
     def whole(self, report: GenerationReport) -> dict:
-        make = protocol.chat_completion if self.chat else protocol.completion
-        return make(self.request_id, self.created, self.model_id, report.text, report.finish_reason,
-                    report.prompt_tokens, report.new_tokens, logprobs=self._logprobs(report.logprobs))
+        if self.chat:
+            return protocol.chat_completion(self.request_id, self.created, self.model_id, report.text,
+                                            report.finish_reason, report.prompt_tokens, report.new_tokens,
+                                            self._logprobs(report.logprobs))
+        text, entries = report.text, report.logprobs
+        if self.echo is not None:
+            text, entries = self.echo[0] + text, (self.echo[1], *report.prompt_logprobs, *entries)
+        return protocol.completion(self.request_id, self.created, self.model_id, text, report.finish_reason,
+                                   report.prompt_tokens, report.new_tokens, self._logprobs(entries))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, entries: Sequence[TokenLogprob] = ()) -> str:
+    def chunk(self, text: str | None, finish_reason: str | None = None,
+              entries: Sequence[TokenLogprob | int] = ()) -> str:
         """One chunk of the stream: its text (None in the last, which carries the finish reason) and the
-        log-probabilities of the tokens generated since the last chunk."""
+        log-probabilities of the tokens that came since the last chunk."""
         logprobs = self._logprobs(entries) if text is not None else None
         if self.chat:
             delta = {} if text is None else {"content": text}
@@ -214,7 +232,7 @@ class Reply:
                 self._offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return _event(body)
 
-    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict | None:
+    def _logprobs(self, entries: Sequence[TokenLogprob | int]) -> dict | None:
         if self.token_text is None:
             return None
         if self.chat:
@@ -222,10 +240,13 @@ class Reply:
         return protocol.completion_logprobs(entries, self.token_text, self._offset)
 
     def opening(self) -> str | None:
-        if not self.chat:
-            return None
-        return _event(protocol.chat_chunk(self.request_id, self.created, self.model_id,
-                                          {"role": "assistant", "content": ""}))
+        """The stream's first chunk: a chat's role, or an echoed prompt's text and its first token."""
+        if self.chat:
+            return _event(protocol.chat_chunk(self.request_id, self.created, self.model_id,
+                                              {"role": "assistant", "content": ""}))
+        if self.echo is not None:
+            return self.chunk(self.echo[0], entries=[self.echo[1]])
+        return None
 
     def usage(self, report: GenerationReport) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

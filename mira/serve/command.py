@@ -23,8 +23,9 @@ def add_command(subparsers) -> None:
         description="Load one model and serve the OpenAI API over HTTP: GET /v1/models, POST /v1/chat/completions "
                     "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
                     "and GET /metrics (Prometheus). Log probabilities (logprobs) are the model's own, before "
-                    "temperature and the other sampling settings; tools, response formats, logit bias, echo, suffix "
-                    "and best_of are refused (400). Generations run one at a time on the device; others wait in a "
+                    "temperature and the other sampling settings; a completion's echo returns the prompt (its token "
+                    "ids may stand for it) with its logprobs. Tools, response formats, logit bias, suffix and "
+                    "best_of are refused (400). Generations run one at a time on the device; others wait in a "
                     "bounded queue. Needs `pip install mira[serve]`.")
     add_model_options(serve)
     add_sampling_options(serve, generation=False)

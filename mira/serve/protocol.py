@@ -24,7 +24,7 @@ class _Strict(BaseModel):
 # Fields of OpenAI's API that would change the answer and that Mira does not serve: a request that sets one
 # is refused rather than answered as if it had not (each value here is what leaves the field unset).
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
 }
 
@@ -75,6 +75,10 @@ class SamplingRequest(_Strict):
         """How many most likely tokens to give beside each new token's log-probability; None: no logprobs."""
         return None
 
+    def requested_prompt_logprobs(self) -> bool:
+        """Whether the prompt's tokens' log-probabilities are asked for too."""
+        return False
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -121,26 +125,29 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; one prompt (a list of one)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: Any = None
+    echo: bool | None = None  # the prompt comes back before the completion (with its logprobs, when asked)
     best_of: Any = None
     suffix: Any = None
 
-    _unserved_completion = field_validator("echo", "best_of", "suffix")(_refuse_unserved)
+    _unserved_completion = field_validator("best_of", "suffix")(_refuse_unserved)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def requested_prompt_logprobs(self) -> bool:
+        return bool(self.echo) and self.logprobs is not None
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str:
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError("give one prompt per request")
-            return prompt[0]
-        return prompt
+    def _one_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return prompt
+        if len(prompt) != 1:
+            raise ValueError("give one prompt per request")
+        return prompt[0]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -169,12 +176,18 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], s
             "refusal": None}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str], offset: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprob | int], token_text: Callable[[int], str],
+                        offset: int = 0) -> dict:
     """A completion choice's `logprobs`: the tokens, their log-probabilities, each step's most likely
-    tokens by text, and where each token's text starts in the completion (the first at `offset`)."""
-    tokens = [token_text(e.token) for e in entries]
-    return {"tokens": tokens, "token_logprobs": [max(e.logprob, LEAST_LOGPROB) for e in entries],
-            "top_logprobs": [{token_text(i): max(lp, LEAST_LOGPROB) for i, lp in e.top} for e in entries],
+    tokens by text, and where each token's text, decoded alone, starts in the answer (the first at
+    `offset`). An echoed prompt's first token, which nothing predicts, is a bare id: its log-probability
+    and most likely tokens are null."""
+    ids = [e if isinstance(e, int) else e.token for e in entries]
+    tokens = [token_text(token) for token in ids]
+    return {"tokens": tokens,
+            "token_logprobs": [None if isinstance(e, int) else max(e.logprob, LEAST_LOGPROB) for e in entries],
+            "top_logprobs": [None if isinstance(e, int) else {token_text(i): max(lp, LEAST_LOGPROB) for i, lp in e.top}
+                             for e in entries],
             "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
 
 

@@ -13,6 +13,9 @@ import pytest
 import torch
 import uvicorn
 
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+
 import mira
 from mira.runtime.engine import BUNDLED_MODEL
 from mira.runtime.generate import SamplingConfig, encode_messages, stream_generate
@@ -209,6 +212,49 @@ def test_completion_logprobs_name_each_token_its_offset_and_the_likeliest(client
     assert client.completions.create(model=NAME, prompt=prompt, max_tokens=2).choices[0].logprobs is None
 
 
+def test_an_echoed_prompt_of_token_ids_comes_back_with_its_logprobs(client, model):
+    prompt = model.tokenizer("Once upon a time, in a land", return_tensors="pt").input_ids
+    generated = _generated_ids(model, prompt, max_new_tokens=6, temperature=0)
+    reference = _reference_logprobs(model, prompt[:, :1], prompt[0, 1:].tolist() + generated)  # every token after
+    ids = prompt[0].tolist() + generated  # the first, given those before it
+    settings = dict(model=NAME, prompt=[prompt[0].tolist()], max_tokens=6, temperature=0, echo=True, logprobs=3)
+    reply = client.completions.create(**settings)
+    choice = reply.choices[0]
+    assert choice.text == model.tokenizer.decode(prompt[0]) + model.tokenizer.decode(generated, skip_special_tokens=True)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [model.tokenizer.decode([token]) for token in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([reference[i, t].item() for i, t in enumerate(ids[1:])],
+                                                        abs=2e-3)
+    for step, top in enumerate(logprobs.top_logprobs[1:]):
+        likeliest = reference[step].topk(3)
+        assert top == pytest.approx({model.tokenizer.decode([i]): v for i, v in
+                                     zip(likeliest.indices.tolist(), likeliest.values.tolist())}, abs=2e-3)
+    chunks = list(client.completions.create(**settings, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [lp for part in parts for lp in part.token_logprobs] == logprobs.token_logprobs
+    assert [o for part in parts for o in part.text_offset] == logprobs.text_offset
+    echoed = client.completions.create(model=NAME, prompt="Once upon", max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Once upon") and echoed.choices[0].logprobs is None
+
+
+def test_lm_evals_completions_api_model_scores_through_the_server(url, model):
+    """lm-eval's own client of an OpenAI-compatible server (`--model local-completions`): its log-
+    likelihoods of continuations, read from echoed prompts' logprobs, are the model's."""
+    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=NAME, tokenizer=str(BUNDLED_MODEL),
+                             tokenizer_backend="huggingface", header=AUTH, max_retries=1)
+    pairs = [("The capital of France is", " Paris"), ("Once upon a time", " there was a king")]
+    results = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=0)
+                                for pair in pairs], disable_tqdm=True)
+    for (context, continuation), (total, greedy) in zip(pairs, results):
+        first = len(model.tokenizer(context).input_ids)
+        whole = torch.tensor([model.tokenizer(context + continuation).input_ids])
+        reference = _reference_logprobs(model, whole[:, :first], whole[0, first:].tolist())
+        assert total == pytest.approx(sum(reference[i, t].item() for i, t in enumerate(whole[0, first:])), abs=1e-2)
+        assert greedy == all(reference[i].argmax() == t for i, t in enumerate(whole[0, first:].tolist()))
+
+
 def test_concurrent_clients_get_what_they_would_get_alone(url, client):
     def request(client_index: int, round_index: int):
         """One of 24 distinct seeded requests: chat or completion, streamed or not."""
@@ -289,7 +335,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body_and_the_server_keeps_servi
 def test_bad_input_through_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    for unserved in ({"echo": True}, {"suffix": " end"}, {"best_of": 2}):
+    for unserved in ({"suffix": " end"}, {"best_of": 2}):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=NAME, prompt="Hi", max_tokens=2, **unserved)
         assert error.value.param == next(iter(unserved)) and "does not support" in error.value.message
