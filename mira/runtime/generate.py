@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
 
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
@@ -89,6 +89,7 @@ class GenerationReport:
     finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the sampling settings ask for them
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
+    new_ids: tuple[int, ...] = ()  # the new tokens, all of them (the text stops at a stop string)
 
 
 def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
@@ -282,14 +283,16 @@ def _tokenizer(model: MiraModel):
     return model.tokenizer
 
 
-def encode_messages(model: MiraModel, messages: Sequence[Message], raw: bool = False) -> torch.Tensor:
+def encode_messages(model: MiraModel, messages: Sequence[Message], raw: bool = False,
+                    tools: list[dict] | None = None) -> torch.Tensor:
     """Token ids [1, T] of a conversation through the tokenizer's chat template, ready for the
-    assistant's turn; `raw` (or a tokenizer without a template) takes one user message as plain text."""
+    assistant's turn, with `tools` (function schemas) shown where the template shows them; `raw` (or a
+    tokenizer without a template) takes one user message as plain text."""
     tokenizer = _tokenizer(model)
     if not messages:
         raise MiraError("the conversation has no messages; give at least one user message")
     if not raw and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     if len(messages) > 1 or messages[0]["role"] != "user":
         reason = "--raw was asked for" if raw else f"the tokenizer of {model.store.path} has no chat template"
@@ -356,7 +359,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     else:
         finish = "length"
     return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish,
-                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries))
+                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries),
+                            tuple(output[0, input_ids.shape[1]:].tolist()))
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

@@ -27,6 +27,7 @@ from mira.runtime.generate import GenerationReport, SamplingConfig, TokenLogprob
 from mira.serve import protocol
 from mira.serve.metrics import Metrics
 from mira.serve.relay import STREAM_INTERVAL_S
+from mira.serve.tools import ToolReply, ToolsUnusable, check_tools, read_reply
 from mira.serve.worker import STREAMED, DeviceWorker, Job, QueueFull
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
@@ -61,6 +62,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
     """
     metrics = Metrics()
     worker = DeviceWorker(model, max_waiting, metrics, stream_interval_s)
+    end_ids = _end_ids(model)
     defaults = defaults or SamplingConfig()
     created = int(time.time())
 
@@ -123,11 +125,20 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         check_model(body.model)
         messages = [message.plain() for message in body.messages]
+        tools = body.offered_tools()
         try:
-            input_ids = encode_messages(model, messages)
+            input_ids = encode_messages(model, messages, tools=tools)
         except (MiraError, TemplateError) as error:
             raise ApiError(400, f"the messages do not fit the model's chat template: {error}", param="messages")
-        return await respond(request, "chat", body, input_ids)
+        if tools is None:
+            return await respond(request, "chat", body, input_ids)
+        try:
+            check_tools(model.tokenizer, messages, tools)
+        except ToolsUnusable as error:
+            raise ApiError(400, str(error), param="tools") from None
+        prompt = input_ids[0].tolist()
+        return await respond(request, "chat", body, input_ids, read_tools=lambda report: read_reply(
+            model.tokenizer, prompt, list(report.new_ids), tools, end_ids))
 
     @api.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -170,9 +181,10 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         return sampling.with_defaults(defaults)
 
     async def respond(request: Request, endpoint: str, body: protocol.SamplingRequest, input_ids: torch.Tensor,
-                      echo: str | None = None):
-        try:
-            job = worker.submit(input_ids, sampling_for(body, input_ids.shape[1]), stream=body.stream)
+                      echo: str | None = None, read_tools: Callable[[GenerationReport], ToolReply] | None = None):
+        try:  # an answer read for tool calls streams whole, at its end: text before it may be a call
+            job = worker.submit(input_ids, sampling_for(body, input_ids.shape[1]),
+                                stream=body.stream and read_tools is None)
         except QueueFull as full:
             raise ApiError(429, "the server is busy: every place in its queue is taken; retry later",
                            kind="rate_limit_error", code="queue_full",
@@ -180,7 +192,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         token_text = (lambda token: model.tokenizer.decode([token])) if body.requested_logprobs() is not None else None
         reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat", token_text,
-                      None if echo is None else (echo, int(input_ids[0, 0])))
+                      None if echo is None else (echo, int(input_ids[0, 0])), read_tools)
         if body.stream:
             metrics.request(_endpoint(request), 200)
             return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
@@ -197,20 +209,24 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
 class Reply:
     """The bodies of one request's answer: whole, or as server-sent events. `token_text` (a token id's
     text) is given when the request asked for log-probabilities; `echo` (a completion's prompt text and
-    its first token) when the prompt comes back before the completion."""
+    its first token) when the prompt comes back before the completion; `read_tools` when the answer is
+    read for tool calls."""
 
     def __init__(self, request_id: str, created: int, model_id: str, chat: bool,
-                 token_text: Callable[[int], str] | None = None, echo: tuple[str, int] | None = None):
+                 token_text: Callable[[int], str] | None = None, echo: tuple[str, int] | None = None,
+                 read_tools: Callable[[GenerationReport], ToolReply] | None = None):
         self.request_id, self.created, self.model_id, self.chat = request_id, created, model_id, chat
         self.token_text = token_text
         self.echo = echo
+        self.read_tools = read_tools
         self._offset = 0  # a streamed completion's text so far, where its next chunk's text_offset starts
 
     def whole(self, report: GenerationReport) -> dict:
         if self.chat:
-            return protocol.chat_completion(self.request_id, self.created, self.model_id, report.text,
-                                            report.finish_reason, report.prompt_tokens, report.new_tokens,
-                                            self._logprobs(report.logprobs))
+            text, calls, finish = self._answer(report)
+            return protocol.chat_completion(self.request_id, self.created, self.model_id, text, finish,
+                                            report.prompt_tokens, report.new_tokens,
+                                            self._logprobs(report.logprobs), calls)
         text, entries = report.text, report.logprobs
         if self.echo is not None:
             text, entries = self.echo[0] + text, (self.echo[1], *report.prompt_logprobs, *entries)
@@ -232,6 +248,23 @@ class Reply:
                 self._offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return _event(body)
 
+    def ending(self, report: GenerationReport) -> list[str]:
+        """The stream's last chunks: an answer read for tool calls, whole, then the finish reason."""
+        if self.read_tools is None:
+            return [self.chunk(None, report.finish_reason)]
+        text, calls, finish = self._answer(report)
+        delta = {"content": text, "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return [_event(protocol.chat_chunk(self.request_id, self.created, self.model_id, delta,
+                                           logprobs=self._logprobs(report.logprobs))),
+                self.chunk(None, finish)]
+
+    def _answer(self, report: GenerationReport) -> tuple[str | None, list[dict], str]:
+        """A chat answer's text, tool calls and finish reason ("tool_calls" when it calls one)."""
+        if self.read_tools is None:
+            return report.text, [], report.finish_reason
+        read = self.read_tools(report)
+        return read.content, read.tool_calls, "tool_calls" if read.tool_calls else report.finish_reason
+
     def _logprobs(self, entries: Sequence[TokenLogprob | int]) -> dict | None:
         if self.token_text is None:
             return None
@@ -252,6 +285,15 @@ class Reply:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _event(protocol.usage_chunk(self.request_id, self.created, self.model_id, obj, report.prompt_tokens,
                                            report.new_tokens))
+
+
+def _end_ids(model: MiraModel) -> set[int]:
+    """The token ids that end a generation: the checkpoint's end-of-sequence ids and its tokenizer's."""
+    ends = model.hf_model.generation_config.eos_token_id
+    ids = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return ids
 
 
 def _endpoint(request: Request) -> str:
@@ -281,7 +323,8 @@ async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[s
             if kind in STREAMED:
                 continue
             if kind == "done":
-                yield reply.chunk(None, value.finish_reason)
+                for event in reply.ending(value):
+                    yield event
                 if include_usage:
                     yield reply.usage(value)
             else:

@@ -24,8 +24,9 @@ def add_command(subparsers) -> None:
                     "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
                     "and GET /metrics (Prometheus). Log probabilities (logprobs) are the model's own, before "
                     "temperature and the other sampling settings; a completion's echo returns the prompt (its token "
-                    "ids may stand for it) with its logprobs. Tools, response formats, logit bias, suffix and "
-                    "best_of are refused (400). Generations run one at a time on the device; others wait in a "
+                    "ids may stand for it) with its logprobs. Tools go to the model through its chat template and "
+                    "its calls come back through its tokenizer's response template (or --response-template). "
+                    "Response formats, logit bias, suffix and best_of are refused (400). Generations run one at a time on the device; others wait in a "
                     "bounded queue. Needs `pip install mira[serve]`.")
     add_model_options(serve)
     add_sampling_options(serve, generation=False)
@@ -44,6 +45,10 @@ def add_command(subparsers) -> None:
                                           "each piece at once)")
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model's name in the API (default: the hub id, else the directory's name)")
+    serve.add_argument("--response-template", metavar="FILE.json",
+                       help="how to read tool calls out of the model's answers, in transformers' response template "
+                            "format, for a checkpoint whose tokenizer_config.json has none (default: the "
+                            "checkpoint's own)")
     serve.set_defaults(run=_serve)
 
 
@@ -83,6 +88,7 @@ def _serve(args: argparse.Namespace) -> None:
         import uvicorn
 
         from mira.serve.app import create_app
+        from mira.serve.tools import load_response_template
     except ImportError as error:
         raise MiraError(f"mira serve needs FastAPI and uvicorn ({error}); pip install 'mira[serve]'") from None
     if args.raw:
@@ -92,12 +98,18 @@ def _serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     name = args.served_model_name or model_name(args.model)
     defaults = sampling_config(args)
+    response_template = None if args.response_template is None else load_response_template(args.response_template)
     sock = listen(args.host, args.port)  # before loading: a port in use fails at once
     host, port = sock.getsockname()[:2]
     if not api_key and not ipaddress.ip_address(host).is_loopback:
         print(f"mira: warning: serving on {host} without an API key: anyone who can reach it can use it; pass "
               f"--api-key or set {API_KEY_VARIABLE}", file=sys.stderr)
     model = load_model(args)
+    if response_template is not None:
+        if model.tokenizer is None:
+            raise MiraError(f"{model.store.path} has no tokenizer files to read tool calls with; drop "
+                            "--response-template")
+        model.tokenizer.response_template = response_template
     app = create_app(model, name, api_key=api_key, max_waiting=args.max_queue, defaults=defaults,
                      stream_interval_s=args.stream_interval / 1000)
     shown = f"[{host}]" if ":" in host else host

@@ -3,11 +3,12 @@ and the response, stream-chunk and error bodies."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mira.runtime.generate import MAX_TOP_LOGPROBS, TokenLogprob
 
@@ -24,8 +25,8 @@ class _Strict(BaseModel):
 # Fields of OpenAI's API that would change the answer and that Mira does not serve: a request that sets one
 # is refused rather than answered as if it had not (each value here is what leaves the field unset).
 UNSERVED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "parallel_tool_calls": (None, True),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -89,14 +90,75 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as the model wrote it
 
-    def plain(self) -> dict[str, str]:
-        """The message as a chat template takes it; a developer message is the system message."""
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"a tool call's arguments must be a JSON object ({error})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("a tool call's arguments must be a JSON object")
+        return arguments
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only in an assistant's message of tool calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's message: the call it answers
+
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        """The message as a chat template takes it: a developer message is the system message; calls carry
+        their arguments as a dict, as transformers' templates read them."""
+        if self.content is None or isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(part.text for part in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": json.loads(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionTool(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionTool
+
+    def plain(self) -> dict[str, Any]:
+        """The tool as transformers' chat templates take it."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -104,11 +166,26 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "auto" (the default with tools) or "none" (the tools are not shown)
+    parallel_tool_calls: Any = None
     response_format: Any = None
 
-    _unserved_chat = field_validator("tools", "tool_choice", "response_format")(_refuse_unserved)
+    _unserved_chat = field_validator("parallel_tool_calls", "response_format")(_refuse_unserved)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: Any) -> str | None:
+        if choice not in (None, "auto", "none"):
+            raise ValueError(f"mira serve cannot force a tool call (tool_choice {json.dumps(choice)}); give "
+                             "\"auto\" or \"none\"")
+        return choice
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools to show the model, as transformers' chat templates take them; None: no tools."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.plain() for tool in self.tools]
 
     @field_validator("top_logprobs")
     @classmethod
@@ -191,11 +268,14 @@ def completion_logprobs(entries: Sequence[TokenLogprob | int], token_text: Calla
             "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
 
 
-def chat_completion(request_id: str, created: int, model_id: str, text: str, finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None) -> dict:
+def chat_completion(request_id: str, created: int, model_id: str, text: str | None, finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict | None = None,
+                    tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": logprobs}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

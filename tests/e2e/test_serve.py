@@ -255,6 +255,85 @@ def test_lm_evals_completions_api_model_scores_through_the_server(url, model):
         assert greedy == all(reference[i].argmax() == t for i, t in enumerate(whole[0, first:].tolist()))
 
 
+TOOL_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nYou may call: {{ tools | tojson }}<|end|>\n{% endif %}"
+                 "{% for message in messages %}<|{{ message.role }}|>\n{% if message.tool_calls %}"
+                 "{% for call in message.tool_calls %}<call>{{ call.function | tojson }}</call>{% endfor %}"
+                 "{% else %}{{ message.content }}{% endif %}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _tool_model(model, opening: str, closing: str):
+    """The served model with a chat template that shows tools, and a response template that reads the text
+    between `opening` and `closing` as a call of the tool of that name, with no arguments."""
+    tooled = mira.load(model.store.path, device="cpu", progress=False)
+    tooled.tokenizer.chat_template = TOOL_TEMPLATE
+    tooled.tokenizer.response_template = {"start_anchor": "<|assistant|>\n", "fields": {
+        "content": {"content": "text"},
+        "tool_calls": {"open": opening, "close": closing, "content": "text", "repeats": True,
+                       "transform": {"type": "function", "function": {"name": "{content}", "arguments": {}}}}}}
+    return tooled
+
+
+def test_tools_and_earlier_calls_reach_the_model_through_its_chat_template(model):
+    call = {"id": "call_7", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "And in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_7", "content": "Rain, 4 degrees."}]
+    tooled = _tool_model(model, "<call>", "</call>")
+    as_template_reads = [messages[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "Rain, 4 degrees.", "tool_call_id": "call_7"}]
+    prompt = tooled.tokenizer.apply_chat_template(as_template_reads, tools=[WEATHER], tokenize=False,
+                                                  add_generation_prompt=True)
+    assert '<call>{"name": "weather", "arguments": {"city": "Oslo"}}</call>' in prompt and "The weather in a city" in prompt
+    ids = tooled.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    alone = stream_generate(tooled, ids, SamplingConfig(max_new_tokens=12, temperature=0), lambda text: None)
+    with serving(create_app(tooled, NAME)) as base:
+        reply = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(
+            model=NAME, messages=messages, tools=[WEATHER], max_tokens=12, temperature=0)
+    assert reply.usage.prompt_tokens == ids.shape[1]
+    message = reply.choices[0].message  # read by the response template, whose text fields strip by default
+    assert message.content == alone.text.strip() and message.tool_calls is None
+    assert reply.choices[0].finish_reason == alone.finish_reason
+
+
+def test_a_call_in_the_answer_comes_back_as_a_tool_call_whole_and_streamed(model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tooled = _tool_model(model, "<call>", "</call>")
+    ids = encode_messages(tooled, messages, tools=[WEATHER])
+    text = stream_generate(tooled, ids, SamplingConfig(max_new_tokens=16, temperature=0), lambda t: None).text
+    words = text.split(" ")
+    assert len(set(words[1:4])) == 3, text  # three distinct words: the middle one is called
+    tooled = _tool_model(model, f" {words[1]} ", f" {words[3]} ")  # the answer calls the tool named words[2]
+    with serving(create_app(tooled, NAME)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        settings = dict(model=NAME, messages=messages, tools=[WEATHER], max_tokens=16, temperature=0)
+        whole = client.chat.completions.create(**settings).choices[0]
+        chunks = list(client.chat.completions.create(**settings, stream=True))
+    assert whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert call.function.name == words[2] and call.function.arguments == "{}" and call.id.startswith("call_")
+    streamed = [c.choices[0].delta for c in chunks if c.choices[0].delta.tool_calls]
+    assert len(streamed) == 1 and streamed[0].content == whole.message.content  # whole, in one chunk
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed[0].tool_calls] == [(0, words[2], "{}")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tools_a_model_cannot_take_are_refused(url, client, model):
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as error:  # the bundled model's template shows no tools
+        client.chat.completions.create(**ask)
+    assert error.value.param == "tools" and "does not show tools" in error.value.message
+    assert client.chat.completions.create(**ask, tool_choice="none").choices[0].finish_reason in ("stop", "length")
+    tooled = _tool_model(model, "<call>", "</call>")
+    tooled.tokenizer.response_template = None
+    with serving(create_app(tooled, NAME)) as base:
+        with pytest.raises(openai.BadRequestError) as error:
+            openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(**ask)
+    assert "--response-template" in error.value.message
+
+
 def test_concurrent_clients_get_what_they_would_get_alone(url, client):
     def request(client_index: int, round_index: int):
         """One of 24 distinct seeded requests: chat or completion, streamed or not."""
@@ -311,8 +390,8 @@ BAD = {
                                                   "top_logprobs": 2}), "needs logprobs"),
     "21 top logprobs": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                     "top_logprobs": 21}), "top_logprobs"),
-    "tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}), "tools"),
+    "a forced tool call": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}), "tool_choice"),
     "a JSON response format": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                            "response_format": {"type": "json_object"}}), "response_format"),
     "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
@@ -342,7 +421,7 @@ def test_bad_input_through_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=NAME, prompt="Hi", max_tokens=2, logprobs=6)
     assert error.value.param == "logprobs" and "5" in error.value.message
-    unset = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+    unset = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
              "response_format": {"type": "text"}, "logit_bias": {}}
     reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            **unset)
