@@ -207,6 +207,8 @@ class MiraModel:
             free_idle_team()  # this thread's: beside it the CPU share's threads would sleep between operations
         if self._replays(input_ids, kwargs):
             kwargs["past_key_values"] = self._static_kv_cache()
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):  # beside the ids, wherever the caller made it
+            kwargs["attention_mask"] = kwargs["attention_mask"].to(self.device)
         try:
             return self.hf_model.generate(input_ids.to(self.device), **kwargs)
         finally:
