@@ -165,11 +165,11 @@ int4_tuning() {  # the INT4 kernels take the int4-tiles part's tuning where it r
 }
 case "${1:-}" in
   tests)
-    # the GPU machine has neither openai nor lm_eval: leave out the modules that import them (no gpu tests there);
-    # every family under a budget (test_gpu_families.py) is its own part
+    # the GPU machine has neither openai, lm_eval nor pydantic: leave out the modules that import them (no gpu tests
+    # there); every family under a budget (test_gpu_families.py) is its own part
     timeout 400 python -m pytest -q -s -m gpu tests -p no:cacheprovider --ignore=tests/e2e/test_conversation_cli.py \
       --ignore=tests/e2e/test_lm_eval_backend.py --ignore=tests/e2e/test_serve.py \
-      --ignore=tests/e2e/test_gpu_families.py 2>&1 \
+      --ignore=tests/unit/test_serve_tools.py --ignore=tests/e2e/test_gpu_families.py 2>&1 \
       | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-e2e-h200.log" ;;
   families)
     timeout 500 python -m pytest -q -s -m gpu tests/e2e/test_gpu_families.py -p no:cacheprovider 2>&1 \
