@@ -253,7 +253,9 @@ class Reply:
         if self.read_tools is None:
             return [self.chunk(None, report.finish_reason)]
         text, calls, finish = self._answer(report)
-        delta = {"content": text, "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        delta = {"content": text}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return [_event(protocol.chat_chunk(self.request_id, self.created, self.model_id, delta,
                                            logprobs=self._logprobs(report.logprobs))),
                 self.chunk(None, finish)]

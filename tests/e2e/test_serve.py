@@ -290,12 +290,16 @@ def test_tools_and_earlier_calls_reach_the_model_through_its_chat_template(model
     ids = tooled.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     alone = stream_generate(tooled, ids, SamplingConfig(max_new_tokens=12, temperature=0), lambda text: None)
     with serving(create_app(tooled, NAME)) as base:
-        reply = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(
-            model=NAME, messages=messages, tools=[WEATHER], max_tokens=12, temperature=0)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        settings = dict(model=NAME, messages=messages, tools=[WEATHER], max_tokens=12, temperature=0)
+        reply = client.chat.completions.create(**settings)
+        chunks = list(client.chat.completions.create(**settings, stream=True))
     assert reply.usage.prompt_tokens == ids.shape[1]
     message = reply.choices[0].message  # read by the response template, whose text fields strip by default
     assert message.content == alone.text.strip() and message.tool_calls is None
     assert reply.choices[0].finish_reason == alone.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
 def test_a_call_in_the_answer_comes_back_as_a_tool_call_whole_and_streamed(model):
