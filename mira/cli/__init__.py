@@ -143,7 +143,8 @@ def _generate(args: argparse.Namespace) -> None:
           f"{stats['quant']}, "
           f"{experts}", file=sys.stderr)
     if args.stats_json:
-        stats["generation"] = {k: v for k, v in report.__dict__.items() if k != "text"}
+        stats["generation"] = {name: getattr(report, name) for name in
+                               ("prompt_tokens", "new_tokens", "ttft_s", "decode_tokens_per_s", "finish_reason")}
         stats["cpu_threads"] = args.cpu_threads
         write_json_atomic(Path(args.stats_json), json.loads(json.dumps(stats, default=str)))
 

@@ -83,13 +83,16 @@ class TokenLogprob:
 class GenerationReport:
     text: str
     prompt_tokens: int
-    new_tokens: int
+    new_ids: tuple[int, ...]  # the new tokens, all of them (the text stops at a stop string)
     ttft_s: float  # prompt in -> first new token out
     decode_tokens_per_s: float  # new tokens after the first, per second
     finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the sampling settings ask for them
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first, when asked for
-    new_ids: tuple[int, ...] = ()  # the new tokens, all of them (the text stops at a stop string)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.new_ids)
 
 
 def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
@@ -348,19 +351,18 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     finally:
         if tap is not None:
             tap.close()
-    new_tokens = output.shape[1] - input_ids.shape[1]
+    new_ids = tuple(output[0, input_ids.shape[1]:].tolist())
     times = streamer.token_times
     ttft = times[0] - start if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
     if cancel.is_set() and not stream.stopped:
         finish = "cancelled"
-    elif stream.stopped or new_tokens < sampling.max_new_tokens:
+    elif stream.stopped or len(new_ids) < sampling.max_new_tokens:
         finish = "stop"
     else:
         finish = "length"
-    return GenerationReport(stream.text, input_ids.shape[1], new_tokens, ttft, decode, finish,
-                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries),
-                            tuple(output[0, input_ids.shape[1]:].tolist()))
+    return GenerationReport(stream.text, input_ids.shape[1], new_ids, ttft, decode, finish,
+                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries))
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

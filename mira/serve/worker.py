@@ -116,7 +116,7 @@ class DeviceWorker:
     def _generate(self, job: Job) -> GenerationReport:
         if job.cancel.is_set():  # its client left while it waited
             self.metrics.cancelled()
-            return GenerationReport("", job.input_ids.shape[1], 0, math.nan, math.nan, "cancelled")
+            return GenerationReport("", job.input_ids.shape[1], (), math.nan, math.nan, "cancelled")
         waited = time.perf_counter() - job.submitted
         if job.stream:
             report = stream_generate(self.model, job.input_ids, job.sampling, lambda text: job.send("text", text),
