@@ -101,7 +101,7 @@ def gptq(weights: torch.Tensor, moment: torch.Tensor, group: int = int4.GROUP) -
     """`weights` [R, C] dequantized from the int4 grid, rounded column by column with each column's
     error spread over the later columns by the inverse of `moment` [C, C] (X^T X); float32."""
     W = weights.double().clone()
-    R, C = W.shape
+    C = W.shape[1]
     H = moment.clone()
     unseen = torch.diag(H) == 0  # inputs never nonzero: their weights do not matter
     H[unseen, unseen] = 1
