@@ -170,6 +170,13 @@ class TextStream:
             self._prefix, self._read = self._read, len(self._ids)
             self._push(after[len(before):])
 
+    def preview(self, token: int) -> str:
+        """The text `token` would add if it came next (before stop strings), without adding it: how a
+        likely alternative to the next token reads."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:] + [token])
+        return after[len(before):] if len(after) > len(before) and not after.endswith("\ufffd") else ""
+
     def finish(self) -> None:
         """Emit what is held back: the stream ended without meeting a stop string there."""
         if not self.stopped:

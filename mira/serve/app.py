@@ -27,6 +27,7 @@ from mira.runtime.generate import GenerationReport, SamplingConfig, TokenLogprob
 from mira.serve import protocol
 from mira.serve.metrics import Metrics
 from mira.serve.relay import STREAM_INTERVAL_S
+from mira.serve.token_texts import TokenTexts
 from mira.serve.tools import ToolReply, ToolsUnusable, check_tools, read_reply
 from mira.serve.worker import STREAMED, DeviceWorker, Job, QueueFull
 
@@ -152,7 +153,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             if not all(0 <= token < vocabulary for token in body.prompt):
                 raise ApiError(400, f"the prompt's token ids must be in 0..{vocabulary - 1}, the model's vocabulary",
                                param="prompt")
-            input_ids, text = torch.tensor([body.prompt]), model.tokenizer.decode(body.prompt)
+            input_ids, text = torch.tensor([body.prompt]), model.tokenizer.decode(body.prompt, skip_special_tokens=True)
         return await respond(request, "completions", body, input_ids, echo=text if body.echo else None)
 
     app.include_router(api)
@@ -190,9 +191,9 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(full.retry_after)}) from None
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        token_text = (lambda token: model.tokenizer.decode([token])) if body.requested_logprobs() is not None else None
-        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat", token_text,
-                      None if echo is None else (echo, int(input_ids[0, 0])), read_tools)
+        reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat",
+                      model.tokenizer if body.requested_logprobs() is not None else None,
+                      None if echo is None else (echo, input_ids[0].tolist()), read_tools)
         if body.stream:
             metrics.request(_endpoint(request), 200)
             return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
@@ -207,19 +208,21 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
 
 
 class Reply:
-    """The bodies of one request's answer: whole, or as server-sent events. `token_text` (a token id's
-    text) is given when the request asked for log-probabilities; `echo` (a completion's prompt text and
-    its first token) when the prompt comes back before the completion; `read_tools` when the answer is
+    """The bodies of one request's answer: whole, or as server-sent events. `tokenizer` is given when
+    the request asked for log-probabilities (it names their tokens); `echo` (a completion's prompt text
+    and token ids) when the prompt comes back before the completion; `read_tools` when the answer is
     read for tool calls."""
 
-    def __init__(self, request_id: str, created: int, model_id: str, chat: bool,
-                 token_text: Callable[[int], str] | None = None, echo: tuple[str, int] | None = None,
+    def __init__(self, request_id: str, created: int, model_id: str, chat: bool, tokenizer=None,
+                 echo: tuple[str, list[int]] | None = None,
                  read_tools: Callable[[GenerationReport], ToolReply] | None = None):
         self.request_id, self.created, self.model_id, self.chat = request_id, created, model_id, chat
-        self.token_text = token_text
+        self.tokenizer = tokenizer
         self.echo = echo
         self.read_tools = read_tools
-        self._offset = 0  # a streamed completion's text so far, where its next chunk's text_offset starts
+        self._texts = None if tokenizer is None else TokenTexts(tokenizer)  # of the sequence being answered
+        self._offset = 0  # where the next token's text starts in the completion's text
+        self._prompt_left = 0 if echo is None else len(echo[1])  # echoed prompt tokens whose entries are to come
 
     def whole(self, report: GenerationReport) -> dict:
         if self.chat:
@@ -229,7 +232,7 @@ class Reply:
                                             self._logprobs(report.logprobs), calls)
         text, entries = report.text, report.logprobs
         if self.echo is not None:
-            text, entries = self.echo[0] + text, (self.echo[1], *report.prompt_logprobs, *entries)
+            text, entries = self.echo[0] + text, (self.echo[1][0], *report.prompt_logprobs, *entries)
         return protocol.completion(self.request_id, self.created, self.model_id, text, report.finish_reason,
                                    report.prompt_tokens, report.new_tokens, self._logprobs(entries))
 
@@ -244,8 +247,6 @@ class Reply:
         else:
             body = protocol.completion(self.request_id, self.created, self.model_id, text or "", finish_reason,
                                        logprobs=logprobs)
-            if logprobs and logprobs["tokens"]:
-                self._offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return _event(body)
 
     def ending(self, report: GenerationReport) -> list[str]:
@@ -268,11 +269,22 @@ class Reply:
         return read.content, read.tool_calls, "tool_calls" if read.tool_calls else report.finish_reason
 
     def _logprobs(self, entries: Sequence[TokenLogprob | int]) -> dict | None:
-        if self.token_text is None:
+        """The log-probabilities of `entries`, the next tokens of the answer (an echoed prompt's first)."""
+        if self._texts is None:
             return None
+        texts, offsets = [], []
+        for entry in entries:
+            token, top = (entry, ()) if isinstance(entry, int) else (entry.token, [other for other, _ in entry.top])
+            texts.append(self._texts.add(token, top))
+            offsets.append(self._offset)
+            self._offset += len(texts[-1][0])
+            if self._prompt_left:
+                self._prompt_left -= 1
+                if not self._prompt_left:  # the completion is decoded apart from the echoed prompt, after its text
+                    self._texts, self._offset = TokenTexts(self.tokenizer), len(self.echo[0])
         if self.chat:
-            return protocol.chat_logprobs(entries, self.token_text)
-        return protocol.completion_logprobs(entries, self.token_text, self._offset)
+            return protocol.chat_logprobs(entries, texts)
+        return protocol.completion_logprobs(entries, texts, offsets)
 
     def opening(self) -> str | None:
         """The stream's first chunk: a chat's role, or an echoed prompt's text and its first token."""
@@ -280,7 +292,7 @@ class Reply:
             return _event(protocol.chat_chunk(self.request_id, self.created, self.model_id,
                                               {"role": "assistant", "content": ""}))
         if self.echo is not None:
-            return self.chunk(self.echo[0], entries=[self.echo[1]])
+            return self.chunk(self.echo[0], entries=[self.echo[1][0]])
         return None
 
     def usage(self, report: GenerationReport) -> str:

@@ -4,8 +4,7 @@ and the response, stream-chunk and error bodies."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from itertools import accumulate
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -241,31 +240,32 @@ def model_list(model_id: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mira"}]}
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
-    """A chat choice's `logprobs`: each token's text, UTF-8 bytes and log-probability, with the most
-    likely tokens of its step."""
-    def token(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: Sequence[tuple[str, list[str]]]) -> dict:
+    """A chat choice's `logprobs`: each token's text (`texts`: its own and those of its step's most
+    likely tokens, mira.serve.token_texts), UTF-8 bytes and log-probability, with the most likely
+    tokens of its step."""
+    def token(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": max(logprob, LEAST_LOGPROB), "bytes": list(text.encode())}
 
-    return {"content": [{**token(e.token, e.logprob), "top_logprobs": [token(i, lp) for i, lp in e.top]}
-                        for e in entries],
+    return {"content": [{**token(text, e.logprob),
+                         "top_logprobs": [token(other, lp) for other, (_, lp) in zip(others, e.top)]}
+                        for e, (text, others) in zip(entries, texts)],
             "refusal": None}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob | int], token_text: Callable[[int], str],
-                        offset: int = 0) -> dict:
-    """A completion choice's `logprobs`: the tokens, their log-probabilities, each step's most likely
-    tokens by text, and where each token's text, decoded alone, starts in the answer (the first at
-    `offset`). An echoed prompt's first token, which nothing predicts, is a bare id: its log-probability
-    and most likely tokens are null."""
-    ids = [e if isinstance(e, int) else e.token for e in entries]
-    tokens = [token_text(token) for token in ids]
-    return {"tokens": tokens,
+def completion_logprobs(entries: Sequence[TokenLogprob | int], texts: Sequence[tuple[str, list[str]]],
+                        offsets: Sequence[int]) -> dict:
+    """A completion choice's `logprobs`: the tokens' texts (`texts`: each token's own and those of its
+    step's most likely tokens, mira.serve.token_texts), their log-probabilities, each step's most likely
+    tokens by text, and where each token's text starts in the answer (`offsets`). An echoed prompt's
+    first token, which nothing predicts, is a bare id: its log-probability and most likely tokens are
+    null."""
+    return {"tokens": [text for text, _ in texts],
             "token_logprobs": [None if isinstance(e, int) else max(e.logprob, LEAST_LOGPROB) for e in entries],
-            "top_logprobs": [None if isinstance(e, int) else {token_text(i): max(lp, LEAST_LOGPROB) for i, lp in e.top}
-                             for e in entries],
-            "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []}
+            "top_logprobs": [None if isinstance(e, int) else
+                             {other: max(lp, LEAST_LOGPROB) for other, (_, lp) in zip(others, e.top)}
+                             for e, (_, others) in zip(entries, texts)],
+            "text_offset": list(offsets)}
 
 
 def chat_completion(request_id: str, created: int, model_id: str, text: str | None, finish_reason: str,

@@ -22,6 +22,7 @@ from mira.runtime.generate import SamplingConfig, encode_messages, stream_genera
 from mira.serve.app import create_app
 from mira.serve.command import listen
 from mira.store.convert import convert
+from token_text_reference import alternative_text, token_texts
 
 KEY = "sk-test-key"
 NAME = "mira-tiny-moe"
@@ -171,13 +172,15 @@ def test_chat_logprobs_are_the_models_at_each_step_before_sampling_settings(clie
                                            temperature=settings["temperature"], seed=settings.get("seed"), **extra)
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == len(generated)
-    for step, (entry, token) in enumerate(zip(content, generated)):
-        text = model.tokenizer.decode([token])
+    texts = token_texts(model.tokenizer, generated)
+    for step, (entry, token, text) in enumerate(zip(content, generated, texts)):
         assert entry.token == text and entry.bytes == list(text.encode())
         assert entry.logprob == pytest.approx(reference[step, token].item(), abs=2e-3)  # the raw logits'
         top = reference[step].topk(4)
-        assert [t.token for t in entry.top_logprobs] == [model.tokenizer.decode([i]) for i in top.indices.tolist()]
+        assert [t.token for t in entry.top_logprobs] == [alternative_text(model.tokenizer, generated[:step], i)
+                                                         for i in top.indices.tolist()]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=2e-3)
+    assert "".join(texts) == reply.choices[0].message.content
     if settings["temperature"] == 0:
         assert all(entry.token == entry.top_logprobs[0].token for entry in content)
     chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, logprobs=True,
@@ -193,16 +196,16 @@ def test_completion_logprobs_name_each_token_its_offset_and_the_likeliest(client
     input_ids = model.tokenizer(prompt, return_tensors="pt").input_ids
     generated = _generated_ids(model, input_ids, max_new_tokens=10, temperature=0)
     reference = _reference_logprobs(model, input_ids, generated)
-    texts = [model.tokenizer.decode([token]) for token in generated]
+    texts = token_texts(model.tokenizer, generated)
     reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
     logprobs = reply.choices[0].logprobs
-    assert logprobs.tokens == texts
+    assert logprobs.tokens == texts and "".join(texts) == reply.choices[0].text
     assert logprobs.token_logprobs == pytest.approx([reference[i, t].item() for i, t in enumerate(generated)],
                                                     abs=2e-3)
     assert logprobs.text_offset == [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
     for step, top in enumerate(logprobs.top_logprobs):
         likeliest = reference[step].topk(2)
-        assert top == pytest.approx({model.tokenizer.decode([i]): v for i, v in
+        assert top == pytest.approx({alternative_text(model.tokenizer, generated[:step], i): v for i, v in
                                      zip(likeliest.indices.tolist(), likeliest.values.tolist())}, abs=2e-3)
     chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
                                             stream=True))
@@ -220,15 +223,21 @@ def test_an_echoed_prompt_of_token_ids_comes_back_with_its_logprobs(client, mode
     settings = dict(model=NAME, prompt=[prompt[0].tolist()], max_tokens=6, temperature=0, echo=True, logprobs=3)
     reply = client.completions.create(**settings)
     choice = reply.choices[0]
-    assert choice.text == model.tokenizer.decode(prompt[0]) + model.tokenizer.decode(generated, skip_special_tokens=True)
+    echoed = model.tokenizer.decode(prompt[0], skip_special_tokens=True)
+    assert choice.text == echoed + model.tokenizer.decode(generated, skip_special_tokens=True)
     logprobs = choice.logprobs
-    assert logprobs.tokens == [model.tokenizer.decode([token]) for token in ids]
+    texts = token_texts(model.tokenizer, prompt[0].tolist()) + token_texts(model.tokenizer, generated)
+    assert logprobs.tokens == texts
+    assert all(choice.text[offset:offset + len(text)] == text for offset, text in zip(logprobs.text_offset, texts))
+    assert logprobs.text_offset[prompt.shape[1]] == len(echoed)
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert logprobs.token_logprobs[1:] == pytest.approx([reference[i, t].item() for i, t in enumerate(ids[1:])],
                                                         abs=2e-3)
     for step, top in enumerate(logprobs.top_logprobs[1:]):
         likeliest = reference[step].topk(3)
-        assert top == pytest.approx({model.tokenizer.decode([i]): v for i, v in
+        place = step + 1  # in ids; the completion is decoded apart from the prompt
+        before = ids[:place] if place < prompt.shape[1] else generated[:place - prompt.shape[1]]
+        assert top == pytest.approx({alternative_text(model.tokenizer, before, i): v for i, v in
                                      zip(likeliest.indices.tolist(), likeliest.values.tolist())}, abs=2e-3)
     chunks = list(client.completions.create(**settings, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == choice.text
