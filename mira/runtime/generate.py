@@ -7,6 +7,7 @@ and the timings a user asks about: TTFT and decode tokens/s.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()  # generation ends before the first of these; it is not part of the text
     seed: int | None = None  # None: a fresh random seed
     logprobs: int | None = None  # k: each new token's log-probability and the k most likely; None: off
-    prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too (each but the first), by one forward
+    prompt_logprobs: bool = False  # with logprobs: the prompt's tokens' too (each but the first), from the prefill
 
     def __post_init__(self) -> None:
         checks = [
@@ -218,27 +219,34 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
             for token, logprob, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
-def prompt_logprobs(model: MiraModel, input_ids: torch.Tensor, top: int) -> list[TokenLogprob]:
-    """Each prompt token's log-probability given the tokens before it (all but the first), and the `top`
-    likeliest at its place: one forward over the prompt [1, T]."""
-    with torch.no_grad():
-        logits = model(input_ids.to(model.device)).logits[0, :-1]  # [T - 1, V]
-    return token_logprobs(logits, input_ids[0, 1:].tolist(), top)
-
-
 class LogprobTap:
     """Each decoding step's log-probabilities, read from the logits the model's forward returns (a
     forward hook: what generate's logits processors do to them afterwards does not reach it), kept
-    for the token that step chose. Batch 1; `close` removes the hook."""
+    for the token that step chose. With `prompt` (the prompt's ids), the first forward, the prefill,
+    must return logits at every prompt position: each prompt token's log-probability given the tokens
+    before it (all but the first) is read from them, and the `top` likeliest at its place. Batch 1;
+    `close` removes the hook."""
 
-    def __init__(self, hf_model: torch.nn.Module, top: int, on_logprob: Callable[[TokenLogprob], None]):
+    def __init__(self, hf_model: torch.nn.Module, top: int, on_logprob: Callable[[TokenLogprob], None],
+                 prompt: Sequence[int] | None = None):
         self.top = top
         self.on_logprob = on_logprob
         self.taken: list[TokenLogprob] = []
+        self.prompt_taken: list[TokenLogprob] = []
+        self._prompt = prompt
         self._logits: torch.Tensor | None = None  # [V] of the last forward
         self._hook = hf_model.register_forward_hook(self._keep)
 
     def _keep(self, module: torch.nn.Module, args, output) -> None:
+        if self._prompt is not None:  # the prefill
+            logits = output.logits[0]  # [T, V]
+            if logits.shape[0] != len(self._prompt):
+                raise MiraError(f"the prefill returned logits at {logits.shape[0]} of the prompt's {len(self._prompt)} "
+                                "positions; the prompt's log-probabilities need them all")
+            self.prompt_taken = token_logprobs(logits[:-1], self._prompt[1:], self.top)
+            self._prompt = None
+            for entry in self.prompt_taken:
+                self.on_logprob(entry)
         self._logits = output.logits[0, -1]
 
     def take(self, token: int) -> None:
@@ -333,11 +341,12 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     """
     tokenizer = _tokenizer(model)
     cancel = cancel or threading.Event()
-    prompt_entries = prompt_logprobs(model, input_ids, sampling.logprobs) if sampling.prompt_logprobs else []
-    for entry in prompt_entries:
-        on_logprob(entry)
     stream = TextStream(tokenizer, sampling.stop, on_text)
-    tap = None if sampling.logprobs is None else LogprobTap(model.hf_model, sampling.logprobs, on_logprob)
+    tap = None if sampling.logprobs is None else LogprobTap(
+        model.hf_model, sampling.logprobs, on_logprob, input_ids[0].tolist() if sampling.prompt_logprobs else None)
+    kwargs = generation_kwargs(model, sampling)
+    if sampling.prompt_logprobs and "logits_to_keep" in inspect.signature(type(model.hf_model).forward).parameters:
+        kwargs["logits_to_keep"] = 0  # logits at every position (generate's default keeps the last only)
     streamer = _Streamer(stream, tap)
     processors = LogitsProcessorList()
     if sampling.frequency_penalty or sampling.presence_penalty:
@@ -349,7 +358,7 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     start = time.perf_counter()
     try:
         output = model.generate(
-            input_ids, **generation_kwargs(model, sampling), logits_processor=processors, streamer=streamer,
+            input_ids, **kwargs, logits_processor=processors, streamer=streamer,
             attention_mask=torch.ones_like(input_ids),  # else transformers masks every id equal to the pad id:
             # the bundled model's BOS is its pad token
             stopping_criteria=StoppingCriteriaList([_Halt(stream, cancel)]),
@@ -369,7 +378,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     else:
         finish = "length"
     return GenerationReport(stream.text, input_ids.shape[1], new_ids, ttft, decode, finish,
-                            tuple(tap.taken) if tap is not None else (), tuple(prompt_entries))
+                            tuple(tap.taken) if tap is not None else (),
+                            tuple(tap.prompt_taken) if tap is not None else ())
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

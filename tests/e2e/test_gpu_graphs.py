@@ -72,10 +72,12 @@ def test_replayed_decode_steps_match_eager_steps(mixtral_store, budget_experts):
 
 
 
-def test_logprobs_of_replayed_steps_are_those_of_one_forward_over_the_text():
+@pytest.mark.parametrize("prompt_logprobs", [False, True], ids=["new", "with-prompt"])
+def test_logprobs_of_replayed_steps_are_those_of_one_forward_over_the_text(prompt_logprobs):
     model = mira.load(device="cuda", progress=False)  # the bundled model, every expert resident
     prompt = encode_prompt(model, "Tell me about the sea.", raw=False)
-    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0, logprobs=3)
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0, logprobs=3,
+                              prompt_logprobs=prompt_logprobs)
     report = stream_generate(model, prompt, sampling, lambda text: None)
     assert model.decode_graphs.replays >= NEW_TOKENS - 3  # the steps whose logits the tap read were replayed
     generated = [entry.token for entry in report.logprobs]
@@ -87,3 +89,9 @@ def test_logprobs_of_replayed_steps_are_those_of_one_forward_over_the_text():
     for step, entry in enumerate(report.logprobs):
         assert next(token for token, _ in entry.top if token not in held_off) == entry.token  # greedy: the likeliest
         assert entry.logprob == pytest.approx(reference[step, entry.token].item(), abs=0.1)  # bf16 logits
+    if prompt_logprobs:  # read from the prefill of the same generation
+        before = torch.log_softmax(logits, dim=-1)[:prompt.shape[1] - 1]  # [T - 1, V]
+        taken = prompt[0, 1:].tolist()
+        assert [entry.token for entry in report.prompt_logprobs] == taken
+        assert [entry.logprob for entry in report.prompt_logprobs] == pytest.approx(
+            before[range(len(taken)), taken].tolist(), abs=0.1)

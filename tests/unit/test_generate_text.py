@@ -194,3 +194,22 @@ def test_chat_sends_every_turn_with_the_conversation_before_it(model):
     assert replies[1:] == [first, second.text]
     assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
 
+
+
+def test_prompt_logprobs_come_from_the_prefill_of_the_generation(model):
+    ids = model.tokenizer("Once upon a time, in a land", return_tensors="pt").input_ids  # [1, T]
+    with torch.no_grad():
+        reference = torch.log_softmax(model.hf_model(ids).logits[0, :-1].double(), dim=-1)  # [T - 1, V]
+    forwards = []
+    hook = model.hf_model.register_forward_hook(lambda module, args, output: forwards.append(output.logits.shape[1]))
+    try:
+        report = _generate(model, ids, SamplingConfig(max_new_tokens=3, temperature=0, logprobs=2,
+                                                      prompt_logprobs=True))
+    finally:
+        hook.remove()
+    assert forwards[0] == ids.shape[1] and len(forwards) == len(report.new_ids)  # no forward of the prompt alone
+    taken = ids[0, 1:].tolist()
+    assert [entry.token for entry in report.prompt_logprobs] == taken
+    assert [entry.logprob for entry in report.prompt_logprobs] == pytest.approx(
+        reference[range(len(taken)), taken].tolist(), abs=1e-4)
+    assert [[i for i, _ in entry.top] for entry in report.prompt_logprobs] == reference.topk(2).indices.tolist()
