@@ -116,6 +116,9 @@
 #                                           # memory? 24 GB of it filled with a Mixtral-shaped expert, the executor
 #                                           # (15 threads) and the pinned copy timed on every blob, in address order
 #                                           # and in reverse; in three processes, one after another (~2 min)
+#   bash benchmarks/h200_suite.sh miss-path  # a Mixtral expert in 40 GB of pinned host memory: the decode kernel
+#                                           # reading it in place against the copy engine (benchmarks/miss_path.py);
+#                                           # tells a VM whose zero-copy reads are slow from the usual kind (~30 s)
 #   bash benchmarks/h200_suite.sh ncu-int4  # Nsight Compute on one Mixtral-shaped expert's decode launches at batch
 #                                           # 1 (benchmarks/decode_launches.py), the stored tuning's: two INT4
 #                                           # calls then two INT8 ones; the details page and the raw metrics
@@ -316,6 +319,8 @@ case "${1:-}" in
     for run in 1 2 3; do
       timeout 150 python benchmarks/host_placement.py --gb 24 --threads 15 --out "$OUT/host-placement-$run.json"
     done ;;
+  miss-path)
+    timeout 150 python benchmarks/miss_path.py --gb 40 --out "$OUT/miss-path.json" ;;
   ncu-int4)
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     timeout 230 "$ncu" --kernel-name regex:gemv --launch-skip 20 --launch-count 8 --section SpeedOfLight \
