@@ -172,7 +172,8 @@ case "${1:-}" in
     # there); every family under a budget (test_gpu_families.py) is its own part
     timeout 400 python -m pytest -q -s -m gpu tests -p no:cacheprovider --ignore=tests/e2e/test_conversation_cli.py \
       --ignore=tests/e2e/test_lm_eval_backend.py --ignore=tests/e2e/test_serve.py \
-      --ignore=tests/unit/test_serve_tools.py --ignore=tests/e2e/test_gpu_families.py 2>&1 \
+      --ignore=tests/unit/test_serve_tools.py --ignore=tests/unit/test_serve_reply.py \
+      --ignore=tests/e2e/test_gpu_families.py 2>&1 \
       | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-e2e-h200.log" ;;
   families)
     timeout 500 python -m pytest -q -s -m gpu tests/e2e/test_gpu_families.py -p no:cacheprovider 2>&1 \
