@@ -3,9 +3,9 @@
 The decode kernel reads a miss from the pinned store in place (zero-copy, DESIGN.md 2.8); the
 alternative is a copy to a device slot, then the kernel reading the slot.
 
-On some of the GPU machines' VMs the device's side of hybrid decoding ran at about twice its
-calibrated time, and GPU-only decoding (zero-copy misses) at two thirds of its usual speed, while
-LRU (inline: every miss copied) kept its speed. The calibration times copies; decoding reads
+On some of the GPU machines' VMs the device's side of hybrid decoding ran well behind its
+calibration, and GPU-only decoding (zero-copy misses) well behind its usual speed, while LRU
+(inline: every miss copied) kept its speed. The calibration times copies; decoding reads
 zero-copy. This fills --gb of the store's kind of host memory (mira.store.store.host_buffer,
 page-locked as the store is) with copies of one quantized expert of --shape and times, over
 MAX_CALLS blobs spread evenly over all of it (and over as many adjacent ones, for locality):

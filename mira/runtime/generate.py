@@ -165,18 +165,22 @@ class TextStream:
         if self.stopped:
             return
         self._ids.extend(ids)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):  # not in the middle of a character
+        piece = self._piece(self._ids[self._prefix:])
+        if piece is not None:
             self._prefix, self._read = self._read, len(self._ids)
-            self._push(after[len(before):])
+            self._push(piece)
 
     def preview(self, token: int) -> str:
         """The text `token` would add if it came next (before stop strings), without adding it: how a
         likely alternative to the next token reads."""
+        return self._piece(self._ids[self._prefix:] + [token]) or ""
+
+    def _piece(self, window: list[int]) -> str | None:
+        """What decoding `window` (the ids from the last piece's start on) adds to the last piece, or
+        None while it adds nothing or ends in the middle of a character."""
         before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:] + [token])
-        return after[len(before):] if len(after) > len(before) and not after.endswith("\ufffd") else ""
+        after = self._decode(window)
+        return after[len(before):] if len(after) > len(before) and not after.endswith("\ufffd") else None
 
     def finish(self) -> None:
         """Emit what is held back: the stream ended without meeting a stop string there."""
