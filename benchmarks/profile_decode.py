@@ -21,7 +21,10 @@ token and its routing with it. Reports per decode step:
 - device time by kind: the expert kernels (Triton), host-to-device copies, everything else
   (attention, norms, router, embeddings, LM head);
 - the device's busy time (the union of its kernels' and copies' spans, whatever the stream) and
-  its idle time, the wall time less that: the bubbles the host's work and waits leave.
+  its idle time, the wall time less that: the bubbles the host's work and waits leave;
+- with `--python-top N`, a second call's decode steps under cProfile: the N Python functions with
+  the most time of their own (inflated by cProfile's own cost, so a ranking of where the host's
+  time between the device's work goes, rather than a timing).
 
 With `--routing TRACE.npz` every model routes as the trace did, as in `mira bench --routing`: the
 calibration prompts replay its first rows and place the static policy and the mira policy's prior,
@@ -39,6 +42,8 @@ the CPU the device columns are empty; run it on the GPU machine.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -163,6 +168,25 @@ def _profiled(model, ids: torch.Tensor, steps: int, forced, device: torch.device
     return wall, host, blocked, dict(device_ms), busy
 
 
+def _python_top(model, ids: torch.Tensor, steps: int, forced, device: torch.device, top: int) -> list[dict]:
+    """One more generate call's `steps` decode steps under cProfile, from the end of its prompt's
+    forward: the `top` functions by time of their own, per decode step."""
+    profiler = cProfile.Profile()
+
+    def start() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        profiler.enable()
+
+    _decode(model, ids, steps, LogitsProcessorList([_FromFirstToken(start), *(forced or [])]))
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, total s, callers)
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": round(calls / steps, 2),
+             "own_ms_per_step": round(own * 1e3 / steps, 3), "total_ms_per_step": round(total * 1e3 / steps, 3)}
+            for (file, line, name), (_, calls, own, total, _) in ranked]
+
+
 def _busy_ms(spans: list[tuple[float, float]]) -> float:
     """Milliseconds covered by the union of (start, end) spans in microseconds."""
     total, reach = 0.0, float("-inf")
@@ -174,7 +198,7 @@ def _busy_ms(spans: list[tuple[float, float]]) -> float:
 
 
 def _profile_config(source, name: str, budget: int, total: int, placement: Popularity, context: int,
-                    ids: torch.Tensor, steps: int, device: torch.device) -> dict:
+                    ids: torch.Tensor, steps: int, device: torch.device, python_top: int) -> dict:
     """One configuration's figures per decode step, or {"skipped": why}."""
     try:
         model = config_model(source, name, budget, placement, context)
@@ -195,6 +219,8 @@ def _profile_config(source, name: str, budget: int, total: int, placement: Popul
                "slots": model.cache.pool.num_slots, "total_experts": total,
                "residency": model.stats()["residency"],
                "decode_steps_replayed": model.decode_graphs.replays if model.decode_graphs else 0}
+    if python_top:
+        figures["python_top"] = _python_top(model, ids, steps, forced, device, python_top)
     del model
     free_memory(device)
     return figures
@@ -217,6 +243,11 @@ def _print(label: str, budget: str, name: str, figures: dict) -> None:
     if figures["device_busy_ms_per_step"] is not None:
         print(f"  device busy (any stream)           {figures['device_busy_ms_per_step']:9.3f} ms")
         print(f"  device idle (wall less busy)       {figures['device_idle_ms_per_step']:9.3f} ms")
+    if figures.get("python_top"):
+        print("  under cProfile, per decode step: own ms, total ms, calls, function")
+        for row in figures["python_top"]:
+            print(f"    {row['own_ms_per_step']:8.3f} {row['total_ms_per_step']:8.3f} {row['calls_per_step']:7.1f}  "
+                  f"{row['function']}")
 
 
 def main() -> None:
@@ -234,6 +265,9 @@ def main() -> None:
     parser.add_argument("--routing", help="a routing trace (.npz) to replay, as mira bench --routing: its first "
                                           "rows place the static policy and mira's prior, the profiled calls replay "
                                           "the next")
+    parser.add_argument("--python-top", type=int, default=0, metavar="N",
+                        help="also profile a second call under cProfile and report the N functions with the "
+                             "most time of their own (default 0: not)")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--out", type=Path, help="the JSON to write (default benchmarks/results/profile-decode-"
                                                   "<model>-<budgets>.json)")
@@ -263,7 +297,8 @@ def main() -> None:
     for label in args.budgets.split(","):
         budget = _budget_bytes(label, reserve, total, source.store.blob_bytes, all_bytes)
         for name in configs:
-            figures = _profile_config(source, name, budget, total, placement, context, ids, args.steps, device)
+            figures = _profile_config(source, name, budget, total, placement, context, ids, args.steps, device,
+                                      args.python_top)
             _print(source.label, label, name, figures)
             runs.append({"budget": label, "config": name, **figures})
     model_name = args.synthetic or Path(args.model or "mira-tiny-moe").name
