@@ -70,6 +70,8 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "static": dict(policy="static", prefetch="off", residency="auto"),  # lagged: it never admits a miss
     "mira-settle-now": dict(policy="mira", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
     "static-settle-now": dict(policy="static", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
+    "mira-token-first": dict(policy="mira", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
+    "static-token-first": dict(policy="static", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
 }
 BASELINES = ("hf-gpu", "hf-offload")
 ALL = "all"

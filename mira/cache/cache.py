@@ -98,10 +98,10 @@ class ExpertCache:
                 settled.copied.append(routed)
         return settled
 
-    def settle(self) -> None:
+    def settle(self, sent: bool = False) -> None:
         """Once per forward step, after it: read every layer's counters back at once and settle the
         tokens lagged layers routed, layer by layer, as `settle_layer` would have (a step late);
-        book the step's staging.
+        book the step's staging. With `sent`, the counters `ExpertTables.send_back` sent instead.
 
         Telemetry records the tier the policy reports; what the kernels read may differ: an expert
         whose copy was still in flight when its layer ran was read zero-copy from the host store
@@ -110,7 +110,7 @@ class ExpertCache:
         placed for its layer and the layer routed to counts as STAGE where the policy reports a
         miss (the policy never sees stage rows; the same caveat about late copies applies).
         """
-        counts, states = self.tables.drain()
+        counts, states = self.tables.drain(sent)
         if self.all_resident:
             self.telemetry.record_layers(counts, Tier.HOT)
             return

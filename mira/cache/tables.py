@@ -68,7 +68,9 @@ class ExpertTables:
         self.tables = self.entries.view(L, E)
         self.rows = [[store.blob(layer, expert) for expert in range(E)] for layer in range(L)]
         self._counters = torch.zeros(L, E + STAGING_COLUMNS, dtype=torch.int64, device=device)  # one read-back
-        self._read_back = torch.empty_like(self._counters, device="cpu")  # where `drain` reads them, made once
+        # where `drain` reads them, made once; page-locked on CUDA, so `send_back` need not wait
+        self._read_back = torch.empty_like(self._counters, device="cpu", pin_memory=device.type == "cuda")
+        self._landed = torch.cuda.Event() if device.type == "cuda" else None  # `send_back`'s copy
         self.pending = self._counters[:, :E]  # [L, E]
         self.staging = self._counters[:, E:]  # [L, 4]
         self._intermediate = store.layout.intermediate
@@ -124,20 +126,36 @@ class ExpertTables:
         self.pending[layer].zero_()
         return row[:self._experts], row[self._experts:]
 
-    def drain(self) -> tuple[np.ndarray, np.ndarray]:
+    def drain(self, sent: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The tokens routed per expert since the last drain, int64 [L, E], and staging's state per
-        target layer, [L, 4] (views of one host buffer, valid until the next drain); zero the
-        counts and staging's issued and used.
+        target layer, [L, 4] (views of one host buffer, valid until the next drain or `send_back`);
+        zero the counts and staging's issued and used.
 
         The one host sync of a settle: one read-back for all layers, on the current stream (the
-        compute stream, after the step's kernels).
+        compute stream, after the step's kernels). With `sent`, the counts `send_back` sent instead,
+        once they have landed (kernels enqueued since then are not waited for).
         """
-        self._read_back.copy_(self._counters)
+        if sent:
+            if self._landed is not None:
+                self._landed.synchronize()
+        else:
+            self._read_back.copy_(self._counters)
+            self._restart()
+        rows = self._read_back.numpy()
+        return rows[:, :self._experts], rows[:, self._experts:]
+
+    def send_back(self) -> None:
+        """Start a drain without waiting: the counts so far are copied to the host once the current
+        stream reaches this point, and zeroed; `drain(sent=True)` hands them over."""
+        self._read_back.copy_(self._counters, non_blocking=self._landed is not None)
+        self._restart()
+        if self._landed is not None:
+            self._landed.record()
+
+    def _restart(self) -> None:
         self.pending.zero_()
         self.staging[:, STAGING_COUNTS].zero_()  # an expert still placed keeps its uid and row (a prefill
         # call settles between a stage and its restore)
-        rows = self._read_back.numpy()  # valid until the next drain
-        return rows[:, :self._experts], rows[:, self._experts:]
 
     def _write(self, uid: int, address: torch.Tensor) -> None:
         self.entries.index_copy_(0, self._uids[uid : uid + 1], address)

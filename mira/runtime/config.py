@@ -81,9 +81,14 @@ class HybridConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """enabled: on CUDA, replay decode steps in which no MoE layer needs the host from CUDA graphs."""
+    """enabled: on CUDA, replay decode steps in which no MoE layer needs the host from CUDA graphs.
+    ahead: where steps replay, decode one sequence with the next step launched before the host
+        reads the last token (mira.runtime.run_ahead); False: transformers' own loop, which reads
+        each token first (an A/B for `mira bench`).
+    """
 
     enabled: bool = True
+    ahead: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,7 @@ class RuntimeConfig:
     def with_overrides(self, **overrides) -> RuntimeConfig:
         """This configuration with `mira.load`'s keyword names applied: the fields above, and
         policy, prefetch (a mode), heads, residency (a mode), cuda_graphs, cpu_experts (a mode),
-        cpu_threads, cpu_lanes, device_pace and deferred_settle for the nested ones.
+        cpu_threads, cpu_lanes, device_pace, deferred_settle and decode_ahead for the nested ones.
 
         Raises:
             MiraError: a name that is not a setting.
@@ -156,7 +161,8 @@ class RuntimeConfig:
                   "residency": ("residency", "mode"), "cuda_graphs": ("graphs", "enabled"),
                   "cpu_experts": ("hybrid", "mode"), "cpu_threads": ("hybrid", "threads"),
                   "cpu_lanes": ("hybrid", "lanes"),
-                  "device_pace": ("hybrid", "device_pace"), "deferred_settle": ("residency", "deferred")}
+                  "device_pace": ("hybrid", "device_pace"), "deferred_settle": ("residency", "deferred"),
+                  "decode_ahead": ("graphs", "ahead")}
         flat = {f.name for f in dataclasses.fields(self)} - {"cache", "prefetch", "residency", "graphs", "hybrid"}
         unknown = sorted(set(overrides) - flat - set(nested))
         if unknown:

@@ -8,6 +8,7 @@ experts module bound at every MoE site.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -36,6 +37,7 @@ from mira.runtime.hybrid import CpuExperts, HybridExperts, expert_cuts, machine_
 from mira.runtime.graphs import CACHE_ARGUMENTS, DecodeGraphs, static_cache, takes_static_cache
 from mira.runtime.config import Facts, RuntimeConfig, default_dtype, resolve, resolve_setup
 from mira.runtime.plan import share_budget, slot_plan
+from mira.runtime.run_ahead import applies, decode_ahead
 from mira.runtime.threads import free_idle_team
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
@@ -65,6 +67,9 @@ class MiraModel:
             whether or not they turned a CPU share on; None where nothing was calibrated.
         decode_graphs: on CUDA, the CUDA-graph replay of decode steps (mira.runtime.graphs), or None
             when switched off (`use_cuda_graphs(False)`) or on the CPU.
+        decode_ahead: decode one sequence with one step in flight ahead of the host
+            (mira.runtime.run_ahead), on a static KV cache; None (the default): where decode steps
+            replay from CUDA graphs, unless `config.graphs.ahead` is off.
     """
 
     def __init__(self, hf_model, tokenizer, config: RuntimeConfig, store: ExpertStore, cache: ExpertCache,
@@ -90,13 +95,17 @@ class MiraModel:
         self._step_tokens = 0
         self._defer_settle = self.device.type == "cuda" and config.residency.deferred  # see ResidencyConfig
         self._unsettled: int | None = None  # tokens of the step whose settle is deferred
+        self._sent: int | None = None  # tokens of the step before it, its counts on their way to the host
+        self._two_steps = False  # this generate call settles each step two steps on (`generate`)
         hf_model.register_forward_pre_hook(self._before_step, with_kwargs=True)
         hf_model.register_forward_hook(self._after_step)
         self._eager_forward = hf_model.forward
         self.decode_graphs: DecodeGraphs | None = None
         self._kv_cache: StaticCache | None = None
         self._static_cache_taken = takes_static_cache(hf_model)
+        self._layers = [m for m in hf_model.modules() if isinstance(m, MiraExperts)]
         self.use_cuda_graphs(self.device.type == "cuda")
+        self.decode_ahead: bool | None = None
 
     def use_cuda_graphs(self, enabled: bool) -> None:
         """Replay decode steps from CUDA graphs (on CUDA only; default on there), or run every step
@@ -104,8 +113,7 @@ class MiraModel:
         if enabled and self.device.type != "cuda":
             raise MiraError("CUDA graphs need a CUDA device")
         if enabled and self.decode_graphs is None:
-            layers = [m for m in self.hf_model.modules() if isinstance(m, MiraExperts)]
-            self.decode_graphs = DecodeGraphs(self._eager_forward, layers)
+            self.decode_graphs = DecodeGraphs(self._eager_forward, self._layers)
             self.hf_model.forward = self.decode_graphs
         elif not enabled and self.decode_graphs is not None:
             self.decode_graphs.forget()
@@ -113,7 +121,13 @@ class MiraModel:
             self.hf_model.forward = self._eager_forward
 
     def _before_step(self, module, args, kwargs) -> None:
-        self.finish_step()
+        if self._two_steps:
+            self._settle_sent()  # the step before the last: its counts left for the host a step ago
+            if self._unsettled is not None:  # the last step's counts follow once its kernels are done
+                self._sent, self._unsettled = self._unsettled, None
+                self.cache.tables.send_back()
+        else:
+            self.finish_step()
         inputs = step_inputs(args, kwargs)
         self._step_tokens = int(inputs.shape[0] * inputs.shape[1])  # batch x new positions (not the logits kept)
 
@@ -124,18 +138,25 @@ class MiraModel:
             self._settle_step(self._step_tokens)
 
     def finish_step(self) -> None:
-        """Settle the last forward step if its settle is still deferred (on CUDA, until the next step
-        starts; `generate` and `stats` call this): its routing goes to the policy, as every step's does."""
+        """Settle the forward steps whose settle is still deferred (on CUDA, until the next step
+        starts, or the one after it when decoding runs ahead; `generate` and `stats` call this): their
+        routing goes to the policy, in order, as every step's does."""
+        self._settle_sent()
         if self._unsettled is not None:
             tokens, self._unsettled = self._unsettled, None
             self._settle_step(tokens)
 
-    def _settle_step(self, tokens: int) -> None:
+    def _settle_sent(self) -> None:
+        if self._sent is not None:
+            tokens, self._sent = self._sent, None
+            self._settle_step(tokens, sent=True)
+
+    def _settle_step(self, tokens: int, sent: bool = False) -> None:
         # a decode step's misses price the lanes' quotas again, where there are prices to do it with
         quoting = self.graph_share is not None and self.graph_share.prices is not None and tokens <= DECODE_TOKENS
         before = self.cache.telemetry.layer_misses() if quoting else None
         if self._settles:
-            self.cache.settle()  # lagged layers' routing of the step, and staging's, go to the policy
+            self.cache.settle(sent)  # lagged layers' routing of the step, and staging's, go to the policy
         if self.graph_share is not None:
             self.graph_share.check()  # after the settle's read-back: every lane is through with the step
         if quoting and self.graph_share.decode_settled(self.cache.telemetry.layer_misses() - before) \
@@ -205,20 +226,32 @@ class MiraModel:
         kwargs.setdefault("disable_compile", True)
         if self.hybrid is not None or self.graph_share is not None:
             free_idle_team()  # this thread's: beside it the CPU share's threads would sleep between operations
-        if self._replays(input_ids, kwargs):
+        static = self._static_decoding(input_ids, kwargs)
+        wanted = self.decode_ahead if self.decode_ahead is not None else (
+            self.config.graphs.ahead and self.decode_graphs is not None)
+        ahead = static and wanted and applies(self.hf_model, input_ids, kwargs)
+        if static and (self.decode_graphs is not None or ahead):
             kwargs["past_key_values"] = self._static_kv_cache()
+        if ahead:
+            kwargs["custom_generate"] = functools.partial(decode_ahead, streamer=kwargs.get("streamer"))
+            # a step's settle then waits for the step after next, whose launch need not wait for the
+            # step's kernels; not with a CPU share or staging, whose settles rely on the step being done
+            self._two_steps = (self._defer_settle and self._settles and self.hybrid is None
+                               and self.graph_share is None and all(m.predictor is None for m in self._layers))
         if isinstance(kwargs.get("attention_mask"), torch.Tensor):  # beside the ids, wherever the caller made it
             kwargs["attention_mask"] = kwargs["attention_mask"].to(self.device)
         try:
             return self.hf_model.generate(input_ids.to(self.device), **kwargs)
         finally:
+            self._two_steps = False
             self.finish_step()
 
-    def _replays(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
-        """Whether this generate call's decode steps can be replayed from CUDA graphs: one sequence,
-        a model that takes a static KV cache, and no MoE layer that needs the host after its first call."""
-        return (self.decode_graphs is not None and _one_sequence(input_ids, kwargs, self.hf_model.generation_config)
-                and self._static_cache_taken and all(layer.host_free for layer in self.decode_graphs.layers))
+    def _static_decoding(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
+        """Whether this generate call can decode on a static KV cache, as its decode steps must to be
+        replayed from CUDA graphs: one sequence, a model that takes one, and no MoE layer that needs
+        the host after its first call."""
+        return (_one_sequence(input_ids, kwargs, self.hf_model.generation_config)
+                and self._static_cache_taken and all(layer.host_free for layer in self._layers))
 
     def _static_kv_cache(self) -> StaticCache:
         """The KV cache CUDA graphs can replay on: fixed buffers of max_context tokens, made once and
@@ -292,8 +325,8 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
             or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
-            cuda_graphs, cpu_experts (auto, off, all, split, graph), cpu_threads, cpu_lanes, device_pace and
-            deferred_settle.
+            cuda_graphs, cpu_experts (auto, off, all, split, graph), cpu_threads, cpu_lanes, device_pace,
+            deferred_settle and decode_ahead.
 
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.

@@ -11,6 +11,7 @@ import inspect
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TextIO
@@ -238,7 +239,8 @@ class LogprobTap:
         self.taken: list[TokenLogprob] = []
         self.prompt_taken: list[TokenLogprob] = []
         self._prompt = prompt
-        self._logits: torch.Tensor | None = None  # [V] of the last forward
+        self._logits: deque[torch.Tensor] = deque()  # [V] of each forward whose token is not taken yet (a
+        # loop running ahead calls the next forward before it hands over the last token)
         self._hook = hf_model.register_forward_hook(self._keep)
 
     def _keep(self, module: torch.nn.Module, args, output) -> None:
@@ -251,11 +253,11 @@ class LogprobTap:
             self._prompt = None
             for entry in self.prompt_taken:
                 self.on_logprob(entry)
-        self._logits = output.logits[0, -1]
+        self._logits.append(output.logits[0, -1])
 
     def take(self, token: int) -> None:
         """Record the step's log-probability of `token`, the token the step chose."""
-        entry, = token_logprobs(self._logits[None], [token], self.top)
+        entry, = token_logprobs(self._logits.popleft()[None], [token], self.top)
         self.taken.append(entry)
         self.on_logprob(entry)
 
