@@ -17,13 +17,17 @@ MAX_CALLS blobs spread evenly over all of it (and over as many adjacent ones, fo
   both            zero-copy reads of half the blobs while the copy engine moves the other half
 
 every figure in blob GB/s, one pass per figure per round, --repeats rounds: median and range.
+With --launches, zero_copy again under 16 launch configurations of the decode kernel (programs,
+warps, rows per program, bytes in flight per loop step): whether a slow zero-copy read is the
+kernel's launch or the machine's.
 
-    python benchmarks/miss_path.py --gb 40 [--shape mixtral-8x7b] [--repeats 3] [--out FILE]
+    python benchmarks/miss_path.py --gb 40 [--shape mixtral-8x7b] [--repeats 3] [--launches] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import subprocess
 import sys
@@ -38,6 +42,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cpu_experts import MAX_CALLS, layout_for, shape_config, summary, write_result  # noqa: E402
 from host_pages import ZeroCopy, huge_kib, one_blob  # noqa: E402
 
+from mira.kernels import make_moe_ffn  # noqa: E402
+from mira.kernels.tuning import GemvConfig, KernelConfig  # noqa: E402
 from mira.store.store import host_buffer  # noqa: E402
 
 
@@ -110,10 +116,31 @@ class Passes:
             torch.cuda.current_stream().wait_stream(self.copy_stream)
         return self.timed(work, blobs)
 
-    def _read(self, blobs):
+    def _read(self, blobs, ffn=None):
         z = self.zero_copy
         for blob in blobs:
-            z.ffn.forward_bases(z.x, z.index, z.weight, self.tables[blob.data_ptr()], out=z.out)
+            (ffn or z.ffn).forward_bases(z.x, z.index, z.weight, self.tables[blob.data_ptr()], out=z.out)
+
+    def launches(self, layout, blobs, repeats: int) -> list[dict]:
+        """zero_copy under each launch configuration of LAUNCHES: its fields and blob GB/s."""
+        rows = []
+        for rows_, unroll, warps, programs in LAUNCHES:
+            config = KernelConfig(
+                gate_up_gemv=GemvConfig(block_rows=rows_, block_cols=512, unroll=unroll, num_warps=warps,
+                                        programs_per_sm=programs),
+                down_gemv=GemvConfig(block_rows=16, block_cols=512, unroll=unroll, split=4 if programs else 1))
+            ffn = make_moe_ffn(self.slot.device, layout, "silu", config=config)
+            self._read(blobs[:2], ffn)  # untimed: compilation
+            runs = [self.timed(lambda: self._read(blobs, ffn), blobs) / 1e9 for _ in range(repeats)]
+            rows.append({"gate_up": {"block_rows": rows_, "unroll": unroll, "num_warps": warps,
+                                     "programs_per_sm": programs},
+                         "down_split": 4 if programs else 1, "GBps": summary(runs)})
+        return rows
+
+
+# the gate/up launch's rows per program, loads in flight per loop step, warps and programs per SM
+# (the down launch takes the same unroll, and splits its reduction over 4 programs with the latter)
+LAUNCHES = list(itertools.product((4, 16), (2, 8), (4, 8), (0, 8)))
 
 
 def main() -> None:
@@ -121,6 +148,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=40.0, help="host memory filled with blobs (a store's size)")
     parser.add_argument("--shape", default="mixtral-8x7b", help="a preset of mira.bench.synthetic, or HxI")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--launches", action="store_true",
+                        help="also time zero-copy reads under 16 launch configurations of the decode kernel")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "miss-path.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -151,6 +180,7 @@ def main() -> None:
         for where, blobs in sets.items():
             for name, figure in figures.items():
                 runs[where, name].append(figure(blobs) / 1e9)
+    launches = passes.launches(layout, sets["adjacent"], args.repeats) if args.launches else None
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
     cells = {where: {name: summary(runs[where, name]) for name in figures} for where in sets}
@@ -161,7 +191,11 @@ def main() -> None:
                                       f"{cells[w][name]['max']:.2f}]".rjust(26) for w in sets))
     write_result(args.out, {"shape": args.shape, "blob_bytes": layout.nbytes, "blobs": count,
                             "huge_page_mib": huge_mib, "repeats": args.repeats, "facts": machine_facts(),
-                            "GBps": cells}, "cuda")
+                            "GBps": cells, **({"zero_copy_launches": launches} if launches else {})}, "cuda")
+    if launches:
+        speeds = [row["GBps"]["median"] for row in launches]
+        print(f"zero_copy under {len(launches)} launch configurations (adjacent): {min(speeds):.2f} to "
+              f"{max(speeds):.2f} GB/s")
 
 
 if __name__ == "__main__":
