@@ -1,21 +1,19 @@
 """Decoding with one step in flight ahead of the host (DESIGN.md 2.8).
 
-transformers' sampling loop reads every new token back before it prepares the next step: its
-stop check and streamer read the token, and for a static KV cache it builds the next step's
-attention mask on the host from the device's mask. Between two replayed decode steps the device
-then waits for the host's Python, on small experts a quarter of the step
-(`benchmarks/profile_decode.py`). This loop, which `MiraModel.generate` hands to transformers'
+transformers' sampling loop reads every new token back (its stop check and streamer) before it
+prepares the next step, so between two replayed decode steps the device waits for the host's
+Python: on small experts a quarter of the step (`benchmarks/profile_decode.py`). This loop, which `MiraModel.generate` hands to transformers'
 `generate` as its `custom_generate` (the prompt, processors and stopping criteria prepared by
 `generate` itself), keeps one step in flight: it launches step k+1 from token k where the device
 wrote it, and only then reads token k back (an asynchronous copy, landed by then), streams it and
 checks the stop conditions. A stop at token k leaves step k+1 computed and unused: its token is
 dropped and its KV entry lies past the returned sequence (the cache is emptied for the next call).
 
-The prompt's forward is transformers' own (`prepare_inputs_for_generation`). Each decode step gives
-the model the new token, its position and a 2D attention mask as long as the cache, ones up to the
-new token: the model builds the same 4D mask from it inside its forward, which the captured step
-replays. Stopping criteria see the ids on the host; end-of-sequence ids are checked on the token
-read back. Batch 1 only (`applies`).
+Every step's inputs are made as generate's loop makes them: `prepare_inputs_for_generation` on
+the ids so far (on the device: the host need not know the last token) and the generation state,
+whose attention mask and positions grow by one after each step (as transformers'
+`_update_model_kwargs_for_generation` does for them). Stopping criteria see the ids on the host;
+end-of-sequence ids are checked on the token read back. Batch 1 only (`applies`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from mira.runtime.graphs import CACHE_ARGUMENTS
+from mira.runtime.graphs import CACHE_ARGUMENTS  # generate's keyword for the KV cache, as transformers names it
 
 HANDLED = {  # generate's keywords whose meaning this loop keeps (the rest goes to transformers' own loop)
     "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k", "repetition_penalty",
@@ -89,8 +87,6 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
     device = input_ids.device
     prompt = input_ids.shape[1]
     limit = generation_config.max_length  # prompt plus max_new_tokens, as generate prepared it
-    cache_name = next(name for name in CACHE_ARGUMENTS if model_kwargs.get(name) is not None)
-    cache = model_kwargs[cache_name]
     eos = set()
     host_criteria = []
     for criterion in stopping_criteria:
@@ -101,13 +97,6 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
 
     ids = torch.empty((1, limit), dtype=input_ids.dtype, device=device)  # the sequence as the device knows it
     ids[:, :prompt] = input_ids
-    mask = None  # as generate left it: None where the prompt's was all ones (newer transformers drop it)
-    if model_kwargs.get("attention_mask") is not None:
-        mask = torch.zeros((1, cache.get_max_length()), dtype=torch.long, device=device)
-        mask[:, :prompt] = model_kwargs["attention_mask"]
-    positions = model_kwargs.get("position_ids")  # [1, T] where generate made them, else the model does
-    steady = {name: value for name, value in model_kwargs.items()
-              if name not in (cache_name, "attention_mask", "position_ids")}
     landing = _Landing(limit - prompt, device)
     length = prompt
 
@@ -130,15 +119,11 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
     host_ids = input_ids.cpu()
     while landing:
         if length < limit:  # the next step, from the token the device chose
-            if mask is not None:
-                mask[:, length - 1] = 1
-            if positions is not None:
-                positions = positions[..., -1:] + 1
-                steady["position_ids"] = positions
-            outputs = model(input_ids=ids[:, length - 1 : length], attention_mask=mask, **{cache_name: cache},
-                            **steady, return_dict=True)
+            _grow(model_kwargs)
+            inputs = model.prepare_inputs_for_generation(ids[:, :length], next_sequence_length=1, **model_kwargs)
+            outputs = model(**inputs, return_dict=True)
             choose(outputs.logits)
-            del outputs
+            del inputs, outputs
         token = landing.take()
         taken += 1
         host_ids = torch.cat([host_ids, torch.tensor([[token]], dtype=host_ids.dtype)], dim=1)
@@ -153,3 +138,11 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
     if streamer is not None:
         streamer.end()
     return ids[:, :taken]
+
+
+def _grow(state: dict) -> None:
+    """The generation state one token on: its attention mask and positions, where it has them."""
+    if (mask := state.get("attention_mask")) is not None:
+        state["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+    if (positions := state.get("position_ids")) is not None:
+        state["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=-1)
