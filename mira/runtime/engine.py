@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -103,6 +104,8 @@ class MiraModel:
         self.decode_graphs: DecodeGraphs | None = None
         self._kv_cache: StaticCache | None = None
         self._static_cache_taken = takes_static_cache(hf_model)
+        forward = inspect.signature(type(hf_model).forward).parameters
+        self._cache_keyword = next((name for name in CACHE_ARGUMENTS if name in forward), "past_key_values")
         self._layers = [m for m in hf_model.modules() if isinstance(m, MiraExperts)]
         self.use_cuda_graphs(self.device.type == "cuda")
         self.decode_ahead: bool | None = None
@@ -231,7 +234,7 @@ class MiraModel:
             self.config.graphs.ahead and self.decode_graphs is not None)
         ahead = static and wanted and applies(self.hf_model, input_ids, kwargs)
         if static and (self.decode_graphs is not None or ahead):
-            kwargs["past_key_values"] = self._static_kv_cache()
+            kwargs[self._cache_keyword] = self._static_kv_cache()
         if ahead:
             kwargs["custom_generate"] = functools.partial(decode_ahead, streamer=kwargs.get("streamer"))
             # a step's settle then waits for the step after next, whose launch need not wait for the

@@ -2,11 +2,11 @@
 
 transformers' sampling loop reads every new token back (its stop check and streamer) before it
 prepares the next step, so between two replayed decode steps the device waits for the host's
-Python: on small experts a quarter of the step (`benchmarks/profile_decode.py`). This loop, which `MiraModel.generate` hands to transformers'
-`generate` as its `custom_generate` (the prompt, processors and stopping criteria prepared by
-`generate` itself), keeps one step in flight: it launches step k+1 from token k where the device
-wrote it, and only then reads token k back (an asynchronous copy, landed by then), streams it and
-checks the stop conditions. A stop at token k leaves step k+1 computed and unused: its token is
+Python (`benchmarks/profile_decode.py` shows how long). This loop, which `MiraModel.generate`
+hands to transformers' `generate` as its `custom_generate` (the prompt, processors and stopping
+criteria prepared by `generate` itself), keeps one step in flight: it launches step k+1 from token
+k where the device wrote it, and only then reads token k back (an asynchronous copy, landed by
+then), streams it and checks the stop conditions. A stop at token k leaves step k+1 computed and unused: its token is
 dropped and its KV entry lies past the returned sequence (the cache is emptied for the next call).
 
 Every step's inputs are made as generate's loop makes them: `prepare_inputs_for_generation` on
@@ -37,9 +37,9 @@ HANDLED = {  # generate's keywords whose meaning this loop keeps (the rest goes 
 
 def applies(hf_model, input_ids: torch.Tensor, kwargs: Mapping) -> bool:
     """Whether this loop decodes this `generate` call as transformers' loop would: one sequence, one
-    beam, keywords it handles, and a model that builds its generation inputs the generic way."""
-    generic = type(hf_model).prepare_inputs_for_generation.__qualname__.startswith("GenerationMixin.")
-    return (generic and not hasattr(hf_model, "create_masks_for_generate") and input_ids.shape[0] == 1
+    beam, keywords it handles, and a model whose generation state grows the generic way (`_grow`)."""
+    update = type(hf_model)._update_model_kwargs_for_generation
+    return (update.__qualname__.startswith("GenerationMixin.") and input_ids.shape[0] == 1
             and set(kwargs) <= HANDLED and kwargs.get("num_beams", 1) in (1, None))
 
 

@@ -39,7 +39,8 @@ def test_decoding_ahead_replays_the_same_ids_without_waiting_for_each_step(mixtr
     del probe
     model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
                       residency="lagged", progress=False)
-    prompts = [torch.randint(2, 320, (1, length), generator=torch.Generator().manual_seed(length)) for length in (16, 9)]
+    prompts = [torch.randint(2, 320, (1, length), generator=torch.Generator().manual_seed(length))
+               for length in (16, 9)]
     greedy = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     runs = {}
     for ahead in (True, False):

@@ -17,8 +17,11 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 import mira
 from mira.runtime.generate import SamplingConfig, encode_prompt, stream_generate
+from mira.store.convert import convert
+from tiny_families import CASES, VOCAB, family_checkpoint
 
 EOS = 1  # the tiny checkpoints' end-of-sequence id
+NO_STATIC_CACHE = {"minimax", "deepseek_v4"}  # families whose caches have no static form in transformers
 NEW_TOKENS = 12
 
 
@@ -176,3 +179,20 @@ def test_settling_two_steps_on_decides_as_settling_at_the_next_step(stores):
     # call's end the sent step's, then the last step's, read back then
     first = [(k + 1, True) for k in range(1, steps - 1)] + [(steps, True), (steps, False)]
     assert ahead_settled == first + [(k + steps, sent) for k, sent in first]
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_every_family_decodes_ahead_to_transformers_ids(family, tmp_path):
+    """Every family Mira runs (tests/tiny_families.py), lagged on a static KV cache: each step's inputs
+    made by the family's own generation code, as transformers' loop makes them (sliding windows,
+    linear attention, its own positions)."""
+    store = tmp_path / "store"
+    convert(family_checkpoint(family, tmp_path / "ckpt"), store, "int8-shared", progress=False)
+    model = mira.load(store, device="cpu", residency="lagged", max_context=64, progress=False)
+    prompt = torch.randint(2, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    (ids, streamed), (reference, expected) = _both(model, prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(ids, reference) and streamed.puts == expected.puts
+    if model._kv_cache is None:  # a family that takes no static KV cache decodes in transformers' loop
+        assert family in NO_STATIC_CACHE and streamed.forwards_at_put[1] == 1
+    else:  # the step after the first token ran before that token was streamed
+        assert streamed.forwards_at_put[1] == 2
