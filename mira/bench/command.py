@@ -43,7 +43,9 @@ def add_command(subparsers) -> None:
                     "with every expert resident), lru (on demand, LRU, inline: mixtral-offloading's way), "
                     "lru-lagged, lfu (on demand, least frequently used, inline), static (popularity placement; "
                     "lagged, as it never admits a miss), mira-settle-now and static-settle-now (mira and static "
-                    "with each step settled right after its launch, not at the next step's start), hf-gpu "
+                    "with each step settled right after its launch, not at the next step's start), "
+                    "mira-token-first and static-token-first (mira and static decoding in transformers' own loop, "
+                    "which reads each token back before it launches the next step), hf-gpu "
                     "(transformers, whole model on the GPU in bf16, where it fits) and hf-offload (transformers + accelerate device_map with "
                     "max_memory = the budget; pip install accelerate). Greedy, batch 1, exactly each prompt's new-token count.")
     source = bench.add_mutually_exclusive_group()

@@ -181,7 +181,7 @@ def layer_times(result: dict) -> list[str]:
 CONFIG_ORDER = ("mira", "mira-cpu-auto", "mira-cpu-all", "mira+p", "mira+p-lagged", "mira+gate", "mira-inline",
                 "mira-lagged", "mira-eager", "lru", "lru-lagged", "lfu", "static", "hf-gpu", "hf-offload",
                 "mira-gpu", "mira-device-calibrated", "mira-cpu-split", "mira-settle-now", "static-settle-now",
-                "mira-cut-any", "mira-cpu-graph", "mira-cpu-graph-1")
+                "mira-cut-any", "mira-cpu-graph", "mira-cpu-graph-1", "mira-token-first", "static-token-first")
 
 
 def plot(result: dict, path: str) -> None:
