@@ -250,9 +250,9 @@ class MiraModel:
             self.finish_step()
 
     def _static_decoding(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
-        """Whether this generate call can decode on a static KV cache, as its decode steps must to be
-        replayed from CUDA graphs: one sequence, a model that takes one, and no MoE layer that needs
-        the host after its first call."""
+        """Whether this generate call can decode on a static KV cache, which CUDA graphs need to replay
+        its decode steps: one sequence, a model that takes one, and no MoE layer that needs the host
+        after its first call."""
         return (_one_sequence(input_ids, kwargs, self.hf_model.generation_config)
                 and self._static_cache_taken and all(layer.host_free for layer in self._layers))
 
