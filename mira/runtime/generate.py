@@ -17,11 +17,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TextIO
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
+from mira.runtime.run_ahead import HostCriterion
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
@@ -289,7 +290,7 @@ class _Streamer(BaseStreamer):
         self.stream.finish()
 
 
-class _Halt(StoppingCriteria):
+class _Halt(HostCriterion):
     """Ends generation after the step in which a stop string was met or `cancel` was set."""
 
     def __init__(self, stream: TextStream, cancel: threading.Event):

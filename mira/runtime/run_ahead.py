@@ -12,8 +12,9 @@ dropped and its KV entry lies past the returned sequence (the cache is emptied f
 Every step's inputs are made as generate's loop makes them: `prepare_inputs_for_generation` on
 the ids so far (on the device: the host need not know the last token) and the generation state,
 whose attention mask and positions grow by one after each step (as transformers'
-`_update_model_kwargs_for_generation` does for them). Stopping criteria see the ids on the host;
-end-of-sequence ids are checked on the token read back. Batch 1 only (`applies`).
+`_update_model_kwargs_for_generation` does for them). Stopping criteria see the ids on the host and
+no scores, so a caller's own criteria run ahead only as `HostCriterion`s; end-of-sequence ids are
+checked on the token read back. Batch 1 only (`applies`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from collections import deque
 from collections.abc import Mapping
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria,
+)
 
 from mira.runtime.graphs import CACHE_ARGUMENTS  # generate's keyword for the KV cache, as transformers names it
 
@@ -35,12 +38,22 @@ HANDLED = {  # generate's keywords whose meaning this loop keeps (the rest goes 
 }
 
 
+class HostCriterion(StoppingCriteria):
+    """A stopping criterion that needs neither the ids on their device nor the step's scores, so that
+    decoding ahead may check it on the ids read back to the host (its scores argument None)."""
+
+
+HOST_CRITERIA = (HostCriterion, StopStringCriteria, MaxTimeCriteria, MaxLengthCriteria, EosTokenCriteria)
+
+
 def applies(hf_model, input_ids: torch.Tensor, kwargs: Mapping) -> bool:
     """Whether this loop decodes this `generate` call as transformers' loop would: one sequence, one
-    beam, keywords it handles, and a model whose generation state grows the generic way (`_grow`)."""
+    beam, keywords it handles, stopping criteria it may check on the host (`HOST_CRITERIA`), and a
+    model whose generation state grows the generic way (`_grow`)."""
     update = type(hf_model)._update_model_kwargs_for_generation
     return (update.__qualname__.startswith("GenerationMixin.") and input_ids.shape[0] == 1
-            and set(kwargs) <= HANDLED and kwargs.get("num_beams", 1) in (1, None))
+            and set(kwargs) <= HANDLED and kwargs.get("num_beams", 1) in (1, None)
+            and all(isinstance(criterion, HOST_CRITERIA) for criterion in kwargs.get("stopping_criteria") or ()))
 
 
 class _Landing:

@@ -2,13 +2,15 @@
 steps replay): the same greedy ids as transformers' loop (`decode_ahead = False`) on the same
 lagged model under a budget, with the steps replayed from CUDA graphs; and between two new tokens
 the host does not wait for the device but to read a token back that has landed, where transformers'
-loop waits for each step.
+loop waits for each step. A caller's stopping criterion that holds CUDA tensors of its own keeps
+transformers' loop, and stops where it would.
 
 Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
 """
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import mira
 from gpu_counts import sync_warnings, syncs
@@ -33,12 +35,26 @@ class _Syncs:
         pass
 
 
-def test_decoding_ahead_replays_the_same_ids_without_waiting_for_each_step(mixtral_store):
-    probe = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, progress=False)
+class _StopOnIds(StoppingCriteria):
+    """Stops once the last id is one of `ids` (on the GPU): the ids must be where the model is."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1:] == self.ids).any(dim=-1)
+
+
+def _lagged(store):
+    probe = mira.load(store, device="cuda", dtype="bfloat16", vram_budget=64 << 30, progress=False)
     budget = probe.plan.reserve_bytes + 10 * probe.store.blob_bytes  # 10 of 24 experts: misses read from the host
     del probe
-    model = mira.load(mixtral_store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
-                      residency="lagged", progress=False)
+    return mira.load(store, device="cuda", dtype="bfloat16", vram_budget=budget, prefetch="off",
+                     residency="lagged", progress=False)
+
+
+def test_decoding_ahead_replays_the_same_ids_without_waiting_for_each_step(mixtral_store):
+    model = _lagged(mixtral_store)
     prompts = [torch.randint(2, 320, (1, length), generator=torch.Generator().manual_seed(length))
                for length in (16, 9)]
     greedy = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -60,3 +76,14 @@ def test_decoding_ahead_replays_the_same_ids_without_waiting_for_each_step(mixtr
     print(f"\nhost syncs between two new tokens: ahead {ahead_between}, token first {first_between}")
     assert all(count == 0 for counts in ahead_between for count in counts)
     assert all(count > 0 for counts in first_between for count in counts)
+
+
+def test_a_criterion_holding_cuda_tensors_stops_where_transformers_loop_stops(mixtral_store):
+    model = _lagged(mixtral_store)
+    prompt = torch.randint(2, 320, (1, 12), generator=torch.Generator().manual_seed(4))
+    greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    full = model.generate(prompt, **greedy)[0, 12:].cpu()  # by default decoded ahead, steps replayed
+    stop = full[5:7].to("cuda")  # two ids, the first of which comes at the 6th new token at the latest
+    first = min(i for i, token in enumerate(full.tolist()) if token in stop.tolist())
+    ids = model.generate(prompt, stopping_criteria=StoppingCriteriaList([_StopOnIds(stop)]), **greedy)
+    assert torch.equal(ids[0, 12:].cpu(), full[: first + 1])

@@ -2,8 +2,8 @@
 
 On the CPU, forced (`decode_ahead = True`; by default it runs where steps replay from CUDA graphs):
 the same ids, streamed in the same order, as `generate`'s own sampling loop on the same settings,
-greedy and seeded sampling, stopped by the length, an end-of-sequence id or a stopping criterion;
-token k is streamed only once step k + 1 has been called; the logprob tap hands each token its own
+greedy and seeded sampling, stopped by the length, an end-of-sequence id or a stopping criterion
+(a caller's own criterion, unless a HostCriterion, keeps transformers' loop); token k is streamed only once step k + 1 has been called; the logprob tap hands each token its own
 step's log-probabilities; and a lagged model that settles each step two steps on makes the same
 policy decisions as one that settles it at the next step.
 """
@@ -17,6 +17,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 import mira
 from mira.runtime.generate import SamplingConfig, encode_prompt, stream_generate
+from mira.runtime.run_ahead import HostCriterion
 from mira.store.convert import convert
 from tiny_families import CASES, VOCAB, family_checkpoint
 
@@ -49,8 +50,8 @@ class _Forced(LogitsProcessor):
         return scores
 
 
-class _StopAfter(StoppingCriteria):
-    """Stops once the ids hold `token` after the prompt."""
+class _StopAfter(HostCriterion):
+    """Stops once the ids hold `token` after the prompt (read on the host when decoding ahead)."""
 
     def __init__(self, prompt: int, token: int):
         self.prompt, self.token = prompt, token
@@ -58,6 +59,17 @@ class _StopAfter(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         found = bool((input_ids[0, self.prompt:] == self.token).any())
         return torch.full((input_ids.shape[0],), found, dtype=torch.bool, device=input_ids.device)
+
+
+class _StopOnIds(StoppingCriteria):
+    """Stops once the last id is one of `ids`, a tensor kept where the model is: decoding ahead would
+    hand it the ids on the host."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1:] == self.ids).any(dim=-1)
 
 
 class _Streamed:
@@ -127,6 +139,17 @@ def test_a_stop_ends_decoding_ahead_where_transformers_ends(stores, stop):
     assert ids.shape[1] == prompt.shape[1] + 5 and ids[0, -1] == token
     assert torch.equal(ids, reference) and streamed.puts == expected.puts
     assert streamed.forwards_at_put[-1] == 6  # the 6th step ran ahead and was dropped
+
+
+def test_a_callers_own_criterion_keeps_transformers_loop(stores):
+    model = mira.load(stores["mixtral", "int8-row"], device="cpu", residency="lagged", progress=False)
+    prompt = _prompt()
+    forced = LogitsProcessorList([_Forced(prompt.shape[1] + 4, 7)])
+    criteria = StoppingCriteriaList([_StopOnIds(torch.tensor([7, 9]))])
+    (ids, streamed), (reference, expected) = _both(model, prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                   logits_processor=forced, stopping_criteria=criteria)
+    assert ids.shape[1] == prompt.shape[1] + 5 and torch.equal(ids, reference)
+    assert streamed.forwards_at_put == expected.forwards_at_put  # no step ran ahead of its token
 
 
 def test_the_logprob_tap_reads_each_tokens_own_step():
