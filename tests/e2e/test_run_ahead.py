@@ -3,9 +3,10 @@
 On the CPU, forced (`decode_ahead = True`; by default it runs where steps replay from CUDA graphs):
 the same ids, streamed in the same order, as `generate`'s own sampling loop on the same settings,
 greedy and seeded sampling, stopped by the length, an end-of-sequence id or a stopping criterion
-(a caller's own criterion, unless a HostCriterion, keeps transformers' loop); token k is streamed only once step k + 1 has been called; the logprob tap hands each token its own
-step's log-probabilities; and a lagged model that settles each step two steps on makes the same
-policy decisions as one that settles it at the next step.
+(a caller's own criterion, unless a HostCriterion, keeps transformers' loop); token k is streamed
+only once step k + 1 has been called; the logprob tap hands each token its own step's
+log-probabilities; and a lagged model that settles each step two steps on makes the same policy
+decisions as one that settles it at the next step.
 """
 
 from __future__ import annotations
