@@ -129,7 +129,8 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
     choose(outputs.logits)
     del outputs
     taken = prompt  # ids the host has read back, streamed and checked
-    host_ids = input_ids.cpu()
+    host_ids = torch.empty((1, limit), dtype=input_ids.dtype)  # the sequence as the host knows it: [:, :taken]
+    host_ids[:, :prompt] = input_ids.cpu()
     while landing:
         if length < limit:  # the next step, from the token the device chose
             _grow(model_kwargs)
@@ -138,11 +139,11 @@ def decode_ahead(model, input_ids: torch.Tensor, logits_processor: LogitsProcess
             choose(outputs.logits)
             del inputs, outputs
         token = landing.take()
+        host_ids[0, taken] = token
         taken += 1
-        host_ids = torch.cat([host_ids, torch.tensor([[token]], dtype=host_ids.dtype)], dim=1)
         # the criteria first, then the streamer: as in generate's loop, a criterion that reads what was
         # streamed (a stop string) stops the step after the token that met it
-        halt = token in eos or any(bool(criterion(host_ids, None).any()) for criterion in host_criteria)
+        halt = token in eos or any(bool(criterion(host_ids[:, :taken], None).any()) for criterion in host_criteria)
         if streamer is not None:
             streamer.put(torch.tensor([token]))
         if halt:
