@@ -103,6 +103,13 @@ GATE_UP += [GemvConfig(64, 1024, unroll=unroll, num_warps=8, cvt="half2") for un
 DOWN += [GemvConfig(64, 256, unroll=8, num_warps=2, split=28, cvt="half2"),
          GemvConfig(64, 512, unroll=8, num_warps=4, split=14, cvt="half2"),
          GemvConfig(64, 512, unroll=8, num_warps=4, split=28, cvt="half2")]
+# short rows (H or I of 2048 and less: Qwen3-30B-A3B, OLMoE, DeepSeek-V2-Lite): few tiles a matrix, so
+# each program takes a whole row of H in one step with every load in flight, or I split more finely
+GATE_UP += [GemvConfig(64, cols, unroll=unroll, num_warps=warps, cvt="half2")
+            for cols, unroll, warps in ((2048, 16, 8), (2048, 8, 8), (2048, 16, 16), (1024, 16, 4), (512, 16, 4))]
+DOWN += [GemvConfig(64, cols, unroll=unroll, num_warps=warps, split=split, cvt="half2")
+         for cols, unroll, warps, split in ((256, 16, 1, 8), (256, 16, 2, 8), (256, 8, 1, 8), (512, 16, 4, 4),
+                                            (1024, 16, 8, 1), (1024, 16, 4, 2))]
 GEMM = [  # prefill launch candidates (block_n whole tiles; a K step stays inside one group: block_k is cut to it)
     GemmConfig(64, 128, 64, num_warps=8, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 64, 64, num_warps=4, num_stages=3), GemmConfig(128, 64, 64, num_warps=4, num_stages=3),
