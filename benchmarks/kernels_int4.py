@@ -508,13 +508,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {args.out} in {result['wall_s']} s")
     if tuned and not args.smoke:
         path = save_configs(tuning_name(gpu), tuned, {"written_by": result["command"], "date": result["date"],
                                                       "commit": result["commit"]}, args.tuning_dir)
         log(f"tuned configurations written to {path}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {args.out} in {result['wall_s']} s")
 
 
 if __name__ == "__main__":

@@ -496,21 +496,23 @@ def tuning_name(device_name: str) -> str:
 
 
 def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
-    """An untuned configuration for the H200: one tile (of units or of H rows) per program, steps of
-    4 to 16 groups on 1 to 4 warps by the length of the rows, and the down reduction split so that
-    a token's down launch has about 4 programs per SM (Mixtral's H has only 64 tiles)."""
-    up, down = _gemv(hidden), _gemv(intermediate)
+    """An untuned configuration after what the H100's and H200's autotunes chose: one tile (of units
+    or of H rows) a program, "half2" codes; gate/up steps of up to 2048 columns (short rows give few
+    programs, so each sends out all its loads at once), down steps of up to 1024, the reduction split
+    so that a token's down launch has about 4 programs per SM (Mixtral's H has only 64 tiles)."""
+    up, down = _gemv(hidden, widest=2048), _gemv(intermediate, widest=1024)
     steps = triton.cdiv(intermediate, down.block_cols)
     split = max(1, min(steps, triton.cdiv(4 * DESIGN_SMS, hidden // TILE)))
     return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split),
                         gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
 
-def _gemv(columns: int) -> GemvConfig:
-    """One tile per program and steps of 16 groups on 4 warps over rows of `columns`, fewer for
-    shorter rows (at least 4 steps a row where it has them)."""
-    block_cols = 1024 if columns >= 4096 else 512 if columns >= 2048 else 256
-    return GemvConfig(block_rows=TILE, block_cols=block_cols, unroll=8, num_warps=block_cols // 256)
+def _gemv(columns: int, widest: int) -> GemvConfig:
+    """One tile a program, steps of a row's `columns` up to `widest` (at least 256) on a warp per 256
+    of them, all 16 sub-steps of a group issued together, "half2" codes."""
+    block_cols = min(widest, max(256, triton.next_power_of_2(columns)))
+    return GemvConfig(block_rows=TILE, block_cols=block_cols, unroll=SUB_STEPS, num_warps=block_cols // 256,
+                      cvt="half2")
 
 
 def load_int4_config(device_name: str, hidden: int, intermediate: int, directory: Path = TUNING_DIR) -> KernelConfig:

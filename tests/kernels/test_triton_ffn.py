@@ -350,10 +350,16 @@ def test_factory_triton_backend_matches_reference_backend(small):
 def test_tuning_file_round_trip_and_default(tmp_path):
     tuned = KernelConfig(decode_max_pairs=8, gate_up_gemv=GemvConfig(32, 128, unroll=4, cvt="prmt"),
                          down_gemv=GemvConfig(16, 256, mma=True), gemm=GemmConfig(128, 64, 32))
+    tmp_path = tmp_path / "tuning"  # a directory not made yet: an autotune writing to a fresh place
     path = save_configs("NVIDIA H200", {(H, I): tuned}, {"written_by": "test"}, directory=tmp_path)
     assert path.name == "nvidia-h200.json" and device_key("NVIDIA H200") == "nvidia-h200"
     assert load_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
-    assert load_config("NVIDIA H200", H, 2 * I, directory=tmp_path) == default_config(H, 2 * I)
+    other = KernelConfig(decode_max_pairs=4)
+    save_configs("NVIDIA H200", {(H, 2 * I): other}, {"written_by": "test"}, directory=tmp_path)  # merged
+    assert load_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
+    assert load_config("NVIDIA H200", H, 2 * I, directory=tmp_path) == other
+    assert [p.name for p in tmp_path.iterdir()] == ["nvidia-h200.json"]  # no temporary left
+    assert load_config("NVIDIA H200", H, 3 * I, directory=tmp_path) == default_config(H, 3 * I)
     assert load_config("Some Other GPU", H, I, directory=tmp_path) == default_config(H, I)
     path.write_text(json.dumps({"shapes": {f"{H}x{I}": {"gemm": {}}}}))
     with pytest.raises(ValueError, match="--autotune"):

@@ -22,6 +22,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mira.store.files import write_json_atomic
+
 TUNING_DIR = Path(__file__).resolve().parent
 
 
@@ -133,11 +135,13 @@ def load_config(device_name: str, hidden: int, intermediate: int, directory: Pat
 
 def save_configs(device_name: str, configs: dict[tuple[int, int], KernelConfig], meta: dict,
                  directory: Path = TUNING_DIR) -> Path:
-    """Merge `configs` ({(hidden, intermediate): config}) into the device's file; returns its path."""
+    """Merge `configs` ({(hidden, intermediate): config}) into the device's file, written whole or not
+    at all (the directory made if missing); returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{device_key(device_name)}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     shapes = data.get("shapes", {})
     shapes.update({shape_key(h, i): config.to_json() for (h, i), config in configs.items()})
     data = {"device": device_name, **meta, "shapes": dict(sorted(shapes.items()))}
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_json_atomic(path, data)
     return path
