@@ -497,10 +497,13 @@ def tuning_name(device_name: str) -> str:
 
 def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
     """An untuned configuration after what the H100's and H200's autotunes chose: one tile (of units
-    or of H rows) a program, "half2" codes; gate/up steps of up to 2048 columns (short rows give few
-    programs, so each sends out all its loads at once), down steps of up to 1024, the reduction split
-    so that a token's down launch has about 4 programs per SM (Mixtral's H has only 64 tiles)."""
-    up, down = _gemv(hidden, widest=2048), _gemv(intermediate, widest=1024)
+    or of H rows) a program, "half2" codes; gate/up takes a row of up to 2048 columns in one step on
+    8 warps (short rows come with small experts: few programs, each sending out all its loads at
+    once), longer ones in steps of 1024 on 4 warps (many programs, more of them on an SM); down steps
+    of up to 1024, the reduction split so that a token's down launch has about 4 programs per SM
+    (Mixtral's H has only 64 tiles)."""
+    up = _gemv(hidden, widest=2048 if hidden <= 2048 else 1024)
+    down = _gemv(intermediate, widest=1024)
     steps = triton.cdiv(intermediate, down.block_cols)
     split = max(1, min(steps, triton.cdiv(4 * DESIGN_SMS, hidden // TILE)))
     return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split),
