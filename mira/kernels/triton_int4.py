@@ -497,9 +497,9 @@ def tuning_name(device_name: str) -> str:
 
 def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
     """An untuned configuration after what the H100's and H200's autotunes chose: one tile (of units
-    or of H rows) a program, "half2" codes; gate/up takes a row of up to 2048 columns in one step on
-    8 warps (short rows come with small experts: few programs, each sending out all its loads at
-    once), longer ones in steps of 1024 on 4 warps (many programs, more of them on an SM); down steps
+    or of H rows) a program, "half2" codes; gate/up takes a row of up to 2048 columns in one step
+    (short rows come with small experts: few programs, each sending out all its loads at once),
+    longer ones in steps of 1024 on 4 warps (many programs, more of them on an SM); down steps
     of up to 1024, the reduction split so that a token's down launch has about 4 programs per SM
     (Mixtral's H has only 64 tiles)."""
     up = _gemv(hidden, widest=2048 if hidden <= 2048 else 1024)
