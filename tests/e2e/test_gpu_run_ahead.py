@@ -10,10 +10,11 @@ Skipped without a GPU; run on the GPU machine with `python -m pytest -m gpu`.
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 import mira
 from gpu_counts import sync_warnings, syncs
+from stop_on_ids import StopOnIds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NEW_TOKENS = 24
@@ -33,16 +34,6 @@ class _Syncs:
 
     def end(self) -> None:
         pass
-
-
-class _StopOnIds(StoppingCriteria):
-    """Stops once the last id is one of `ids` (on the GPU): the ids must be where the model is."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return (input_ids[:, -1:] == self.ids).any(dim=-1)
 
 
 def _lagged(store):
@@ -85,5 +76,5 @@ def test_a_criterion_holding_cuda_tensors_stops_where_transformers_loop_stops(mi
     full = model.generate(prompt, **greedy)[0, 12:].cpu()  # by default decoded ahead, steps replayed
     stop = full[5:7].to("cuda")  # two ids, the first of which comes at the 6th new token at the latest
     first = min(i for i, token in enumerate(full.tolist()) if token in stop.tolist())
-    ids = model.generate(prompt, stopping_criteria=StoppingCriteriaList([_StopOnIds(stop)]), **greedy)
+    ids = model.generate(prompt, stopping_criteria=StoppingCriteriaList([StopOnIds(stop)]), **greedy)
     assert torch.equal(ids[0, 12:].cpu(), full[: first + 1])

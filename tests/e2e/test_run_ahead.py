@@ -14,12 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import mira
 from mira.runtime.generate import SamplingConfig, encode_prompt, stream_generate
 from mira.runtime.run_ahead import HostCriterion
 from mira.store.convert import convert
+from stop_on_ids import StopOnIds
 from tiny_families import CASES, VOCAB, family_checkpoint
 
 EOS = 1  # the tiny checkpoints' end-of-sequence id
@@ -60,17 +61,6 @@ class _StopAfter(HostCriterion):
     def __call__(self, input_ids, scores, **kwargs):
         found = bool((input_ids[0, self.prompt:] == self.token).any())
         return torch.full((input_ids.shape[0],), found, dtype=torch.bool, device=input_ids.device)
-
-
-class _StopOnIds(StoppingCriteria):
-    """Stops once the last id is one of `ids`, a tensor kept where the model is: decoding ahead would
-    hand it the ids on the host."""
-
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return (input_ids[:, -1:] == self.ids).any(dim=-1)
 
 
 class _Streamed:
@@ -146,7 +136,7 @@ def test_a_callers_own_criterion_keeps_transformers_loop(stores):
     model = mira.load(stores["mixtral", "int8-row"], device="cpu", residency="lagged", progress=False)
     prompt = _prompt()
     forced = LogitsProcessorList([_Forced(prompt.shape[1] + 4, 7)])
-    criteria = StoppingCriteriaList([_StopOnIds(torch.tensor([7, 9]))])
+    criteria = StoppingCriteriaList([StopOnIds(torch.tensor([7, 9]))])
     (ids, streamed), (reference, expected) = _both(model, prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
                                                    logits_processor=forced, stopping_criteria=criteria)
     assert ids.shape[1] == prompt.shape[1] + 5 and torch.equal(ids, reference)
