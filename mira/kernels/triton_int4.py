@@ -39,6 +39,8 @@ for the INT4 GEMVs:
         in fp16 within a group, inline PTX: `_half2_fma`; interpreted, the same arithmetic in Triton
         operations).
     mma: not implemented; programs_per_sm and split as for INT8.
+    prefetch: (down) in a dependent launch, each program asks L2 for the lines of its tiles' codes
+        and scales (`_down_lines`) before it waits for gate/up.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
 
@@ -57,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mira.kernels.dependent import await_primary, prefetch_l2, release
 from mira.kernels.triton_ffn import (
     TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert, split_span,
 )
@@ -76,6 +79,8 @@ TILE_W: tl.constexpr = tl.constexpr(TILE)  # the same, for the kernels
 HALF_W: tl.constexpr = tl.constexpr(HALF)
 GROUP_W: tl.constexpr = tl.constexpr(GROUP)
 LPG_W: tl.constexpr = tl.constexpr(LANES_PER_GROUP)
+LINES_PER_GROUP_W: tl.constexpr = tl.constexpr(GROUP * HALF // 128)  # 128-byte lines of a tile's group of codes
+PREFETCH_GROUPS: tl.constexpr = tl.constexpr(8)  # groups of a down tile whose lines one prefetch step asks for
 # inline PTX where the kernels compile; the interpreter runs `_half2_fma` and `_f16_pair` as the same
 # f16 arithmetic in Triton operations
 PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
@@ -308,9 +313,12 @@ def _gate_up_gemv4(
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
     CUBIC: tl.constexpr, GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr, GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    DEPENDENT: tl.constexpr,
 ):
     """Decode launch 1: program (pair, b) -> act[pair, units] of unit tiles [b TILES, (b + 1) TILES),
-    BLOCK_T at a time: their gate tiles, then their up tiles (ungated: the up tiles, rows [0, I))."""
+    BLOCK_T at a time: their gate tiles, then their up tiles (ungated: the up tiles, rows [0, I)).
+    DEPENDENT: the down launch may start once every program has begun (mira.kernels.dependent)."""
+    release(DEPENDENT)
     pair = tl.program_id(0)
     tile_start = tl.program_id(1) * TILES
     tile_end = tl.minimum(tile_start + TILES, I // TILE_W)
@@ -343,11 +351,13 @@ def _down_gemv4(
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
     H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
     summed over columns [s SPAN, (s + 1) SPAN) of I; split sums are added by the last program of a
-    row block to arrive, in split order (as the INT8 `_down_gemv`)."""
+    row block to arrive, in split order (as the INT8 `_down_gemv`). DEPENDENT: a dependent launch,
+    which waits for gate/up's act before its reads, and with PREFETCH first asks L2 for the bytes
+    of its experts it will read (mira.kernels.dependent)."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -355,6 +365,18 @@ def _down_gemv4(
     rows = block * BLOCK_T * TILE_W + tl.arange(0, BLOCK_T * TILE_W)
     group_start = split * (SPAN // GROUP_W)
     group_end = tl.minimum(group_start + SPAN // GROUP_W, I // GROUP_W)
+    if PREFETCH:
+        for k in range(0, K):
+            ahead = tl.load(bases_ptr + tl.load(index_ptr + token * K + k))
+            if ahead != 0:
+                blob = ahead.to(tl.pointer_type(tl.uint8))
+                for t in range(0, BLOCK_T):
+                    tile = tl.minimum(block * BLOCK_T + t, H // TILE_W - 1)
+                    for g0 in range(group_start, group_end, PREFETCH_GROUPS):
+                        codes, scales = _down_lines(tile, g0, group_end, H, I, W2_OFF, SZ2_OFF, PREFETCH_GROUPS)
+                        prefetch_l2(blob + codes, DEPENDENT)
+                        prefetch_l2(blob + scales, DEPENDENT)
+    await_primary(DEPENDENT)
     total = tl.zeros([BLOCK_T * TILE_W], dtype=tl.float32)
     for k in range(0, K):
         pair = token * K + k
@@ -370,6 +392,20 @@ def _down_gemv4(
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + rows, total, rows < H, partial_ptr, count_ptr,
                      token * tl.num_programs(1) + block, split, SPLIT, BLOCK_T * TILE_W)
+
+
+@triton.jit
+def _down_lines(tile, g0, group_end, H, I, W2_OFF, SZ2_OFF, GROUPS: tl.constexpr):
+    """Blob offsets of 128-byte lines the down GEMV reads for one tile of H rows over groups
+    [g0, min(g0 + GROUPS, group_end)) of I: (codes [GROUPS * 16], scales [GROUPS * 2]); offsets
+    past group_end repeat the last group's."""
+    c = tl.arange(0, GROUPS * LINES_PER_GROUP_W)
+    g = tl.minimum(g0 + c // LINES_PER_GROUP_W, group_end - 1).to(tl.int64)
+    codes = W2_OFF + tile.to(tl.int64) * (HALF_W * I) + g * (GROUP_W * HALF_W) + c % LINES_PER_GROUP_W * 128
+    s = tl.arange(0, GROUPS * 2)  # a group's (s, z) words of a tile's rows: 64 x 4 bytes
+    g = tl.minimum(g0 + s // 2, group_end - 1).to(tl.int64)
+    scales = SZ2_OFF + (g * H + tile * TILE_W) * 4 + s % 2 * 128
+    return codes, scales
 
 
 @triton.jit
@@ -501,12 +537,14 @@ def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
     (short rows come with small experts: few programs, each sending out all its loads at once),
     longer ones in steps of 1024 on 4 warps (many programs, more of them on an SM); down steps
     of up to 1024, the reduction split so that a token's down launch has about 4 programs per SM
-    (Mixtral's H has only 64 tiles)."""
+    (Mixtral's H has only 64 tiles). Where one expert's gate/up launch has fewer programs than the
+    GPU has SMs, the down launch prefetches its bytes while gate/up runs."""
     up = _gemv(hidden, widest=2048 if hidden <= 2048 else 1024)
     down = _gemv(intermediate, widest=1024)
     steps = triton.cdiv(intermediate, down.block_cols)
     split = max(1, min(steps, triton.cdiv(4 * DESIGN_SMS, hidden // TILE)))
-    return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split),
+    prefetch = intermediate // TILE < DESIGN_SMS
+    return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split, prefetch=prefetch),
                         gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
 
@@ -561,7 +599,7 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=up.cvt,
-            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up,
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up, DEPENDENT=self._dependent,
         )
         span = self._down_span
         splits = triton.cdiv(I, span)
@@ -569,7 +607,8 @@ class TritonInt4MoEFFN(TritonMoEFFN):
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
             LANES=_lanes(down), UNROLL=down.unroll, CVT=down.cvt, SPLIT=splits, num_warps=down.num_warps,
-            num_stages=down.num_stages, **self._after_down,
+            num_stages=down.num_stages, **self._after_down, DEPENDENT=self._dependent,
+            PREFETCH=self._dependent and down.prefetch, **self._dependent_launch,
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:

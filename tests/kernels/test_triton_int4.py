@@ -27,7 +27,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton.language")
 
-from mira.kernels import ReferenceMoEFFN, make_moe_ffn  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mira.kernels import ReferenceMoEFFN, dependent, make_moe_ffn, triton_int4  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_int4 import (  # noqa: E402
     CVTS, TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
@@ -246,6 +249,46 @@ def test_configurations_the_kernels_cannot_run_are_refused(config, message):
         TritonInt4MoEFFN(ExpertLayout("int4", H, I), DEVICE, config=config)
 
 
+@triton.jit
+def _store_down_lines(codes_ptr, scales_ptr, tile, g0, group_end, H, I, W2_OFF, SZ2_OFF):
+    codes, scales = triton_int4._down_lines(tile, g0, group_end, H, I, W2_OFF, SZ2_OFF, 8)
+    tl.store(codes_ptr + tl.arange(0, 8 * 16), codes)
+    tl.store(scales_ptr + tl.arange(0, 8 * 2), scales)
+
+
+@pytest.mark.parametrize(("tile", "groups"), [(0, (0, 25)), (63, (200, 224)), (5, (24, 25))])
+def test_down_prefetch_asks_for_the_lines_the_down_launch_reads(tile, groups):
+    """The lines a prefetching down program asks L2 for, over its steps of 8 groups, are exactly the
+    128-byte lines of its tile's codes and (s, z) words in its groups, worked out from the layout
+    (Mixtral's shape: 64 tiles of H rows, 224 groups of I; a split span of 25 groups, the last
+    span and tile, a span of one group)."""
+    hidden, intermediate = 4096, 14336
+    layout = ExpertLayout("int4", hidden, intermediate)
+    w2, sz2 = layout.sections["w2"], layout.sections["sz2"]
+    start, end = groups
+    want = set()
+    for g in range(start, end):
+        codes = w2.offset + tile * 32 * intermediate + g * 64 * 32  # a tile's column: 32 bytes, a group 64 columns
+        want |= {codes + 128 * n for n in range(16)}
+        scales = sz2.offset + (g * hidden + tile * 64) * 4  # (s, z) words [I / 64, H]: a tile's 64 rows
+        want |= {scales, scales + 128}
+    got = set()
+    for g0 in range(start, end, 8):
+        codes, scales = torch.empty(128, dtype=torch.int64), torch.empty(16, dtype=torch.int64)
+        _store_down_lines[(1,)](codes, scales, tile, g0, end, hidden, intermediate, w2.offset, sz2.offset)
+        got |= set(codes.tolist()) | set(scales.tolist())
+    assert got == want
+    assert all(w2.offset <= line < w2.offset + w2.nbytes or sz2.offset <= line < sz2.offset + sz2.nbytes
+               for line in got)
+
+
+def test_untuned_down_launch_prefetches_where_gate_up_leaves_sms_idle():
+    """One expert's gate/up launch has I / 64 programs: Qwen3-30B-A3B, OLMoE and DeepSeek-V2-Lite
+    (12 to 22) leave most of a 132-SM GPU idle, Mixtral (224) does not."""
+    assert [default_int4_config(2048, i).down_gemv.prefetch for i in (768, 1024, 1408)] == [True] * 3
+    assert not default_int4_config(4096, 14336).down_gemv.prefetch
+
+
 def test_int8_layouts_are_refused():
     with pytest.raises(ValueError, match="read int4 blobs, not 'int8-shared'"):
         TritonInt4MoEFFN(ExpertLayout("int8-shared", H, I), DEVICE, config=default_int4_config(H, I))
@@ -415,3 +458,48 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
         graph.replay()
         assert torch.equal(out, first)
     assert int(ffn._split_counts.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not dependent.supported_on(torch.device("cuda")),
+                    reason="dependent launches need compute capability 9.0 and Triton 3.4")
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shape):
+    """The down launch started while gate/up runs, with and without its prefetch, waits for act:
+    the same bits as two ordinary launches, for experts in slots and one read zero-copy, called
+    and replayed in a CUDA graph. The act workspace is NaN before every call."""
+    layout, blobs = real_blobs(shape)
+    config = load_int4_config(torch.cuda.get_device_name(), *REAL_SHAPES[shape])
+    ffns = [TritonInt4MoEFFN(layout, "cuda", num_experts=8, config=dataclasses.replace(
+        config, dependent_launch=flag, down_gemv=dataclasses.replace(config.down_gemv, prefetch=prefetch)))
+        for flag, prefetch in ((False, False), (True, False), (True, True))]
+    assert [ffn._dependent for ffn in ffns] == [False, True, True]
+    pinned = list(blobs)
+    pinned[3] = blobs[3].cpu().pin_memory()
+    for tokens in (1, 4):
+        hidden = torch.randn(tokens, layout.hidden, device="cuda", dtype=torch.bfloat16)
+        index, weights = routing(tokens, 8, K, seed=tokens, device="cuda")
+        index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
+        weights = weights.bfloat16()
+        for experts in (blobs, pinned):
+            bases = torch.tensor([b.data_ptr() for b in experts], dtype=torch.int64, device="cuda")
+            outs = []
+            for ffn in ffns:
+                ffn._decode_act.fill_(float("nan"))
+                outs.append(ffn.forward_bases(hidden, index, weights, bases).clone())
+            assert all(torch.equal(out, outs[0]) for out in outs)
+            out = torch.empty_like(hidden)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                ffns[2].forward_bases(hidden, index, weights, bases, out=out)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ffns[2].forward_bases(hidden, index, weights, bases, out=out)
+            for _ in range(3):
+                out.fill_(float("nan"))
+                ffns[2]._decode_act.fill_(float("nan"))
+                graph.replay()
+                assert torch.equal(out, outs[0])

@@ -45,6 +45,9 @@ class GemvConfig:
     split: (the down launch on the CUDA cores) split each row's reduction over I between this
         many programs, for more programs than H / block_rows; the last to finish adds the
         partial sums, in a fixed order.
+    prefetch: (the INT4 down launch, where it is a dependent launch: KernelConfig.dependent_launch)
+        each program asks L2 for its weight bytes before it waits for gate/up: it pays where
+        gate/up leaves SMs idle (small experts), and costs where gate/up fills the GPU.
     """
 
     block_rows: int = 16
@@ -56,6 +59,7 @@ class GemvConfig:
     mma: bool = False
     programs_per_sm: int = 0
     split: int = 1
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,15 @@ class KernelConfig:
 
     decode_max_pairs: calls with at most this many routed (token, expert) pairs use the GEMV
         launches; more use the grouped GEMM.
+    dependent_launch: where the GPU can (mira.kernels.dependent), the decode's down launch starts
+        while gate/up still runs, hiding the gap between them.
     """
 
     decode_max_pairs: int = 16
     gate_up_gemv: GemvConfig = field(default_factory=GemvConfig)
     down_gemv: GemvConfig = field(default_factory=lambda: GemvConfig(block_rows=8, block_cols=512))
     gemm: GemmConfig = field(default_factory=GemmConfig)
+    dependent_launch: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -94,6 +101,7 @@ class KernelConfig:
             gate_up_gemv=GemvConfig(**data["gate_up_gemv"]),
             down_gemv=GemvConfig(**data["down_gemv"]),
             gemm=GemmConfig(**data["gemm"]),
+            dependent_launch=bool(data.get("dependent_launch", True)),
         )
 
 
