@@ -1,19 +1,14 @@
-"""Time the decode launches with the down launch dependent on gate/up, and with the INT4 down prefetch.
+"""Time the INT4 decode launches with the down launch dependent on gate/up where that pays.
 
-Per expert shape (random blobs, bf16 activations, batch 1), on one GPU, in turns within each repeat:
-
-- INT4: the stored (or untuned) configuration as ordinary launches, as dependent ones
-  (KernelConfig.dependent_launch: the down launch starts while gate/up runs), and dependent with
-  the down programs prefetching their bytes (GemvConfig.prefetch), each way round from what the
-  configuration says;
-- INT8 (int8-shared): ordinary and dependent launches.
-
-Each is timed for one expert from HBM, for a token's layer at the shape's top-k (its K experts of
-8 distinct blobs, from HBM), and, for INT4, for one expert read zero-copy from pinned host memory
-(a miss under a budget). Figures are per call, --repeats repeats of the median of --replays
-CUDA-graph replays; the JSON keeps every repeat, its median and range. Ratios are against the
-ordinary launches of the same run. On a GPU without dependent launches (mira.kernels.dependent)
-the script says so and stops.
+Per expert shape (random INT4 blobs, bf16 activations, batch 1), on one GPU, in turns within each
+repeat: the stored (or untuned) configuration as ordinary launches (KernelConfig.dependent_launch
+false) and as the runtime launches it (true: the down launch starts while gate/up runs, prefetching
+its bytes, where both grids fit on the SMs; mira.kernels.dependent). Each is timed for one expert
+from HBM, for a token's layer at the shape's top-k (its K experts of 8 distinct blobs, from HBM),
+and for one expert read zero-copy from pinned host memory (a miss under a budget). Figures are per
+call, --repeats repeats of the median of --replays CUDA-graph replays; the JSON keeps every repeat,
+its median and range, and whether each call was dependent. Ratios are against the ordinary
+launches of the same run. On a GPU without dependent launches the script says so and stops.
 
     python benchmarks/dependent_launch.py [--shapes mixtral-8x7b,...] [--repeats 3] [--out FILE]
 """
@@ -31,31 +26,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots  # noqa: E402
-from kernels_int8 import ROTATE_BYTES, Timer, random_slots  # noqa: E402
+from kernels_int8 import ROTATE_BYTES, Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E402
 from mira.kernels import dependent  # noqa: E402
-from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
-from mira.kernels.tuning import load_config  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 TOP_K = {"mixtral-8x7b": 2, "deepseek-v2-lite": 6, "qwen3-30b-a3b": 8, "olmoe-1b-7b": 8}  # the models' own
 LAYER_BLOBS = 8  # distinct blobs a layer call's top-k experts are taken from
-
-
-def variants(config, int4: bool) -> dict:
-    """The launch variants of one configuration: ordinary, dependent, and for INT4 dependent with
-    the down prefetch (whatever the configuration itself says of the last two)."""
-    ways = [("ordinary", False, False), ("dependent", True, False)] + ([("dependent, prefetch", True, True)]
-                                                                     if int4 else [])
-    return {label: dataclasses.replace(config, dependent_launch=flag,
-                                       down_gemv=dataclasses.replace(config.down_gemv, prefetch=prefetch))
-            for label, flag, prefetch in ways}
+WAYS = {"ordinary": False, "dependent where it pays": True}  # KernelConfig.dependent_launch
 
 
 def spread(values: list[float]) -> dict:
@@ -78,65 +62,61 @@ def main() -> None:
               "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
               "setup": {"activations": "bfloat16", "timing": f"{args.repeats} repeats, each the median of "
                         f"{args.replays} CUDA-graph replays over rotating blobs; per-call seconds",
-                        "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs"},
+                        "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs",
+                        "sms": torch.cuda.get_device_properties(device).multi_processor_count},
               "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
         hidden, intermediate = SHAPES[name]
         top_k = TOP_K[name]
         gen = torch.Generator(device=device).manual_seed(0)
-        inputs = None
-        figures = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k}
-        for scheme in ("int4", "int8-shared"):
-            int4 = scheme == "int4"
-            layout = ExpertLayout(scheme, hidden, intermediate)
-            count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / layout.nbytes))
-            slots = (random_int4_slots if int4 else random_slots)(layout, count, device, gen)
-            if inputs is None:
-                inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
-            work = Workload(layout, slots, inputs, timer)
-            calls = inputs["calls"]
-            tables = [addresses([slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
-                      for c in range(calls)]
-            index = torch.arange(top_k, device=device).view(1, top_k)
-            weights = torch.softmax(torch.randn(1, top_k, generator=gen, device=device), -1).bfloat16()
-            out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
-            x = inputs["x1"]
-            stored = (load_int4_config if int4 else load_config)(gpu, hidden, intermediate)
-            kernels = TritonInt4MoEFFN if int4 else TritonMoEFFN
-            ffns = {label: kernels(layout, device, config=config)
-                    for label, config in variants(stored, int4).items()}
-            same = {label: torch.equal(ffn.forward_bases(x[0], index, weights, tables[0]),
-                                       ffns["ordinary"].forward_bases(x[0], index, weights, tables[0]))
-                    for label, ffn in ffns.items()}
-            timed = {label: {"one_expert_s": [], "layer_s": [], **({"zero_copy_s": []} if int4 else {})}
-                     for label in ffns}
-            for _ in range(args.repeats):
-                for label, ffn in ffns.items():
-                    timed[label]["one_expert_s"].append(work.one_expert(ffn))
-                    timed[label]["layer_s"].append(timer.graph(
-                        lambda c, ffn=ffn: ffn.forward_bases(x[c], index, weights, tables[c], out=out), calls))
-                    if int4:
-                        timed[label]["zero_copy_s"].append(work.zero_copy_time(ffn, False))
-            base = {key: statistics.median(values) for key, values in timed["ordinary"].items()}
-            figures[scheme] = {"config": stored.to_json(), "variants": {
-                label: {"same_output_as_ordinary": same[label],
-                        **{key: spread(values) for key, values in timed[label].items()},
-                        **{key.replace("_s", "_over_ordinary"): statistics.median(values) / base[key]
-                           for key, values in timed[label].items()}}
-                for label in ffns}}
-            for label, entry in figures[scheme]["variants"].items():
-                cells = [f"{entry[key]['median'] * 1e6:7.1f} [{entry[key]['min'] * 1e6:.1f}, "
-                         f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_ordinary')]:.3f}"
-                         for key in ("one_expert_s", "layer_s", "zero_copy_s") if key in entry]
-                rows.append(f"{name:16} {scheme:11} {label:22} " + "  ".join(cells))
-            del work, slots, ffns
-            torch.cuda.empty_cache()
+        layout = ExpertLayout("int4", hidden, intermediate)
+        count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / layout.nbytes))
+        slots = random_int4_slots(layout, count, device, gen)
+        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
+        work = Workload(layout, slots, inputs, timer)
+        calls = inputs["calls"]
+        tables = [addresses([slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
+                  for c in range(calls)]
+        index = torch.arange(top_k, device=device).view(1, top_k)
+        weights = torch.softmax(torch.randn(1, top_k, generator=gen, device=device), -1).bfloat16()
+        out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
+        x = inputs["x1"]
+        stored = load_int4_config(gpu, hidden, intermediate)
+        ffns = {way: TritonInt4MoEFFN(layout, device, config=dataclasses.replace(stored, dependent_launch=flag))
+                for way, flag in WAYS.items()}
+        ordinary = ffns["ordinary"].forward_bases(x[0], index, weights, tables[0]).clone()
+        timed = {way: {"one_expert_s": [], "layer_s": [], "zero_copy_s": []} for way in ffns}
+        for _ in range(args.repeats):
+            for way, ffn in ffns.items():
+                timed[way]["one_expert_s"].append(work.one_expert(ffn))
+                timed[way]["layer_s"].append(timer.graph(
+                    lambda c, ffn=ffn: ffn.forward_bases(x[c], index, weights, tables[c], out=out), calls))
+                timed[way]["zero_copy_s"].append(work.zero_copy_time(ffn, False))
+        base = {key: statistics.median(values) for key, values in timed["ordinary"].items()}
+        figures = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "config": stored.to_json(),
+                   "ways": {}}
+        for way, ffn in ffns.items():
+            entry = {"dependent_one_expert": ffn.decode_launches(1, 1)[2],
+                     "dependent_layer": ffn.decode_launches(1, top_k)[2],
+                     "layer_same_output_as_ordinary": torch.equal(
+                         ffn.forward_bases(x[0], index, weights, tables[0]), ordinary),
+                     **{key: spread(values) for key, values in timed[way].items()},
+                     **{key.replace("_s", "_over_ordinary"): statistics.median(values) / base[key]
+                        for key, values in timed[way].items()}}
+            figures["ways"][way] = entry
+            cells = [f"{entry[key]['median'] * 1e6:7.1f} [{entry[key]['min'] * 1e6:.1f}, "
+                     f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_ordinary')]:.3f}"
+                     for key in ("one_expert_s", "layer_s", "zero_copy_s")]
+            flags = f"{'D' if entry['dependent_one_expert'] else '-'}{'D' if entry['dependent_layer'] else '-'}"
+            rows.append(f"{name:16} {top_k:5} {way:24} {flags:5} " + "  ".join(cells))
         result["shapes"][name] = figures
+        del work, slots, ffns
+        torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)
-    print("shape            scheme      launches               one expert us (x ordinary)   "
-          "top-k layer us (x ordinary)   zero-copy expert us (x ordinary)")
+    print("shape            top-k launches                 D: dep.  one expert us [range] x ordinary   "
+          "top-k layer us   zero-copy expert us")
     print("\n".join(rows))
     print(f"wrote {args.out}")
 

@@ -58,7 +58,7 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
                      "EVEN_H": hidden % (config.block_cols * config.unroll) == 0, "HAS_BIAS": False, "ALPHA": 1.0,
                      "LIMIT": 0.0, "UP_OFFSET": 0.0, "CUBIC": 0.0,
                      "GATE_CAP": 0.0, "UP_CAP": 0.0, "GATED": True, "NAN_ABSENT": True,
-                     "CUT": False, "DEPENDENT": False}
+                     "CUT": False}
     else:
         fn = triton_ffn._down_gemv
         signature = {"act_ptr": "*fp32", "index_ptr": "*i64", "weights_ptr": "*bf16", "bases_ptr": "*i64",
@@ -68,7 +68,7 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
         span, splits = triton_ffn.split_span(intermediate, config)
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
                      "SPLIT": splits, "EVEN_I": splits * span == intermediate, "HAS_BIAS": False, "NAN_ABSENT": True,
-                     "CUT": False, "DEPENDENT": False}
+                     "CUT": False}
     constants["CVT"] = config.cvt
     constants["VEC"] = triton_ffn.partial_sum(config)
     # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per
@@ -97,7 +97,7 @@ def compile_launch4(launch: str, config: GemvConfig, hidden: int, intermediate: 
                      "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "SZ2_OFF": I32, "B2_OFF": I32, "SPAN": I32,
                      "MAGIC": I32}
         splits = triton_ffn.split_span(intermediate, dataclasses.replace(config, unroll=1))[1]
-        constants = {"SPLIT": splits, "HAS_BIAS": False, "NAN_ABSENT": True, "DEPENDENT": False, "PREFETCH": False}
+        constants = {"SPLIT": splits, "HAS_BIAS": False, "NAN_ABSENT": True, "DEPENDENT": False}
     constants |= {"BLOCK_T": config.block_rows // triton_int4.TILE, "LANES": triton_int4._lanes(config),
                   "UNROLL": config.unroll, "CVT": config.cvt}
     small = {"K", "TILES", "MAGIC"}  # K = 2, tiles a program and 2**23's bits: no multiples of 16

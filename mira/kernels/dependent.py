@@ -1,14 +1,14 @@
-"""Dependent launches: a decode's down launch starts while its gate/up launch still runs.
+"""Dependent launches: a decode's down launch started while its gate/up launch still runs.
 
 On GPUs of compute capability 9.0 and later (and Triton 3.4 and later) a launch made with
 `launch_pdl=True` may begin once every program of the launch before it has called `release`; its
 programs call `await_primary` before they read anything that launch wrote, and the GPU holds them
 there until it has finished and its writes are visible. What a program does before that overlaps
-the previous launch's last programs and the gap between the two launches: the INT4 down launch
-asks L2 for its weight bytes (`prefetch_l2`), which pays where gate/up leaves SMs idle.
+the previous launch and the gap between the two launches (the INT4 down launch asks L2 for its
+weight bytes, `prefetch_l2`).
 
-Elsewhere (older GPUs, older Triton, the interpreter) `supported_on` is False, the kernels are compiled
-with ON false, these functions are no-ops, and the launches are ordinary ones.
+Where that pays is policy (`pays`); elsewhere (older GPUs, older Triton, the interpreter)
+`supported_on` is False and the launches are ordinary ones.
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ def supported_on(device: torch.device) -> bool:
         return False
     version = tuple(int(part) for part in triton.__version__.split(".")[:2])
     return version >= FIRST_TRITON and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pays(primary_programs: int, dependent_programs: int, sms: int) -> bool:
+    """Whether to start the dependent launch early: only where both launches' programs fit on the
+    GPU's SMs side by side. The dependent programs are placed on SMs when they start; where the
+    primary's programs fill the GPU they crowd onto the few SMs that free up first and then run
+    slower than an ordinary launch spread over every SM."""
+    return primary_programs + dependent_programs <= sms
 
 
 @triton.jit

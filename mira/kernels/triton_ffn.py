@@ -65,7 +65,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.dependent import await_primary, release, supported_on
 from mira.kernels.tuning import GemvConfig, KernelConfig, load_config
 from mira.models.spec import GluForm
 from mira.store.layout import ExpertLayout
@@ -177,13 +176,11 @@ def _gate_up_gemv(
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
     GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
-    CUT: tl.constexpr, DEPENDENT: tl.constexpr,
+    CUT: tl.constexpr,
 ):
     """Decode launch 1 on the CUDA cores: program (pair, g) -> act[pair, rows], for the ROWS rows
     from g * ROWS (whole blocks of BLOCK_I, one after another); with CUT, only the rows below the
-    expert's limit. DEPENDENT: the down launch may start once every program has begun
-    (mira.kernels.dependent)."""
-    release(DEPENDENT)
+    expert's limit."""
     pair = tl.program_id(0)
     row_start = tl.program_id(1) * ROWS
     token = pair // K
@@ -280,16 +277,14 @@ def _down_gemv(
     H, I, K, W2_OFF, S_OUT_OFF, B2_OFF, SPAN, limits_ptr,  # limits_ptr: [E] int32, read with CUT
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NAN_ABSENT: tl.constexpr, CUT: tl.constexpr, DEPENDENT: tl.constexpr,
+    NAN_ABSENT: tl.constexpr, CUT: tl.constexpr,
 ):
     """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
     experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
     that sum is out[token, rows]. Split, each program writes its partial sum and counts itself
     in; the last of a row block's SPLIT programs to arrive adds the partials in split order into
     out and resets the count: deterministic, no second launch, more programs for a short H.
-    Partial sums of VEC adjacent products per thread, as in _gate_up_rows. DEPENDENT: a dependent
-    launch, which waits for gate/up before anything else."""
-    await_primary(DEPENDENT)
+    Partial sums of VEC adjacent products per thread, as in _gate_up_rows."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -340,12 +335,11 @@ def _gate_up_gemv_mma(
     EVEN_H: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr, CUBIC: tl.constexpr,
     GATE_CAP: tl.constexpr, UP_CAP: tl.constexpr,
-    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr,
+    GATED: tl.constexpr, NAN_ABSENT: tl.constexpr,
 ):
     """_gate_up_gemv on the tensor cores: the pair's token is column 0 of a 16-column right
     operand (the other columns are zero), the weights the left one. The MMA work is wasted
     15/16, which costs nothing in a memory-bound launch, and the weight loads are pipelined."""
-    release(DEPENDENT)
     pair = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     token = pair // K
@@ -399,11 +393,9 @@ def _down_gemv_mma(
     H, I, K, W2_OFF, S_OUT_OFF, B2_OFF,
     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr,
-    DEPENDENT: tl.constexpr,
 ):
     """_down_gemv on the tensor cores (see _gate_up_gemv_mma); act is rounded to the output
     dtype for the product, as the reference does."""
-    await_primary(DEPENDENT)
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_rows = offs_h < H
@@ -672,8 +664,6 @@ class TritonMoEFFN:
                               GATED=layout.gated, NAN_ABSENT=not absent_zero)
         self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
-        self._dependent = config.dependent_launch and supported_on(self.device)
-        self._dependent_launch = {"launch_pdl": True} if self._dependent else {}  # the down launch's keyword
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
         down = config.down_gemv
@@ -694,10 +684,7 @@ class TritonMoEFFN:
         return load_config(device_name, hidden, intermediate)
 
     def _validate(self, config: KernelConfig) -> None:
-        """Raise ValueError for a configuration these kernels cannot run (the INT8 ones run any but
-        a prefetching down launch)."""
-        if config.down_gemv.prefetch:
-            raise ValueError("down_gemv: the INT8 down launch does not prefetch; set prefetch false")
+        """Raise ValueError for a configuration these kernels cannot run (the INT8 ones run any)."""
 
     def _scale_offsets(self, sections: dict) -> tuple[int, int]:
         """Blob offsets of the scales the gate/up and the down products read."""
@@ -830,7 +817,7 @@ class TritonMoEFFN:
         dot_dtype, precision = self._dot_types(hidden.dtype)
         grid = (T * K, triton.cdiv(I, up.block_rows))
         args = (hidden, hidden.stride(0), index, bases, act, H, I, K, self._s_in_off, self._b13_off)
-        launch = dict(num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up, DEPENDENT=self._dependent)
+        launch = dict(num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up)
         if up.mma:
             _gate_up_gemv_mma[grid](
                 *args, SCHEME=self._scheme, BLOCK_I=up.block_rows, BLOCK_H=up.block_cols,
@@ -845,8 +832,7 @@ class TritonMoEFFN:
             )
         grid = (T, triton.cdiv(H, down.block_rows))
         args = (act, index, weights, bases, out, out.stride(0), H, I, K, self._w2_off, self._s_out_off, self._b2_off)
-        launch = dict(num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down,
-                      DEPENDENT=self._dependent, **self._dependent_launch)
+        launch = dict(num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down)
         if down.mma:
             _down_gemv_mma[grid](
                 *args, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols,

@@ -21,6 +21,9 @@ decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole
     2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
        routing weights; with `split` the reduction over I is shared by several programs, whose
        partial sums the last to arrive adds in a fixed order (`_store_down_rows`).
+    Where the GPU can and both grids fit on its SMs side by side (small experts, few routed pairs:
+    mira.kernels.dependent), the down launch is a dependent one: its programs start while gate/up
+    runs, ask L2 for their bytes, and wait for act.
 prefill: the two grouped GEMMs; a K step stays inside one group (block_k <= GROUP), so the codes
     go into the tensor-core product as exact small integers, and each step's product is scaled
     per weight row and offset by the tokens' column sums afterwards. A block of block_n rows is
@@ -39,8 +42,6 @@ for the INT4 GEMVs:
         in fp16 within a group, inline PTX: `_half2_fma`; interpreted, the same arithmetic in Triton
         operations).
     mma: not implemented; programs_per_sm and split as for INT8.
-    prefetch: (down) in a dependent launch, each program asks L2 for the lines of its tiles' codes
-        and scales (`_down_lines`) before it waits for gate/up.
 They are stored per device in `<device>-int4.json` beside the INT8 tuning
 (`benchmarks/kernels_int4.py --autotune` writes it); block_n of the GEMM is whole tiles too.
 
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -59,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mira.kernels.dependent import await_primary, prefetch_l2, release
+from mira.kernels.dependent import await_primary, pays, prefetch_l2, release, supported_on
 from mira.kernels.triton_ffn import (
     TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert, split_span,
 )
@@ -351,13 +353,13 @@ def _down_gemv4(
     partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
     H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
     BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
     """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
     summed over columns [s SPAN, (s + 1) SPAN) of I; split sums are added by the last program of a
-    row block to arrive, in split order (as the INT8 `_down_gemv`). DEPENDENT: a dependent launch,
-    which waits for gate/up's act before its reads, and with PREFETCH first asks L2 for the bytes
-    of its experts it will read (mira.kernels.dependent)."""
+    row block to arrive, in split order (as the INT8 `_down_gemv`). DEPENDENT: a dependent launch
+    (mira.kernels.dependent), whose programs ask L2 for the lines of their experts' codes and scales
+    while gate/up runs, then wait for its act."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -365,7 +367,7 @@ def _down_gemv4(
     rows = block * BLOCK_T * TILE_W + tl.arange(0, BLOCK_T * TILE_W)
     group_start = split * (SPAN // GROUP_W)
     group_end = tl.minimum(group_start + SPAN // GROUP_W, I // GROUP_W)
-    if PREFETCH:
+    if DEPENDENT:
         for k in range(0, K):
             ahead = tl.load(bases_ptr + tl.load(index_ptr + token * K + k))
             if ahead != 0:
@@ -537,14 +539,12 @@ def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
     (short rows come with small experts: few programs, each sending out all its loads at once),
     longer ones in steps of 1024 on 4 warps (many programs, more of them on an SM); down steps
     of up to 1024, the reduction split so that a token's down launch has about 4 programs per SM
-    (Mixtral's H has only 64 tiles). Where one expert's gate/up launch has fewer programs than the
-    GPU has SMs, the down launch prefetches its bytes while gate/up runs."""
+    (Mixtral's H has only 64 tiles)."""
     up = _gemv(hidden, widest=2048 if hidden <= 2048 else 1024)
     down = _gemv(intermediate, widest=1024)
     steps = triton.cdiv(intermediate, down.block_cols)
     split = max(1, min(steps, triton.cdiv(4 * DESIGN_SMS, hidden // TILE)))
-    prefetch = intermediate // TILE < DESIGN_SMS
-    return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split, prefetch=prefetch),
+    return KernelConfig(gate_up_gemv=up, down_gemv=dataclasses.replace(down, split=split),
                         gemm=GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
 
@@ -571,6 +571,10 @@ class TritonInt4MoEFFN(TritonMoEFFN):
 
     schemes = {"int4": None}  # one scheme, whose scales are the sz sections
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._dependent = self.config.dependent_launch and supported_on(self.device)
+
     def _stored_config(self, device_name: str, hidden: int, intermediate: int) -> KernelConfig:
         """The stored INT4 tuning of this device and shape, else `default_int4_config`."""
         return load_int4_config(device_name, hidden, intermediate)
@@ -591,24 +595,33 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         """The INT4 GEMVs do not cut experts."""
         return None
 
+    def decode_launches(self, tokens: int, top_k: int) -> tuple[tuple[int, int], tuple[int, int, int], bool]:
+        """The decode's gate/up and down grids for this many tokens and routed experts each, and
+        whether the down launch is a dependent one (mira.kernels.dependent)."""
+        I, H, cfg = self.layout.intermediate, self.layout.hidden, self.config
+        tiles = self._rows_per_program(tokens * top_k, cfg.gate_up_gemv) // TILE
+        up = (tokens * top_k, triton.cdiv(I // TILE, tiles))
+        down = (tokens, triton.cdiv(H, cfg.down_gemv.block_rows), triton.cdiv(I, self._down_span))
+        return up, down, self._dependent and pays(math.prod(up), math.prod(down), self._sms)
+
     def _decode(self, hidden, index, weights, bases, out, K, limits=None) -> None:  # limits: None (no cuts)
         T, H = hidden.shape
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
+        up_grid, down_grid, dependent = self.decode_launches(T, K)
         tiles = self._rows_per_program(T * K, up) // TILE
-        _gate_up_gemv4[(T * K, triton.cdiv(I // TILE, tiles))](
+        span, splits = self._down_span, down_grid[2]
+        _gate_up_gemv4[up_grid](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=up.cvt,
-            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up, DEPENDENT=self._dependent,
+            num_warps=up.num_warps, num_stages=up.num_stages, **self._after_up, DEPENDENT=dependent,
         )
-        span = self._down_span
-        splits = triton.cdiv(I, span)
-        _down_gemv4[(T, triton.cdiv(H, down.block_rows), splits)](
+        _down_gemv4[down_grid](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
             H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
             LANES=_lanes(down), UNROLL=down.unroll, CVT=down.cvt, SPLIT=splits, num_warps=down.num_warps,
-            num_stages=down.num_stages, **self._after_down, DEPENDENT=self._dependent,
-            PREFETCH=self._dependent and down.prefetch, **self._dependent_launch,
+            num_stages=down.num_stages, **self._after_down, DEPENDENT=dependent,
+            **({"launch_pdl": True} if dependent else {}),
         )
 
     def _prefill_gemm(self, hidden, index, weights, bases, out, K) -> None:

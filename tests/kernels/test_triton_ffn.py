@@ -16,7 +16,6 @@ T tokens, E experts, K routed per token, H hidden, I expert intermediate.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -39,7 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and type(triton_language.zeros).__n
 from mira.errors import MiraError
 from mira.kernels import ReferenceMoEFFN, glu_of, make_moe_ffn  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
-from mira.kernels import dependent, triton_ffn  # noqa: E402
+from mira.kernels import triton_ffn  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN, group_by_expert  # noqa: E402
 from mira.kernels.tuning import (  # noqa: E402
     GemmConfig, GemvConfig, KernelConfig, default_config, device_key, load_config, save_configs,
@@ -367,20 +366,6 @@ def test_tuning_file_round_trip_and_default(tmp_path):
         load_config("NVIDIA H200", H, I, directory=tmp_path)
 
 
-def test_tuning_files_written_before_dependent_launches_get_them(tmp_path):
-    """A stored entry without `dependent_launch` (written before it existed) reads as True, and a
-    prefetching down launch is refused by the INT8 kernels, which have none."""
-    entry = KernelConfig(decode_max_pairs=8).to_json()
-    del entry["dependent_launch"]
-    del entry["down_gemv"]["prefetch"]
-    (tmp_path / "nvidia-h200.json").write_text(json.dumps({"shapes": {f"{H}x{I}": entry}}))
-    assert load_config("NVIDIA H200", H, I, directory=tmp_path) == KernelConfig(decode_max_pairs=8)
-    assert KernelConfig().dependent_launch and not dependent.supported_on(torch.device("cpu"))
-    with pytest.raises(ValueError, match="the INT8 down launch does not prefetch"):
-        TritonMoEFFN(ExpertLayout("int8-shared", H, I), DEVICE,
-                     config=KernelConfig(down_gemv=GemvConfig(8, 128, prefetch=True)))
-
-
 # ---- GPU only: real shapes, zero-copy, allocation and sync -------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -532,35 +517,3 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
         graph.replay()
         assert torch.equal(out, first)
     assert int(ffn._split_counts.count_nonzero()) == 0
-
-
-dependent_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not dependent.supported_on(torch.device("cuda")),
-                                   reason="dependent launches need compute capability 9.0 and Triton 3.4")
-
-
-@pytest.mark.gpu
-@dependent_gpu
-@pytest.mark.parametrize("mma", [False, True])
-@pytest.mark.parametrize("shape", REAL_SHAPES)
-def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shape, mma):
-    """The down launch started while gate/up runs waits for its act: the same bits as two ordinary
-    launches, for experts in slots and one read zero-copy. The act workspace is NaN before every
-    call, so a down program reading it early would show."""
-    layout, blobs = real_blobs("int8-shared", shape)
-    config = load_config(torch.cuda.get_device_name(), *REAL_SHAPES[shape])
-    if mma:
-        config = dataclasses.replace(config, gate_up_gemv=GemvConfig(16, 256, mma=True),
-                                     down_gemv=GemvConfig(16, 256, mma=True))
-    on, off = (TritonMoEFFN(layout, "cuda", config=dataclasses.replace(config, dependent_launch=flag))
-               for flag in (True, False))
-    assert on._dependent and not off._dependent
-    pinned = list(blobs)
-    pinned[3] = blobs[3].cpu().pin_memory()
-    for tokens in (1, 4):
-        hidden = torch.randn(tokens, layout.hidden, device="cuda", dtype=torch.bfloat16)
-        index, weights = routing(tokens, E, K, seed=tokens, device="cuda")
-        index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
-        for experts in (blobs, pinned):
-            on._decode_act.fill_(float("nan"))
-            assert torch.equal(on(hidden, index, weights.bfloat16(), experts),
-                               off(hidden, index, weights.bfloat16(), experts))

@@ -17,6 +17,8 @@ T tokens, E experts, K routed per token, H hidden, I expert intermediate.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 
 import pytest
@@ -282,11 +284,21 @@ def test_down_prefetch_asks_for_the_lines_the_down_launch_reads(tile, groups):
                for line in got)
 
 
-def test_untuned_down_launch_prefetches_where_gate_up_leaves_sms_idle():
-    """One expert's gate/up launch has I / 64 programs: Qwen3-30B-A3B, OLMoE and DeepSeek-V2-Lite
-    (12 to 22) leave most of a 132-SM GPU idle, Mixtral (224) does not."""
-    assert [default_int4_config(2048, i).down_gemv.prefetch for i in (768, 1024, 1408)] == [True] * 3
-    assert not default_int4_config(4096, 14336).down_gemv.prefetch
+@pytest.mark.parametrize(("shape", "tokens", "top_k", "pays"), [
+    ("qwen3-30b-a3b", 1, 8, True), ("olmoe-1b-7b", 1, 2, True), ("deepseek-v2-lite", 1, 2, True),
+    ("olmoe-1b-7b", 1, 8, False), ("deepseek-v2-lite", 1, 6, False), ("qwen3-30b-a3b", 2, 8, False),
+    ("mixtral-8x7b", 1, 1, False),
+])
+def test_down_launch_is_dependent_where_both_grids_fit_on_the_sms(shape, tokens, top_k, pays):
+    """The untuned decode grids at real shapes on a 132-SM GPU, worked by hand: gate/up has a
+    program per unit tile and routed pair (I / 64 of them a pair), down one per tile of H rows
+    (2048 / 64 = 32) and split: Qwen3 top-8 8 x 12 + 32 = 128 fit, OLMoE top-8 8 x 16 + 32 = 160
+    and DeepSeek top-6 6 x 22 + 32 x 2 = 196 do not; one Mixtral expert has 224 gate/up programs."""
+    layout = ExpertLayout("int4", *REAL_SHAPES[shape])
+    up, down, _ = TritonInt4MoEFFN(layout, DEVICE, config=default_int4_config(*REAL_SHAPES[shape])).decode_launches(
+        tokens, top_k)
+    assert up[0] == tokens * top_k and up[1] == layout.intermediate // 64 and down[:2] == (tokens, layout.hidden // 64)
+    assert dependent.pays(math.prod(up), math.prod(down), sms=132) is pays
 
 
 def test_int8_layouts_are_refused():
@@ -301,6 +313,10 @@ def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
     assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
     assert load_int4_config("NVIDIA H200", H, 2 * I, directory=tmp_path) == default_int4_config(H, 2 * I)
     assert load_int4_config("Other GPU", H, I, directory=tmp_path) == default_int4_config(H, I)
+    entry = json.loads(path.read_text())
+    del entry["shapes"][f"{H}x{I}"]["dependent_launch"]  # a file written before there was the choice
+    path.write_text(json.dumps(entry))
+    assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned and tuned.dependent_launch
 
 
 # ---- GPU only: real shapes, zero-copy, allocation and sync -------------------------------------
@@ -464,42 +480,39 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not dependent.supported_on(torch.device("cuda")),
                     reason="dependent launches need compute capability 9.0 and Triton 3.4")
-@pytest.mark.parametrize("shape", REAL_SHAPES)
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite"])
 def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shape):
-    """The down launch started while gate/up runs, with and without its prefetch, waits for act:
-    the same bits as two ordinary launches, for experts in slots and one read zero-copy, called
-    and replayed in a CUDA graph. The act workspace is NaN before every call."""
+    """The down launch started while gate/up runs (one token, 2 routed experts: both grids fit on
+    the SMs) prefetches and waits for act: the same bits as two ordinary launches, for experts in
+    slots and one read zero-copy, called and replayed in a CUDA graph. The act workspace is NaN
+    before every call, so a down program reading it early would show."""
     layout, blobs = real_blobs(shape)
     config = load_int4_config(torch.cuda.get_device_name(), *REAL_SHAPES[shape])
-    ffns = [TritonInt4MoEFFN(layout, "cuda", num_experts=8, config=dataclasses.replace(
-        config, dependent_launch=flag, down_gemv=dataclasses.replace(config.down_gemv, prefetch=prefetch)))
-        for flag, prefetch in ((False, False), (True, False), (True, True))]
-    assert [ffn._dependent for ffn in ffns] == [False, True, True]
+    early, ordinary = (TritonInt4MoEFFN(layout, "cuda", num_experts=8,
+                                        config=dataclasses.replace(config, dependent_launch=flag))
+                       for flag in (True, False))
+    assert early.decode_launches(1, K)[2] and not ordinary.decode_launches(1, K)[2]
     pinned = list(blobs)
     pinned[3] = blobs[3].cpu().pin_memory()
-    for tokens in (1, 4):
-        hidden = torch.randn(tokens, layout.hidden, device="cuda", dtype=torch.bfloat16)
-        index, weights = routing(tokens, 8, K, seed=tokens, device="cuda")
-        index[0, 0] = 3 if index[0, 1] != 3 else index[0, 0]
-        weights = weights.bfloat16()
-        for experts in (blobs, pinned):
-            bases = torch.tensor([b.data_ptr() for b in experts], dtype=torch.int64, device="cuda")
-            outs = []
-            for ffn in ffns:
-                ffn._decode_act.fill_(float("nan"))
-                outs.append(ffn.forward_bases(hidden, index, weights, bases).clone())
-            assert all(torch.equal(out, outs[0]) for out in outs)
-            out = torch.empty_like(hidden)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                ffns[2].forward_bases(hidden, index, weights, bases, out=out)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ffns[2].forward_bases(hidden, index, weights, bases, out=out)
-            for _ in range(3):
-                out.fill_(float("nan"))
-                ffns[2]._decode_act.fill_(float("nan"))
-                graph.replay()
-                assert torch.equal(out, outs[0])
+    hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
+    index = torch.tensor([[3, 5]], device="cuda")
+    weights = torch.tensor([[0.7, 0.3]], device="cuda", dtype=torch.bfloat16)
+    for experts in (blobs, pinned):
+        bases = torch.tensor([b.data_ptr() for b in experts], dtype=torch.int64, device="cuda")
+        want = ordinary.forward_bases(hidden, index, weights, bases).clone()
+        early._decode_act.fill_(float("nan"))
+        assert torch.equal(early.forward_bases(hidden, index, weights, bases), want)
+        out = torch.empty_like(hidden)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            early.forward_bases(hidden, index, weights, bases, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            early.forward_bases(hidden, index, weights, bases, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            early._decode_act.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, want)

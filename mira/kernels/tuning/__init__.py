@@ -45,9 +45,6 @@ class GemvConfig:
     split: (the down launch on the CUDA cores) split each row's reduction over I between this
         many programs, for more programs than H / block_rows; the last to finish adds the
         partial sums, in a fixed order.
-    prefetch: (the INT4 down launch, where it is a dependent launch: KernelConfig.dependent_launch)
-        each program asks L2 for its weight bytes before it waits for gate/up: it pays where
-        gate/up leaves SMs idle (small experts), and costs where gate/up fills the GPU.
     """
 
     block_rows: int = 16
@@ -59,7 +56,6 @@ class GemvConfig:
     mma: bool = False
     programs_per_sm: int = 0
     split: int = 1
-    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,8 +77,8 @@ class KernelConfig:
 
     decode_max_pairs: calls with at most this many routed (token, expert) pairs use the GEMV
         launches; more use the grouped GEMM.
-    dependent_launch: where the GPU can (mira.kernels.dependent), the decode's down launch starts
-        while gate/up still runs, hiding the gap between them.
+    dependent_launch: (the INT4 kernels) where the GPU can and it pays (mira.kernels.dependent),
+        the decode's down launch starts while gate/up still runs.
     """
 
     decode_max_pairs: int = 16
