@@ -1,0 +1,135 @@
+"""Time an INT4 decode layer at the models' own top-k under down-launch candidates.
+
+The autotune (kernels_int4.py) and the untuned configuration choose the down launch by one
+expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), all of
+which one down program walks in turn. Per expert shape (random INT4 blobs, bf16 activations, one
+token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
+stored (or untuned) configuration, and the same with each candidate down launch (narrower steps,
+the reduction over I split among more programs). Each candidate is checked against the float32
+reference first. Figures are per call, --repeats repeats of the median of --replays CUDA-graph
+replays (median and range), against the stored configuration in the same run; the decode's grids
+and whether its down launch is a dependent one (mira.kernels.dependent) are recorded.
+
+    python benchmarks/int4_layer_decode.py [--shapes qwen3-30b-a3b,...] [--repeats 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dependent_launch import LAYER_BLOBS, TOP_K, spread  # noqa: E402
+from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, relative_error  # noqa: E402
+from kernels_int8 import ROTATE_BYTES, Timer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E402
+from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
+from mira.kernels.tuning import GemvConfig  # noqa: E402
+from mira.store.files import write_json_atomic  # noqa: E402
+from mira.store.layout import ExpertLayout  # noqa: E402
+
+SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
+STEPS = ((512, 2), (256, 1), (256, 2), (128, 1))  # down (block_cols, num_warps): the split makes one step a program
+
+
+def candidates(intermediate: int) -> dict[str, GemvConfig]:
+    """Down launches of one step of block_cols a program (split = I / block_cols), "half2"."""
+    return {f"down {cols} cols, {warps} warp{'s' if warps > 1 else ''}, split {math.ceil(intermediate / cols)}":
+            GemvConfig(64, cols, unroll=16, num_warps=warps, cvt="half2", split=math.ceil(intermediate / cols))
+            for cols, warps in STEPS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SMALL), help="comma-separated: " + ", ".join(TOP_K))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "int4-layer-decode.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    timer = Timer(device, args.replays)
+    result = {"command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+              "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
+              "setup": {"activations": "bfloat16", "timing": f"{args.repeats} repeats, each the median of "
+                        f"{args.replays} CUDA-graph replays over rotating blobs; per-call seconds",
+                        "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs"},
+              "shapes": {}}
+    rows = []
+    for name in args.shapes.split(","):
+        hidden, intermediate = SHAPES[name]
+        top_k = TOP_K[name]
+        gen = torch.Generator(device=device).manual_seed(0)
+        layout = ExpertLayout("int4", hidden, intermediate)
+        count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / layout.nbytes))
+        slots = random_int4_slots(layout, count, device, gen)
+        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
+        work = Workload(layout, slots, inputs, timer)
+        calls = inputs["calls"]
+        tables = [addresses([slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
+                  for c in range(calls)]
+        index = torch.arange(top_k, device=device).view(1, top_k)
+        weights = torch.softmax(torch.randn(1, top_k, generator=gen, device=device), -1).bfloat16()
+        out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
+        x = inputs["x1"]
+        truth = moe_ffn_reference(x[0].float(), index, weights.float(), [slots[e] for e in range(LAYER_BLOBS)],
+                                  layout, F.silu)
+        stored = load_int4_config(gpu, hidden, intermediate)
+        configs = {"stored": stored, **{label: dataclasses.replace(stored, down_gemv=down)
+                                        for label, down in candidates(intermediate).items()}}
+        ffns, figures = {}, {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "launches": {}}
+        for label, config in configs.items():
+            ffn = TritonInt4MoEFFN(layout, device, config=config)
+            up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
+            error = relative_error(ffn.forward_bases(x[0], index, weights, tables[0]), truth)
+            figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
+                                          "down_grid": down_grid, "dependent": dependent,
+                                          "relative_error_vs_fp32_reference": error,
+                                          "layer_s": [], "one_expert_s": []}
+            if error < 2e-2:
+                ffns[label] = ffn
+        for _ in range(args.repeats):
+            for label, ffn in ffns.items():
+                entry = figures["launches"][label]
+                entry["layer_s"].append(timer.graph(
+                    lambda c, ffn=ffn: ffn.forward_bases(x[c], index, weights, tables[c], out=out), calls))
+                entry["one_expert_s"].append(work.one_expert(ffn))
+        base = {key: statistics.median(figures["launches"]["stored"][key]) for key in ("layer_s", "one_expert_s")}
+        for label, entry in figures["launches"].items():
+            if not entry["layer_s"]:
+                rows.append(f"{name:16} {top_k:5} {label:36} refused: error {entry['relative_error_vs_fp32_reference']}")
+                continue
+            for key in ("layer_s", "one_expert_s"):
+                entry[key.replace("_s", "_over_stored")] = statistics.median(entry[key]) / base[key]
+                entry[key] = spread(entry[key])
+            rows.append(f"{name:16} {top_k:5} {label:36} {'D' if entry['dependent'] else '-'}  "
+                        + "  ".join(f"{entry[key]['median'] * 1e6:6.1f} [{entry[key]['min'] * 1e6:.1f}, "
+                                    f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_stored')]:.3f}"
+                                    for key in ("layer_s", "one_expert_s")))
+        result["shapes"][name] = figures
+        del work, slots, ffns
+        torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, result)
+    print("shape            top-k launches                             D  top-k layer us [range] x stored   "
+          "one expert us [range] x stored")
+    print("\n".join(rows))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
