@@ -42,6 +42,35 @@ LAYER_BLOBS = 8  # distinct blobs a layer call's top-k experts are taken from
 WAYS = {"ordinary": False, "dependent where it pays": True}  # KernelConfig.dependent_launch
 
 
+class TopKLayer:
+    """One shape's random INT4 blobs and one token routed to its top-k experts, LAYER_BLOBS distinct
+    blobs a call, other blobs each call (rotating past the L2 cache); `one_expert` etc. on `work`."""
+
+    def __init__(self, name: str, device: torch.device, timer: Timer) -> None:
+        hidden, intermediate = SHAPES[name]
+        self.top_k, self.timer = TOP_K[name], timer
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.layout = ExpertLayout("int4", hidden, intermediate)
+        count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / self.layout.nbytes))
+        self.slots = random_int4_slots(self.layout, count, device, gen)
+        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
+        self.work = Workload(self.layout, self.slots, inputs, timer)
+        self.x, self.calls = inputs["x1"], inputs["calls"]
+        self.tables = [addresses([self.slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
+                       for c in range(self.calls)]
+        self.index = torch.arange(self.top_k, device=device).view(1, self.top_k)
+        self.weights = torch.softmax(torch.randn(1, self.top_k, generator=gen, device=device), -1).bfloat16()
+        self.out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
+
+    def call(self, ffn, c: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's experts for call c's token and blobs."""
+        return ffn.forward_bases(self.x[c], self.index, self.weights, self.tables[c], out=out)
+
+    def time(self, ffn) -> float:
+        """Seconds per layer call (CUDA graph replays over the rotating blobs)."""
+        return self.timer.graph(lambda c: self.call(ffn, c, self.out), self.calls)
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": values}
 
@@ -67,31 +96,18 @@ def main() -> None:
               "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
-        hidden, intermediate = SHAPES[name]
-        top_k = TOP_K[name]
-        gen = torch.Generator(device=device).manual_seed(0)
-        layout = ExpertLayout("int4", hidden, intermediate)
-        count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / layout.nbytes))
-        slots = random_int4_slots(layout, count, device, gen)
-        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
-        work = Workload(layout, slots, inputs, timer)
-        calls = inputs["calls"]
-        tables = [addresses([slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
-                  for c in range(calls)]
-        index = torch.arange(top_k, device=device).view(1, top_k)
-        weights = torch.softmax(torch.randn(1, top_k, generator=gen, device=device), -1).bfloat16()
-        out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
-        x = inputs["x1"]
+        layer = TopKLayer(name, device, timer)
+        hidden, intermediate, top_k, work = layer.layout.hidden, layer.layout.intermediate, layer.top_k, layer.work
         stored = load_int4_config(gpu, hidden, intermediate)
-        ffns = {way: TritonInt4MoEFFN(layout, device, config=dataclasses.replace(stored, dependent_launch=flag))
+        ffns = {way: TritonInt4MoEFFN(layer.layout, device,
+                                      config=dataclasses.replace(stored, dependent_launch=flag))
                 for way, flag in WAYS.items()}
-        ordinary = ffns["ordinary"].forward_bases(x[0], index, weights, tables[0]).clone()
+        ordinary = layer.call(ffns["ordinary"]).clone()
         timed = {way: {"one_expert_s": [], "layer_s": [], "zero_copy_s": []} for way in ffns}
         for _ in range(args.repeats):
             for way, ffn in ffns.items():
                 timed[way]["one_expert_s"].append(work.one_expert(ffn))
-                timed[way]["layer_s"].append(timer.graph(
-                    lambda c, ffn=ffn: ffn.forward_bases(x[c], index, weights, tables[c], out=out), calls))
+                timed[way]["layer_s"].append(layer.time(ffn))
                 timed[way]["zero_copy_s"].append(work.zero_copy_time(ffn, False))
         base = {key: statistics.median(values) for key, values in timed["ordinary"].items()}
         figures = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "config": stored.to_json(),
@@ -99,8 +115,7 @@ def main() -> None:
         for way, ffn in ffns.items():
             entry = {"dependent_one_expert": ffn.decode_launches(1, 1)[2],
                      "dependent_layer": ffn.decode_launches(1, top_k)[2],
-                     "layer_same_output_as_ordinary": torch.equal(
-                         ffn.forward_bases(x[0], index, weights, tables[0]), ordinary),
+                     "layer_same_output_as_ordinary": torch.equal(layer.call(ffn), ordinary),
                      **{key: spread(values) for key, values in timed[way].items()},
                      **{key.replace("_s", "_over_ordinary"): statistics.median(values) / base[key]
                         for key, values in timed[way].items()}}
@@ -111,7 +126,7 @@ def main() -> None:
             flags = f"{'D' if entry['dependent_one_expert'] else '-'}{'D' if entry['dependent_layer'] else '-'}"
             rows.append(f"{name:16} {top_k:5} {way:24} {flags:5} " + "  ".join(cells))
         result["shapes"][name] = figures
-        del work, slots, ffns
+        del layer, work, ffns
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import LAYER_BLOBS, TOP_K, spread  # noqa: E402
-from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, relative_error  # noqa: E402
-from kernels_int8 import ROTATE_BYTES, Timer  # noqa: E402
+from dependent_launch import LAYER_BLOBS, TOP_K, TopKLayer, spread  # noqa: E402
+from kernels_int4 import relative_error  # noqa: E402
+from kernels_int8 import Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +38,6 @@ from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
 from mira.kernels.tuning import GemvConfig  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
-from mira.store.layout import ExpertLayout  # noqa: E402
 
 SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
 STEPS = ((512, 2), (256, 1), (256, 2), (128, 1))  # down (block_cols, num_warps): the split makes one step a program
@@ -71,23 +70,11 @@ def main() -> None:
               "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
-        hidden, intermediate = SHAPES[name]
-        top_k = TOP_K[name]
-        gen = torch.Generator(device=device).manual_seed(0)
-        layout = ExpertLayout("int4", hidden, intermediate)
-        count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / layout.nbytes))
-        slots = random_int4_slots(layout, count, device, gen)
-        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
-        work = Workload(layout, slots, inputs, timer)
-        calls = inputs["calls"]
-        tables = [addresses([slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
-                  for c in range(calls)]
-        index = torch.arange(top_k, device=device).view(1, top_k)
-        weights = torch.softmax(torch.randn(1, top_k, generator=gen, device=device), -1).bfloat16()
-        out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
-        x = inputs["x1"]
-        truth = moe_ffn_reference(x[0].float(), index, weights.float(), [slots[e] for e in range(LAYER_BLOBS)],
-                                  layout, F.silu)
+        layer = TopKLayer(name, device, timer)
+        layout, top_k, work = layer.layout, layer.top_k, layer.work
+        hidden, intermediate = layout.hidden, layout.intermediate
+        truth = moe_ffn_reference(layer.x[0].float(), layer.index, layer.weights.float(),
+                                  [layer.slots[e] for e in range(LAYER_BLOBS)], layout, F.silu)
         stored = load_int4_config(gpu, hidden, intermediate)
         configs = {"stored": stored, **{label: dataclasses.replace(stored, down_gemv=down)
                                         for label, down in candidates(intermediate).items()}}
@@ -95,7 +82,7 @@ def main() -> None:
         for label, config in configs.items():
             ffn = TritonInt4MoEFFN(layout, device, config=config)
             up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
-            error = relative_error(ffn.forward_bases(x[0], index, weights, tables[0]), truth)
+            error = relative_error(layer.call(ffn), truth)
             figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
                                           "down_grid": down_grid, "dependent": dependent,
                                           "relative_error_vs_fp32_reference": error,
@@ -105,8 +92,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for label, ffn in ffns.items():
                 entry = figures["launches"][label]
-                entry["layer_s"].append(timer.graph(
-                    lambda c, ffn=ffn: ffn.forward_bases(x[c], index, weights, tables[c], out=out), calls))
+                entry["layer_s"].append(layer.time(ffn))
                 entry["one_expert_s"].append(work.one_expert(ffn))
         base = {key: statistics.median(figures["launches"]["stored"][key]) for key in ("layer_s", "one_expert_s")}
         for label, entry in figures["launches"].items():
@@ -121,7 +107,7 @@ def main() -> None:
                                     f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_stored')]:.3f}"
                                     for key in ("layer_s", "one_expert_s")))
         result["shapes"][name] = figures
-        del work, slots, ffns
+        del layer, work, ffns
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)
