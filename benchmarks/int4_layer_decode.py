@@ -97,7 +97,8 @@ def main() -> None:
         base = {key: statistics.median(figures["launches"]["stored"][key]) for key in ("layer_s", "one_expert_s")}
         for label, entry in figures["launches"].items():
             if not entry["layer_s"]:
-                rows.append(f"{name:16} {top_k:5} {label:36} refused: error {entry['relative_error_vs_fp32_reference']}")
+                error = entry["relative_error_vs_fp32_reference"]
+                rows.append(f"{name:16} {top_k:5} {label:36} refused: error {error}")
                 continue
             for key in ("layer_s", "one_expert_s"):
                 entry[key.replace("_s", "_over_stored")] = statistics.median(entry[key]) / base[key]
