@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots  # noqa: E402
+from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, spread  # noqa: E402
 from kernels_int8 import ROTATE_BYTES, Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +71,15 @@ class TopKLayer:
         return self.timer.graph(lambda c: self.call(ffn, c, self.out), self.calls)
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "repeats": values}
+def header(args: argparse.Namespace, device: torch.device) -> dict:
+    """A result's provenance and setup, for a run of these layers with --repeats and --replays."""
+    return {"command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+            "commit": commit(), "machine": machine(device), "gpu": torch.cuda.get_device_name(device),
+            "date": utc_now(), **context(),
+            "setup": {"activations": "bfloat16", "timing": f"{args.repeats} repeats, each the median of "
+                      f"{args.replays} CUDA-graph replays over rotating blobs; per-call seconds",
+                      "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs",
+                      "sms": torch.cuda.get_device_properties(device).multi_processor_count}}
 
 
 def main() -> None:
@@ -87,13 +94,7 @@ def main() -> None:
         sys.exit("dependent launches need a CUDA GPU of compute capability 9.0 or later and Triton 3.4 or later")
     gpu = torch.cuda.get_device_name(device)
     timer = Timer(device, args.replays)
-    result = {"command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-              "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
-              "setup": {"activations": "bfloat16", "timing": f"{args.repeats} repeats, each the median of "
-                        f"{args.replays} CUDA-graph replays over rotating blobs; per-call seconds",
-                        "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs",
-                        "sms": torch.cuda.get_device_properties(device).multi_processor_count},
-              "shapes": {}}
+    result = {**header(args, device), "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
         layer = TopKLayer(name, device, timer)
@@ -113,8 +114,8 @@ def main() -> None:
         figures = {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "config": stored.to_json(),
                    "ways": {}}
         for way, ffn in ffns.items():
-            entry = {"dependent_one_expert": ffn.decode_launches(1, 1)[2],
-                     "dependent_layer": ffn.decode_launches(1, top_k)[2],
+            entry = {"dependent_one_expert": ffn.decode_launches(1, 1).dependent,
+                     "dependent_layer": ffn.decode_launches(1, top_k).dependent,
                      "layer_same_output_as_ordinary": torch.equal(layer.call(ffn), ordinary),
                      **{key: spread(values) for key, values in timed[way].items()},
                      **{key.replace("_s", "_over_ordinary"): statistics.median(values) / base[key]

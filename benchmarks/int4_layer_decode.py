@@ -26,14 +26,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import LAYER_BLOBS, TOP_K, TopKLayer, spread  # noqa: E402
-from kernels_int4 import relative_error  # noqa: E402
+from dependent_launch import LAYER_BLOBS, TOP_K, TopKLayer, header  # noqa: E402
+from kernels_int4 import relative_error, spread  # noqa: E402
 from kernels_int8 import Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E402
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
 from mira.kernels.tuning import GemvConfig  # noqa: E402
@@ -62,12 +61,7 @@ def main() -> None:
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
     timer = Timer(device, args.replays)
-    result = {"command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-              "commit": commit(), "machine": machine(device), "gpu": gpu, "date": utc_now(), **context(),
-              "setup": {"activations": "bfloat16", "timing": f"{args.repeats} repeats, each the median of "
-                        f"{args.replays} CUDA-graph replays over rotating blobs; per-call seconds",
-                        "layer": f"one token, the shape's top-k experts of {LAYER_BLOBS} distinct blobs"},
-              "shapes": {}}
+    result = {**header(args, device), "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
         layer = TopKLayer(name, device, timer)
@@ -81,7 +75,7 @@ def main() -> None:
         ffns, figures = {}, {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "launches": {}}
         for label, config in configs.items():
             ffn = TritonInt4MoEFFN(layout, device, config=config)
-            up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
+            _, up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
             error = relative_error(layer.call(ffn), truth)
             figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
                                           "down_grid": down_grid, "dependent": dependent,

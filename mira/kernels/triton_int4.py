@@ -56,6 +56,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -565,6 +566,16 @@ def load_int4_config(device_name: str, hidden: int, intermediate: int, directory
     return default_int4_config(hidden, intermediate)
 
 
+class DecodeLaunches(NamedTuple):
+    """A decode's two launches: unit tiles a gate/up program owns, both grids, and whether the down
+    launch is a dependent one (mira.kernels.dependent)."""
+
+    tiles: int
+    gate_up_grid: tuple[int, int]
+    down_grid: tuple[int, int, int]
+    dependent: bool
+
+
 class TritonInt4MoEFFN(TritonMoEFFN):
     """The routed experts of one MoE layer from their INT4 blobs (same interface, workspaces and
     allocation rules as `TritonMoEFFN`)."""
@@ -595,21 +606,19 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         """The INT4 GEMVs do not cut experts."""
         return None
 
-    def decode_launches(self, tokens: int, top_k: int) -> tuple[tuple[int, int], tuple[int, int, int], bool]:
-        """The decode's gate/up and down grids for this many tokens and routed experts each, and
-        whether the down launch is a dependent one (mira.kernels.dependent)."""
+    def decode_launches(self, tokens: int, top_k: int) -> DecodeLaunches:
+        """The decode's launches for this many tokens and routed experts each."""
         I, H, cfg = self.layout.intermediate, self.layout.hidden, self.config
         tiles = self._rows_per_program(tokens * top_k, cfg.gate_up_gemv) // TILE
         up = (tokens * top_k, triton.cdiv(I // TILE, tiles))
         down = (tokens, triton.cdiv(H, cfg.down_gemv.block_rows), triton.cdiv(I, self._down_span))
-        return up, down, self._dependent and pays(math.prod(up), math.prod(down), self._sms)
+        return DecodeLaunches(tiles, up, down, self._dependent and pays(math.prod(up), math.prod(down), self._sms))
 
     def _decode(self, hidden, index, weights, bases, out, K, limits=None) -> None:  # limits: None (no cuts)
         T, H = hidden.shape
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
-        up_grid, down_grid, dependent = self.decode_launches(T, K)
-        tiles = self._rows_per_program(T * K, up) // TILE
+        tiles, up_grid, down_grid, dependent = self.decode_launches(T, K)
         span, splits = self._down_span, down_grid[2]
         _gate_up_gemv4[up_grid](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,

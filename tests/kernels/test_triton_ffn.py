@@ -47,6 +47,7 @@ from mira.models.spec import GluForm  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
+from cuda_graphs import captured  # noqa: E402
 from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 SCHEMES = ("int8-shared", "int8-row")
 H, I, E, K = 96, 40, 8, 2  # odd on purpose: no block size divides I, and 64 does not divide H
@@ -504,14 +505,7 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
     assert relative_error(first, truth) < 1e-2
     for _ in range(20):
         assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), first)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ffn.forward_bases(hidden, index, weights, bases, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    graph = captured(lambda: ffn.forward_bases(hidden, index, weights, bases, out=out))
     for _ in range(20):
         out.fill_(float("nan"))
         graph.replay()

@@ -41,6 +41,7 @@ from mira.kernels.tuning import GemmConfig, GemvConfig, KernelConfig, save_confi
 from mira.store.layout import ExpertLayout  # noqa: E402
 from mira.store.quant import quantize_expert  # noqa: E402
 
+from cuda_graphs import captured  # noqa: E402
 from routing_cases import DEVICE, relative_error, routing  # noqa: E402
 H, I, E, K = 128, 192, 6, 2
 FP32_TOL = 1e-5
@@ -295,8 +296,9 @@ def test_down_launch_is_dependent_where_both_grids_fit_on_the_sms(shape, tokens,
     (2048 / 64 = 32) and split: Qwen3 top-8 8 x 12 + 32 = 128 fit, OLMoE top-8 8 x 16 + 32 = 160
     and DeepSeek top-6 6 x 22 + 32 x 2 = 196 do not; one Mixtral expert has 224 gate/up programs."""
     layout = ExpertLayout("int4", *REAL_SHAPES[shape])
-    up, down, _ = TritonInt4MoEFFN(layout, DEVICE, config=default_int4_config(*REAL_SHAPES[shape])).decode_launches(
-        tokens, top_k)
+    ffn = TritonInt4MoEFFN(layout, DEVICE, config=default_int4_config(*REAL_SHAPES[shape]))
+    launches = ffn.decode_launches(tokens, top_k)
+    up, down = launches.gate_up_grid, launches.down_grid
     assert up[0] == tokens * top_k and up[1] == layout.intermediate // 64 and down[:2] == (tokens, layout.hidden // 64)
     assert dependent.pays(math.prod(up), math.prod(down), sms=132) is pays
 
@@ -461,14 +463,7 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
     for _ in range(10):
         assert torch.equal(ffn.forward_bases(hidden, index, weights, bases), first)
     out = torch.empty_like(hidden)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ffn.forward_bases(hidden, index, weights, bases, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ffn.forward_bases(hidden, index, weights, bases, out=out)
+    graph = captured(lambda: ffn.forward_bases(hidden, index, weights, bases, out=out))
     for _ in range(10):
         out.fill_(float("nan"))
         graph.replay()
@@ -491,7 +486,7 @@ def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shap
     early, ordinary = (TritonInt4MoEFFN(layout, "cuda", num_experts=8,
                                         config=dataclasses.replace(config, dependent_launch=flag))
                        for flag in (True, False))
-    assert early.decode_launches(1, K)[2] and not ordinary.decode_launches(1, K)[2]
+    assert early.decode_launches(1, K).dependent and not ordinary.decode_launches(1, K).dependent
     pinned = list(blobs)
     pinned[3] = blobs[3].cpu().pin_memory()
     hidden = torch.randn(1, layout.hidden, device="cuda", dtype=torch.bfloat16)
@@ -503,14 +498,7 @@ def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shap
         early._decode_act.fill_(float("nan"))
         assert torch.equal(early.forward_bases(hidden, index, weights, bases), want)
         out = torch.empty_like(hidden)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            early.forward_bases(hidden, index, weights, bases, out=out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            early.forward_bases(hidden, index, weights, bases, out=out)
+        graph = captured(lambda: early.forward_bases(hidden, index, weights, bases, out=out))
         for _ in range(3):
             out.fill_(float("nan"))
             early._decode_act.fill_(float("nan"))
