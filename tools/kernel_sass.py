@@ -97,7 +97,8 @@ def compile_launch4(launch: str, config: GemvConfig, hidden: int, intermediate: 
                      "H": I32, "I": I32, "K": I32, "W2_OFF": I32, "SZ2_OFF": I32, "B2_OFF": I32, "SPAN": I32,
                      "MAGIC": I32}
         splits = triton_ffn.split_span(intermediate, dataclasses.replace(config, unroll=1))[1]
-        constants = {"SPLIT": splits, "HAS_BIAS": False, "NAN_ABSENT": True, "DEPENDENT": False}
+        constants = {"PARTS": 2 * splits, "PER_PAIR": True, "HAS_BIAS": False, "NAN_ABSENT": True,
+                     "DEPENDENT": False}  # the K = 2 experts apart (KernelConfig.down_per_pair)
     constants |= {"BLOCK_T": config.block_rows // triton_int4.TILE, "LANES": triton_int4._lanes(config),
                   "UNROLL": config.unroll, "CVT": config.cvt}
     small = {"K", "TILES", "MAGIC"}  # K = 2, tiles a program and 2**23's bits: no multiples of 16

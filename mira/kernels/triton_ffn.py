@@ -668,7 +668,7 @@ class TritonMoEFFN:
         # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
         down = config.down_gemv
         self._down_span, splits = self._down_split(I, down)
-        row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if splits > 1 else 0
+        row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if self._rows_shared(splits) else 0
         self._split_partials = torch.empty(row_blocks * splits * down.block_rows, dtype=torch.float32, device=self.device)
         self._split_counts = torch.zeros(row_blocks, dtype=torch.int32, device=self.device)
         self._bases = None if num_experts is None else torch.zeros(num_experts, dtype=torch.int64, device=self.device)
@@ -694,6 +694,10 @@ class TritonMoEFFN:
     def _down_split(self, intermediate: int, down: GemvConfig) -> tuple[int, int]:
         """Columns of I per program of the down launch, and the programs sharing a row."""
         return (intermediate, 1) if down.mma else split_span(intermediate, down)
+
+    def _rows_shared(self, splits: int) -> bool:
+        """Whether several down programs may share a token's rows (their partial sums in a workspace)."""
+        return splits > 1
 
     def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
         """Device bytes of the workspaces one call of this size uses (for the memory budget)."""

@@ -18,9 +18,11 @@ decode: two GEMV launches on the CUDA cores (`_tiles_dot`). A program owns whole
     apply; the lanes are added once, at the end of the program.
     1. gate/up, grid (P, unit tiles / tiles per program): a program's gate tiles, then the up
        tiles of the same units (I / TILE tiles further), SwiGLU into the fp32 workspace act [P, I].
-    2. down, grid (T, H / block_rows, splits): per token its K experts' tiles summed with their
-       routing weights; with `split` the reduction over I is shared by several programs, whose
-       partial sums the last to arrive adds in a fixed order (`_store_down_rows`).
+    2. down, grid (T, H / block_rows, K x splits): per token its K experts' tiles summed with their
+       routing weights, each expert in programs of its own (`down_per_pair`; else one program walks
+       the K in turn: grid (T, H / block_rows, splits)); with `split` the reduction over I is
+       shared by several programs too; the last of a row block's programs to arrive adds their
+       partial sums in a fixed order (`_store_down_rows`).
     Where the GPU can and both grids fit on its SMs side by side (small experts, few routed pairs:
     mira.kernels.dependent), the down launch is a dependent one: its programs start while gate/up
     runs, ask L2 for their bytes, and wait for act.
@@ -351,25 +353,35 @@ def _gate_up_gemv4(
 @triton.jit
 def _down_gemv4(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
-    partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
+    partial_ptr, count_ptr,  # [T, H / BLOCK_H, PARTS, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (PARTS > 1)
     H, I, K, W2_OFF, SZ2_OFF, B2_OFF, SPAN, MAGIC,
-    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr,
+    BLOCK_T: tl.constexpr, LANES: tl.constexpr, UNROLL: tl.constexpr, CVT: tl.constexpr, PARTS: tl.constexpr,
+    PER_PAIR: tl.constexpr, HAS_BIAS: tl.constexpr, NAN_ABSENT: tl.constexpr, DEPENDENT: tl.constexpr,
 ):
-    """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, s) -> the token's K experts
-    summed over columns [s SPAN, (s + 1) SPAN) of I; split sums are added by the last program of a
-    row block to arrive, in split order (as the INT8 `_down_gemv`). DEPENDENT: a dependent launch
+    """Decode launch 2: program (token, block of BLOCK_T tiles of H rows, part) -> the token's K
+    experts summed over columns [s SPAN, (s + 1) SPAN) of I, split s = part; PER_PAIR: expert k's
+    alone, part = k S + s of S splits. The PARTS programs of a row block add up: the last to
+    arrive adds their sums in part order (as the INT8 `_down_gemv`). DEPENDENT: a dependent launch
     (mira.kernels.dependent), whose programs ask L2 for the lines of their experts' codes and scales
     while gate/up runs, then wait for its act."""
     token = tl.program_id(0)
     block = tl.program_id(1)
-    split = tl.program_id(2)
+    part = tl.program_id(2)
+    if PER_PAIR:
+        splits = tl.cdiv(I, SPAN)
+        split = part % splits
+        k_first = part // splits
+        k_end = k_first + 1
+    else:
+        split = part
+        k_first = 0
+        k_end = K
     tiles = block * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = block * BLOCK_T * TILE_W + tl.arange(0, BLOCK_T * TILE_W)
     group_start = split * (SPAN // GROUP_W)
     group_end = tl.minimum(group_start + SPAN // GROUP_W, I // GROUP_W)
     if DEPENDENT:
-        for k in range(0, K):
+        for k in range(k_first, k_end):
             ahead = tl.load(bases_ptr + tl.load(index_ptr + token * K + k))
             if ahead != 0:
                 blob = ahead.to(tl.pointer_type(tl.uint8))
@@ -381,7 +393,7 @@ def _down_gemv4(
                         prefetch_l2(blob + scales, DEPENDENT)
     await_primary(DEPENDENT)
     total = tl.zeros([BLOCK_T * TILE_W], dtype=tl.float32)
-    for k in range(0, K):
+    for k in range(k_first, k_end):
         pair = token * K + k
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         base = tl.load(bases_ptr + tl.load(index_ptr + pair))
@@ -394,7 +406,7 @@ def _down_gemv4(
         y += _bias(base, B2_OFF, rows, rows < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + rows, total, rows < H, partial_ptr, count_ptr,
-                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_T * TILE_W)
+                     token * tl.num_programs(1) + block, part, PARTS, BLOCK_T * TILE_W)
 
 
 @triton.jit
@@ -601,6 +613,10 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         """Spans of whole steps of block_cols (here unroll counts sub-steps inside a group)."""
         return split_span(intermediate, dataclasses.replace(down, unroll=1))
 
+    def _rows_shared(self, splits: int) -> bool:
+        """Split, or one token's experts in programs of their own (`KernelConfig.down_per_pair`)."""
+        return splits > 1 or self.config.down_per_pair
+
     @property
     def cut_granule(self) -> None:
         """The INT4 GEMVs do not cut experts."""
@@ -611,7 +627,8 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         I, H, cfg = self.layout.intermediate, self.layout.hidden, self.config
         tiles = self._rows_per_program(tokens * top_k, cfg.gate_up_gemv) // TILE
         up = (tokens * top_k, triton.cdiv(I // TILE, tiles))
-        down = (tokens, triton.cdiv(H, cfg.down_gemv.block_rows), triton.cdiv(I, self._down_span))
+        parts = triton.cdiv(I, self._down_span) * (top_k if cfg.down_per_pair else 1)
+        down = (tokens, triton.cdiv(H, cfg.down_gemv.block_rows), parts)
         return DecodeLaunches(tiles, up, down, self._dependent and pays(math.prod(up), math.prod(down), self._sms))
 
     def _decode(self, hidden, index, weights, bases, out, K, limits=None) -> None:  # limits: None (no cuts)
@@ -619,7 +636,6 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         I, cfg = self.layout.intermediate, self.config
         up, down = cfg.gate_up_gemv, cfg.down_gemv
         tiles, up_grid, down_grid, dependent = self.decode_launches(T, K)
-        span, splits = self._down_span, down_grid[2]
         _gate_up_gemv4[up_grid](
             hidden, hidden.stride(0), index, bases, self._decode_act, H, I, K, self._s_in_off, self._b13_off, tiles,
             MAGIC, BLOCK_T=up.block_rows // TILE, LANES=_lanes(up), UNROLL=up.unroll, CVT=up.cvt,
@@ -627,9 +643,10 @@ class TritonInt4MoEFFN(TritonMoEFFN):
         )
         _down_gemv4[down_grid](
             self._decode_act, index, weights, bases, out, out.stride(0), self._split_partials, self._split_counts,
-            H, I, K, self._w2_off, self._s_out_off, self._b2_off, span, MAGIC, BLOCK_T=down.block_rows // TILE,
-            LANES=_lanes(down), UNROLL=down.unroll, CVT=down.cvt, SPLIT=splits, num_warps=down.num_warps,
-            num_stages=down.num_stages, **self._after_down, DEPENDENT=dependent,
+            H, I, K, self._w2_off, self._s_out_off, self._b2_off, self._down_span, MAGIC,
+            BLOCK_T=down.block_rows // TILE, LANES=_lanes(down), UNROLL=down.unroll, CVT=down.cvt, PARTS=down_grid[2],
+            PER_PAIR=cfg.down_per_pair, num_warps=down.num_warps, num_stages=down.num_stages, **self._after_down,
+            DEPENDENT=dependent,
             **({"launch_pdl": True} if dependent else {}),
         )
 

@@ -74,6 +74,8 @@ DECODE_CONFIGS = {
     "gemv-fold": KernelConfig(gate_up_gemv=GemvConfig(128, 256, unroll=4, num_warps=1, cvt="fold"),
                               down_gemv=GemvConfig(64, 128, unroll=16, split=2, num_warps=1, cvt="fold")),
 }
+# the down launch's program walking a token's K experts in turn, in the ragged launch shapes
+DECODE_CONFIGS["gemv-in-turn"] = dataclasses.replace(DECODE_CONFIGS["gemv-ragged"], down_per_pair=False)
 PREFILL_CONFIGS = {
     # a K step of half a group; three row blocks of one tile
     "gemm-m16": prefill_only(GemmConfig(16, 64, 32, num_warps=4, num_stages=2)),
@@ -285,21 +287,28 @@ def test_down_prefetch_asks_for_the_lines_the_down_launch_reads(tile, groups):
                for line in got)
 
 
-@pytest.mark.parametrize(("shape", "tokens", "top_k", "pays"), [
-    ("qwen3-30b-a3b", 1, 8, True), ("olmoe-1b-7b", 1, 2, True), ("deepseek-v2-lite", 1, 2, True),
-    ("olmoe-1b-7b", 1, 8, False), ("deepseek-v2-lite", 1, 6, False), ("qwen3-30b-a3b", 2, 8, False),
-    ("mixtral-8x7b", 1, 1, False),
+@pytest.mark.parametrize(("shape", "tokens", "top_k", "per_pair", "pays"), [
+    ("qwen3-30b-a3b", 1, 8, False, True), ("qwen3-30b-a3b", 1, 8, True, False), ("qwen3-30b-a3b", 2, 8, False, False),
+    ("olmoe-1b-7b", 1, 2, True, True), ("olmoe-1b-7b", 1, 8, False, False),
+    ("deepseek-v2-lite", 1, 1, True, True), ("deepseek-v2-lite", 1, 2, False, True),
+    ("deepseek-v2-lite", 1, 2, True, False), ("deepseek-v2-lite", 1, 6, False, False),
+    ("mixtral-8x7b", 1, 1, True, False),
 ])
-def test_down_launch_is_dependent_where_both_grids_fit_on_the_sms(shape, tokens, top_k, pays):
+def test_down_launch_is_dependent_where_both_grids_fit_on_the_sms(shape, tokens, top_k, per_pair, pays):
     """The untuned decode grids at real shapes on a 132-SM GPU, worked by hand: gate/up has a
     program per unit tile and routed pair (I / 64 of them a pair), down one per tile of H rows
-    (2048 / 64 = 32) and split: Qwen3 top-8 8 x 12 + 32 = 128 fit, OLMoE top-8 8 x 16 + 32 = 160
-    and DeepSeek top-6 6 x 22 + 32 x 2 = 196 do not; one Mixtral expert has 224 gate/up programs."""
-    layout = ExpertLayout("int4", *REAL_SHAPES[shape])
-    ffn = TritonInt4MoEFFN(layout, DEVICE, config=default_int4_config(*REAL_SHAPES[shape]))
-    launches = ffn.decode_launches(tokens, top_k)
+    (2048 / 64 = 32), split of I (DeepSeek's 1408 in 2 steps of 1024, Mixtral's 14336 in 7 spans of
+    2 steps) and, with the experts apart, routed expert. Qwen3 top-8 walked in turn 8 x 12 + 32 = 128
+    fit, apart 96 + 32 x 8 = 352 do not; DeepSeek top-2 2 x 22 + 32 x 2 = 108 fit, apart 44 + 128 =
+    172 do not; OLMoE top-8 8 x 16 + 32 = 160 do not; one Mixtral expert has 224 gate/up programs."""
+    hidden, intermediate = REAL_SHAPES[shape]
+    splits = {"deepseek-v2-lite": 2, "mixtral-8x7b": 7}.get(shape, 1)
+    layout = ExpertLayout("int4", hidden, intermediate)
+    config = dataclasses.replace(default_int4_config(hidden, intermediate), down_per_pair=per_pair)
+    launches = TritonInt4MoEFFN(layout, DEVICE, config=config).decode_launches(tokens, top_k)
     up, down = launches.gate_up_grid, launches.down_grid
-    assert up[0] == tokens * top_k and up[1] == layout.intermediate // 64 and down[:2] == (tokens, layout.hidden // 64)
+    assert up == (tokens * top_k, intermediate // 64)
+    assert down == (tokens, hidden // 64, splits * (top_k if per_pair else 1))
     assert dependent.pays(math.prod(up), math.prod(down), sms=132) is pays
 
 
@@ -316,9 +325,11 @@ def test_int4_tuning_is_stored_apart_from_int8(tmp_path):
     assert load_int4_config("NVIDIA H200", H, 2 * I, directory=tmp_path) == default_int4_config(H, 2 * I)
     assert load_int4_config("Other GPU", H, I, directory=tmp_path) == default_int4_config(H, I)
     entry = json.loads(path.read_text())
-    del entry["shapes"][f"{H}x{I}"]["dependent_launch"]  # a file written before there was the choice
+    for choice in ("dependent_launch", "down_per_pair"):  # a file written before there were the choices
+        del entry["shapes"][f"{H}x{I}"][choice]
     path.write_text(json.dumps(entry))
-    assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned and tuned.dependent_launch
+    assert load_int4_config("NVIDIA H200", H, I, directory=tmp_path) == tuned
+    assert tuned.dependent_launch and tuned.down_per_pair
 
 
 # ---- GPU only: real shapes, zero-copy, allocation and sync -------------------------------------
@@ -475,16 +486,17 @@ def test_split_decode_is_deterministic_across_calls_and_graph_replays(real_blobs
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not dependent.supported_on(torch.device("cuda")),
                     reason="dependent launches need compute capability 9.0 and Triton 3.4")
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite"])
-def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shape):
-    """The down launch started while gate/up runs (one token, 2 routed experts: both grids fit on
-    the SMs) prefetches and waits for act: the same bits as two ordinary launches, for experts in
-    slots and one read zero-copy, called and replayed in a CUDA graph. The act workspace is NaN
-    before every call, so a down program reading it early would show."""
+@pytest.mark.parametrize(("shape", "per_pair"), [("qwen3-30b-a3b", True), ("olmoe-1b-7b", True),
+                                               ("qwen3-30b-a3b", False), ("deepseek-v2-lite", False)])
+def test_dependent_down_launch_gives_the_ordinary_launches_bits(real_blobs, shape, per_pair):
+    """The down launch started while gate/up runs (one token, 2 routed experts, apart or walked in
+    turn: both grids fit on the SMs) prefetches and waits for act: the same bits as two ordinary
+    launches, for experts in slots and one read zero-copy, called and replayed in a CUDA graph. The
+    act workspace is NaN before every call, so a down program reading it early would show."""
     layout, blobs = real_blobs(shape)
     config = load_int4_config(torch.cuda.get_device_name(), *REAL_SHAPES[shape])
-    early, ordinary = (TritonInt4MoEFFN(layout, "cuda", num_experts=8,
-                                        config=dataclasses.replace(config, dependent_launch=flag))
+    early, ordinary = (TritonInt4MoEFFN(layout, "cuda", num_experts=8, config=dataclasses.replace(
+                           config, dependent_launch=flag, down_per_pair=per_pair))
                        for flag in (True, False))
     assert early.decode_launches(1, K).dependent and not ordinary.decode_launches(1, K).dependent
     pinned = list(blobs)

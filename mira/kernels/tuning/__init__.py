@@ -79,6 +79,9 @@ class KernelConfig:
         launches; more use the grouped GEMM.
     dependent_launch: (the INT4 kernels) where the GPU can and it pays (mira.kernels.dependent),
         the decode's down launch starts while gate/up still runs.
+    down_per_pair: (the INT4 kernels) the decode's down launch gives each of a token's routed
+        experts programs of their own, whose partial sums the last to arrive adds, instead of one
+        program walking the K experts in turn (a wait on memory for each).
     """
 
     decode_max_pairs: int = 16
@@ -86,6 +89,7 @@ class KernelConfig:
     down_gemv: GemvConfig = field(default_factory=lambda: GemvConfig(block_rows=8, block_cols=512))
     gemm: GemmConfig = field(default_factory=GemmConfig)
     dependent_launch: bool = True
+    down_per_pair: bool = True
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,6 +102,7 @@ class KernelConfig:
             down_gemv=GemvConfig(**data["down_gemv"]),
             gemm=GemmConfig(**data["gemm"]),
             dependent_launch=bool(data.get("dependent_launch", True)),
+            down_per_pair=bool(data.get("down_per_pair", True)),
         )
 
 
