@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, spread  # noqa: E402
-from kernels_int8 import ROTATE_BYTES, Timer  # noqa: E402
+from kernels_int8 import ROTATE_BYTES, Timer, random_slots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,16 +43,17 @@ WAYS = {"ordinary": False, "dependent where it pays": True}  # KernelConfig.depe
 
 
 class TopKLayer:
-    """One shape's random INT4 blobs and one token routed to its top-k experts, LAYER_BLOBS distinct
-    blobs a call, other blobs each call (rotating past the L2 cache); `one_expert` etc. on `work`."""
+    """One shape's random blobs of a scheme (INT4 unless told) and one token routed to its top-k
+    experts, LAYER_BLOBS distinct blobs a call, other blobs each call (rotating past the L2 cache);
+    `one_expert` etc. on `work`."""
 
-    def __init__(self, name: str, device: torch.device, timer: Timer) -> None:
+    def __init__(self, name: str, device: torch.device, timer: Timer, scheme: str = "int4") -> None:
         hidden, intermediate = SHAPES[name]
         self.top_k, self.timer = TOP_K[name], timer
         gen = torch.Generator(device=device).manual_seed(0)
-        self.layout = ExpertLayout("int4", hidden, intermediate)
+        self.layout = ExpertLayout(scheme, hidden, intermediate)
         count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / self.layout.nbytes))
-        self.slots = random_int4_slots(self.layout, count, device, gen)
+        self.slots = (random_int4_slots if scheme == "int4" else random_slots)(self.layout, count, device, gen)
         inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
         self.work = Workload(self.layout, self.slots, inputs, timer)
         self.x, self.calls = inputs["x1"], inputs["calls"]
@@ -61,14 +62,26 @@ class TopKLayer:
         self.index = torch.arange(self.top_k, device=device).view(1, self.top_k)
         self.weights = torch.softmax(torch.randn(1, self.top_k, generator=gen, device=device), -1).bfloat16()
         self.out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
+        self._host_tables: list[torch.Tensor] | None = None  # pinned copies' tables (`zero_copy_time`)
 
-    def call(self, ffn, c: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's experts for call c's token and blobs."""
-        return ffn.forward_bases(self.x[c], self.index, self.weights, self.tables[c], out=out)
+    def call(self, ffn, c: int = 0, out: torch.Tensor | None = None, tables: list | None = None) -> torch.Tensor:
+        """The layer's experts for call c's token and blobs (of `tables`, default the device slots')."""
+        return ffn.forward_bases(self.x[c], self.index, self.weights, (tables or self.tables)[c], out=out)
 
     def time(self, ffn) -> float:
         """Seconds per layer call (CUDA graph replays over the rotating blobs)."""
         return self.timer.graph(lambda c: self.call(ffn, c, self.out), self.calls)
+
+    def zero_copy_time(self, ffn) -> float:
+        """Seconds per layer call with every routed expert read zero-copy from pinned host memory, as
+        misses are under a budget (copies of the slots, rotating as they do)."""
+        if self._host_tables is None:
+            count = min(self.slots.shape[0], max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / self.layout.nbytes)))
+            self._host = torch.empty(count, self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._host.copy_(self.slots[:count])
+            self._host_tables = [addresses([self._host[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)],
+                                           self.slots.device) for c in range(self.calls)]
+        return self.timer.graph(lambda c: self.call(ffn, c, self.out, self._host_tables), self.calls)
 
 
 def header(args: argparse.Namespace, device: torch.device) -> dict:

@@ -1,16 +1,14 @@
 """Time an INT4 decode layer at the models' own top-k under down-launch candidates.
 
 The autotune (kernels_int4.py) and the untuned configuration choose the down launch by one
-expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), which
-one down program walks in turn, or which get programs of their own (KernelConfig.down_per_pair).
-Per expert shape (random INT4 blobs, bf16 activations, one token, its K experts of 8 distinct
-blobs, from HBM), on one GPU, in turns within each repeat: the stored (or untuned) configuration,
-and the same with each candidate down launch (narrower steps, the reduction over I split among
-more programs), each with the K experts walked in turn and apart. Each is checked against the
-float32 reference first. Figures are per call, --repeats repeats of the median of --replays
-CUDA-graph replays (median and range), against the stored configuration walking the experts in
-turn, in the same run; the decode's grids and whether its down launch is a dependent one
-(mira.kernels.dependent) are recorded.
+expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), all of
+which one down program walks in turn. Per expert shape (random INT4 blobs, bf16 activations, one
+token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
+stored (or untuned) configuration, and the same with each candidate down launch (narrower steps,
+the reduction over I split among more programs). Each candidate is checked against the float32
+reference first. Figures are per call, --repeats repeats of the median of --replays CUDA-graph
+replays (median and range), against the stored configuration in the same run; the decode's grids
+and whether its down launch is a dependent one (mira.kernels.dependent) are recorded.
 
     python benchmarks/int4_layer_decode.py [--shapes qwen3-30b-a3b,...] [--repeats 3] [--out FILE]
 """
@@ -42,8 +40,6 @@ from mira.store.files import write_json_atomic  # noqa: E402
 
 SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
 STEPS = ((512, 2), (256, 1), (256, 2), (128, 1))  # down (block_cols, num_warps): the split makes one step a program
-WALKS = {"in turn": False, "apart": True}  # a token's K experts in the down launch (KernelConfig.down_per_pair)
-BASE = "stored, in turn"
 
 
 def candidates(intermediate: int) -> dict[str, GemvConfig]:
@@ -74,16 +70,14 @@ def main() -> None:
         truth = moe_ffn_reference(layer.x[0].float(), layer.index, layer.weights.float(),
                                   [layer.slots[e] for e in range(LAYER_BLOBS)], layout, F.silu)
         stored = load_int4_config(gpu, hidden, intermediate)
-        downs = {"stored": stored.down_gemv, **candidates(intermediate)}
-        configs = {f"{label}, {walk}": dataclasses.replace(stored, down_gemv=down, down_per_pair=apart)
-                   for label, down in downs.items() for walk, apart in WALKS.items()}
+        configs = {"stored": stored, **{label: dataclasses.replace(stored, down_gemv=down)
+                                        for label, down in candidates(intermediate).items()}}
         ffns, figures = {}, {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "launches": {}}
         for label, config in configs.items():
             ffn = TritonInt4MoEFFN(layout, device, config=config)
             _, up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
             error = relative_error(layer.call(ffn), truth)
-            figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv),
-                                          "down_per_pair": config.down_per_pair, "gate_up_grid": up_grid,
+            figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
                                           "down_grid": down_grid, "dependent": dependent,
                                           "relative_error_vs_fp32_reference": error,
                                           "layer_s": [], "one_expert_s": []}
@@ -94,26 +88,26 @@ def main() -> None:
                 entry = figures["launches"][label]
                 entry["layer_s"].append(layer.time(ffn))
                 entry["one_expert_s"].append(work.one_expert(ffn))
-        base = {key: statistics.median(figures["launches"][BASE][key]) for key in ("layer_s", "one_expert_s")}
+        base = {key: statistics.median(figures["launches"]["stored"][key]) for key in ("layer_s", "one_expert_s")}
         for label, entry in figures["launches"].items():
             if not entry["layer_s"]:
                 error = entry["relative_error_vs_fp32_reference"]
-                rows.append(f"{name:16} {top_k:5} {label:46} refused: error {error}")
+                rows.append(f"{name:16} {top_k:5} {label:36} refused: error {error}")
                 continue
             for key in ("layer_s", "one_expert_s"):
-                entry[key.replace("_s", "_over_base")] = statistics.median(entry[key]) / base[key]
+                entry[key.replace("_s", "_over_stored")] = statistics.median(entry[key]) / base[key]
                 entry[key] = spread(entry[key])
-            rows.append(f"{name:16} {top_k:5} {label:46} {'D' if entry['dependent'] else '-'}  "
+            rows.append(f"{name:16} {top_k:5} {label:36} {'D' if entry['dependent'] else '-'}  "
                         + "  ".join(f"{entry[key]['median'] * 1e6:6.1f} [{entry[key]['min'] * 1e6:.1f}, "
-                                    f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_base')]:.3f}"
+                                    f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_stored')]:.3f}"
                                     for key in ("layer_s", "one_expert_s")))
         result["shapes"][name] = figures
         del layer, work, ffns
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)
-    print(f"shape            top-k {'launches':46} D  top-k layer us [range] x base   one expert us [range] x base"
-          f"   (base: {BASE})")
+    print("shape            top-k launches                             D  top-k layer us [range] x stored   "
+          "one expert us [range] x stored")
     print("\n".join(rows))
     print(f"wrote {args.out}")
 

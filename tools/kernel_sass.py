@@ -67,8 +67,8 @@ def compile_launch(launch: str, config: GemvConfig, hidden: int, intermediate: i
                      "limits_ptr": "*i32"}
         span, splits = triton_ffn.split_span(intermediate, config)
         constants = {"BLOCK_H": config.block_rows, "BLOCK_I": config.block_cols, "UNROLL": config.unroll,
-                     "SPLIT": splits, "EVEN_I": splits * span == intermediate, "HAS_BIAS": False, "NAN_ABSENT": True,
-                     "CUT": False}
+                     "PARTS": 2 * splits, "PER_PAIR": True, "EVEN_I": splits * span == intermediate,
+                     "HAS_BIAS": False, "NAN_ABSENT": True, "CUT": False}  # K = 2 apart (KernelConfig.down_per_pair)
     constants["CVT"] = config.cvt
     constants["VEC"] = triton_ffn.partial_sum(config)
     # every argument but K (= 2) and a row count below 16 (ROWS = block_rows: one row block per

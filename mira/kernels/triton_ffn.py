@@ -251,20 +251,30 @@ def _gate_up_rows(
 
 
 @triton.jit
-def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block, split, SPLIT: tl.constexpr,
+def _down_part(part, I, SPAN, K, PER_PAIR: tl.constexpr):
+    """Program `part` of a down launch's row block -> (its split of I, the first of the token's K
+    experts it sums and the end of them): all K, or with PER_PAIR one, part = k splits + split."""
+    if PER_PAIR:
+        splits = tl.cdiv(I, SPAN)
+        return part % splits, part // splits, part // splits + 1
+    return part, 0, K
+
+
+@triton.jit
+def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block, part, PARTS: tl.constexpr,
                      BLOCK_H: tl.constexpr):
-    """A down GEMV program's rows of one token: stored at once, or, split over SPLIT programs, its
-    partial sums stored and the last program to arrive adds them all in a fixed order."""
-    if SPLIT == 1:
+    """A down GEMV program's rows of one token: stored at once, or, shared by PARTS programs, its
+    partial sums stored and the last program to arrive adds them all in part order."""
+    if PARTS == 1:
         tl.store(out_row, total.to(out_row.dtype.element_ty), mask=in_rows)
     else:
-        partials = partial_ptr + row_block * SPLIT * BLOCK_H + tl.arange(0, BLOCK_H)
-        tl.store(partials + split * BLOCK_H, total)
+        partials = partial_ptr + row_block * PARTS * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(partials + part * BLOCK_H, total)
         tl.debug_barrier()  # every thread's partial is stored before the count moves
         arrived = tl.atomic_add(count_ptr + row_block, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last to arrive: the others' partials are visible to it
+        if arrived == PARTS - 1:  # the last to arrive: the others' partials are visible to it
             total = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for s in range(0, SPLIT):
+            for s in range(0, PARTS):
                 total += tl.load(partials + s * BLOCK_H, cache_modifier=".cg")  # from L2, not a stale L1 line
             tl.store(out_row, total.to(out_row.dtype.element_ty), mask=in_rows)
             tl.atomic_xchg(count_ptr + row_block, 0)  # ready for the next call
@@ -273,27 +283,28 @@ def _store_down_rows(out_row, total, in_rows, partial_ptr, count_ptr, row_block,
 @triton.jit
 def _down_gemv(
     act_ptr, index_ptr, weights_ptr, bases_ptr, out_ptr, stride_ot,  # [P, I] fp32, [P], [P], [E], [T, H]
-    partial_ptr, count_ptr,  # [T, H / BLOCK_H, SPLIT, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (SPLIT > 1)
+    partial_ptr, count_ptr,  # [T, H / BLOCK_H, PARTS, BLOCK_H] fp32, [T, H / BLOCK_H] int32 zeros (PARTS > 1)
     H, I, K, W2_OFF, S_OUT_OFF, B2_OFF, SPAN, limits_ptr,  # limits_ptr: [E] int32, read with CUT
-    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, PARTS: tl.constexpr,
+    PER_PAIR: tl.constexpr, EVEN_I: tl.constexpr, CVT: tl.constexpr, VEC: tl.constexpr, HAS_BIAS: tl.constexpr,
     NAN_ABSENT: tl.constexpr, CUT: tl.constexpr,
 ):
-    """Decode launch 2 on the CUDA cores: program (token, block of H rows, s) -> the token's K
-    experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I. Unsplit (SPLIT 1),
-    that sum is out[token, rows]. Split, each program writes its partial sum and counts itself
-    in; the last of a row block's SPLIT programs to arrive adds the partials in split order into
-    out and resets the count: deterministic, no second launch, more programs for a short H.
+    """Decode launch 2 on the CUDA cores: program (token, block of H rows, part) -> the token's K
+    experts summed in registers over columns [s * SPAN, (s + 1) * SPAN) of I, split s = part;
+    PER_PAIR: expert k's alone, part = k S + s of S splits. A row block's PARTS programs add up:
+    alone (PARTS 1), its sum is out[token, rows]; else each program writes its partial sum and
+    counts itself in, and the last to arrive adds the partials in part order into out and resets
+    the count: deterministic, no second launch, more programs for a short H or many experts.
     Partial sums of VEC adjacent products per thread, as in _gate_up_rows."""
     token = tl.program_id(0)
     block = tl.program_id(1)
-    split = tl.program_id(2)
+    split, k_first, k_end = _down_part(tl.program_id(2), I, SPAN, K, PER_PAIR)
     offs_h = block * BLOCK_H + tl.arange(0, BLOCK_H)
     in_rows = offs_h < H
     col_start = split * SPAN
     col_end = tl.minimum(col_start + SPAN, I)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for k in range(0, K):
+    for k in range(k_first, k_end):
         pair = token * K + k
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         expert = tl.load(index_ptr + pair)
@@ -324,7 +335,7 @@ def _down_gemv(
         y += _bias(base, B2_OFF, offs_h, offs_h < tl.where(present & (split == 0), H, 0), HAS_BIAS)  # once: split 0's
         total += _absent(y, present, NAN_ABSENT) * weight
     _store_down_rows(out_ptr + token * stride_ot + offs_h, total, in_rows, partial_ptr, count_ptr,
-                     token * tl.num_programs(1) + block, split, SPLIT, BLOCK_H)
+                     token * tl.num_programs(1) + block, tl.program_id(2), PARTS, BLOCK_H)
 
 
 @triton.jit
@@ -696,8 +707,9 @@ class TritonMoEFFN:
         return (intermediate, 1) if down.mma else split_span(intermediate, down)
 
     def _rows_shared(self, splits: int) -> bool:
-        """Whether several down programs may share a token's rows (their partial sums in a workspace)."""
-        return splits > 1
+        """Whether several down programs may share a token's rows (their partial sums in a workspace):
+        split, or the token's experts apart (`KernelConfig.down_per_pair`, not on the tensor cores)."""
+        return splits > 1 or (self.config.down_per_pair and not self.config.down_gemv.mma)
 
     def workspace_bytes(self, tokens: int, top_k: int, dtype: torch.dtype) -> int:
         """Device bytes of the workspaces one call of this size uses (for the memory budget)."""
@@ -845,11 +857,12 @@ class TritonMoEFFN:
         else:
             span = self._down_span
             splits = triton.cdiv(I, span)
-            _down_gemv[(*grid, splits)](
+            parts = splits * (K if cfg.down_per_pair else 1)
+            _down_gemv[(*grid, parts)](
                 *args[:6], self._split_partials, self._split_counts, *args[6:], span,
                 bases if limits is None else limits, BLOCK_H=down.block_rows, BLOCK_I=down.block_cols,
-                UNROLL=down.unroll, SPLIT=splits, EVEN_I=splits * span == I, CVT=self._cvt(down),
-                VEC=partial_sum(down), CUT=limits is not None, **launch,
+                UNROLL=down.unroll, PARTS=parts, PER_PAIR=cfg.down_per_pair, EVEN_I=splits * span == I,
+                CVT=self._cvt(down), VEC=partial_sum(down), CUT=limits is not None, **launch,
             )
 
     def _rows_per_program(self, pairs: int, gemv: GemvConfig) -> int:

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from mira.kernels.dependent import await_primary, pays, prefetch_l2, release, supported_on
 from mira.kernels.triton_ffn import (
-    TritonMoEFFN, _absent, _bias, _gated, _store_down_rows, group_by_expert, split_span,
+    TritonMoEFFN, _absent, _bias, _down_part, _gated, _store_down_rows, group_by_expert, split_span,
 )
 from mira.kernels.tuning import (
     TUNING_DIR, GemmConfig, GemvConfig, KernelConfig, device_key, load_config, shape_key,
@@ -367,15 +367,7 @@ def _down_gemv4(
     token = tl.program_id(0)
     block = tl.program_id(1)
     part = tl.program_id(2)
-    if PER_PAIR:
-        splits = tl.cdiv(I, SPAN)
-        split = part % splits
-        k_first = part // splits
-        k_end = k_first + 1
-    else:
-        split = part
-        k_first = 0
-        k_end = K
+    split, k_first, k_end = _down_part(part, I, SPAN, K, PER_PAIR)
     tiles = block * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = block * BLOCK_T * TILE_W + tl.arange(0, BLOCK_T * TILE_W)
     group_start = split * (SPAN // GROUP_W)
@@ -612,10 +604,6 @@ class TritonInt4MoEFFN(TritonMoEFFN):
     def _down_split(self, intermediate: int, down: GemvConfig) -> tuple[int, int]:
         """Spans of whole steps of block_cols (here unroll counts sub-steps inside a group)."""
         return split_span(intermediate, dataclasses.replace(down, unroll=1))
-
-    def _rows_shared(self, splits: int) -> bool:
-        """Split, or one token's experts in programs of their own (`KernelConfig.down_per_pair`)."""
-        return splits > 1 or self.config.down_per_pair
 
     @property
     def cut_granule(self) -> None:

@@ -16,6 +16,7 @@ T tokens, E experts, K routed per token, H hidden, I expert intermediate.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -71,6 +72,8 @@ DECODE_CONFIGS = {
     "gemv-split": KernelConfig(gate_up_gemv=GemvConfig(16, 32, unroll=1, programs_per_sm=1, cvt="prmt"),
                                down_gemv=GemvConfig(16, 8, unroll=2, split=3, cvt="bits")),
 }
+# the down launch's program walking a token's K experts in turn (down_per_pair false), split in 3
+DECODE_CONFIGS["gemv-in-turn"] = dataclasses.replace(DECODE_CONFIGS["gemv-split"], down_per_pair=False)
 PREFILL_CONFIGS = {  # decode_max_pairs=0 sends every call to the grouped GEMM
     "gemm-m16": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(16, 32, 32, num_warps=4, num_stages=2)),
     "gemm-m32": KernelConfig(decode_max_pairs=0, gemm=GemmConfig(32, 16, 64, num_warps=4, num_stages=2)),

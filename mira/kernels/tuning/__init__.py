@@ -79,7 +79,7 @@ class KernelConfig:
         launches; more use the grouped GEMM.
     dependent_launch: (the INT4 kernels) where the GPU can and it pays (mira.kernels.dependent),
         the decode's down launch starts while gate/up still runs.
-    down_per_pair: (the INT4 kernels) the decode's down launch gives each of a token's routed
+    down_per_pair: the decode's down launch on the CUDA cores gives each of a token's routed
         experts programs of their own, whose partial sums the last to arrive adds, instead of one
         program walking the K experts in turn (a wait on memory for each).
     """

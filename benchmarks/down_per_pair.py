@@ -1,0 +1,110 @@
+"""Time a decode layer's down launch with a token's experts walked in turn against apart.
+
+One down program used to walk a token's K routed experts in turn, waiting on memory for each;
+with `KernelConfig.down_per_pair` each expert gets programs of its own, whose partial sums the last
+to arrive adds. Per expert shape and scheme (random INT4 and int8-shared blobs, bf16 activations,
+one token), on one GPU, in turns within each repeat, the stored (or untuned) configuration both
+ways: one expert from HBM, a token's layer at the model's own top-k (its K experts of 8 distinct
+blobs) from HBM, and the same layer with every expert read zero-copy from pinned host memory (a
+layer of misses under a budget). Each way is checked against the float32 reference first. Figures
+are per call, --repeats repeats of the median of --replays CUDA-graph replays (median and range),
+against the experts walked in turn in the same run.
+
+    python benchmarks/down_per_pair.py [--shapes qwen3-30b-a3b,...] [--schemes int4,int8-shared] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dependent_launch import LAYER_BLOBS, TOP_K, TopKLayer, header  # noqa: E402
+from kernels_int4 import relative_error, spread  # noqa: E402
+from kernels_int8 import Timer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mira.kernels.reference import moe_ffn_reference  # noqa: E402
+from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
+from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
+from mira.kernels.tuning import load_config  # noqa: E402
+from mira.store.files import write_json_atomic  # noqa: E402
+
+WAYS = {"in turn": False, "apart": True}  # KernelConfig.down_per_pair
+TIMES = ("one_expert_s", "layer_s", "zero_copy_layer_s")
+
+
+def kernels(scheme: str, gpu: str, hidden: int, intermediate: int):
+    """The kernel class of a scheme and its stored (or untuned) configuration on this GPU."""
+    if scheme == "int4":
+        return TritonInt4MoEFFN, load_int4_config(gpu, hidden, intermediate)
+    return TritonMoEFFN, load_config(gpu, hidden, intermediate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(TOP_K), help="comma-separated: " + ", ".join(TOP_K))
+    parser.add_argument("--schemes", default="int4,int8-shared")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "down-per-pair.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    timer = Timer(device, args.replays)
+    result = {**header(args, device), "shapes": {}}
+    rows = []
+    for name in args.shapes.split(","):
+        result["shapes"][name] = {}
+        for scheme in args.schemes.split(","):
+            layer = TopKLayer(name, device, timer, scheme)
+            layout, top_k = layer.layout, layer.top_k
+            kind, stored = kernels(scheme, gpu, layout.hidden, layout.intermediate)
+            truth = moe_ffn_reference(layer.x[0].float(), layer.index, layer.weights.float(),
+                                      [layer.slots[e] for e in range(LAYER_BLOBS)], layout, F.silu)
+            ffns = {way: kind(layout, device, config=dataclasses.replace(stored, down_per_pair=apart))
+                    for way, apart in WAYS.items()}
+            figures = {"hidden": layout.hidden, "intermediate": layout.intermediate, "top_k": top_k,
+                       "config": stored.to_json(), "ways": {}}
+            for way, ffn in ffns.items():
+                figures["ways"][way] = {"relative_error_vs_fp32_reference": relative_error(layer.call(ffn), truth),
+                                        **{key: [] for key in TIMES}}
+            for _ in range(args.repeats):
+                for way, ffn in ffns.items():
+                    entry = figures["ways"][way]
+                    entry["one_expert_s"].append(layer.work.one_expert(ffn))
+                    entry["layer_s"].append(layer.time(ffn))
+                    entry["zero_copy_layer_s"].append(layer.zero_copy_time(ffn))
+            base = {key: statistics.median(figures["ways"]["in turn"][key]) for key in TIMES}
+            for way, entry in figures["ways"].items():
+                for key in TIMES:
+                    entry[key.replace("_s", "_over_in_turn")] = statistics.median(entry[key]) / base[key]
+                    entry[key] = spread(entry[key])
+                cells = [f"{entry[key]['median'] * 1e6:7.1f} [{entry[key]['min'] * 1e6:.1f}, "
+                         f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_in_turn')]:.3f}"
+                         for key in TIMES]
+                rows.append(f"{name:16} {scheme:11} {top_k:5} {way:8} " + "  ".join(cells)
+                            + f"  err {entry['relative_error_vs_fp32_reference']:.1e}")
+            result["shapes"][name][scheme] = figures
+            del layer, ffns
+            torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, result)
+    print("shape            scheme      top-k way       one expert us [range] x in turn   top-k layer us   "
+          "top-k layer zero-copy us")
+    print("\n".join(rows))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
