@@ -96,10 +96,10 @@ def main() -> None:
                 rows.append(f"{name:16} {scheme:11} {top_k:5} {way:8} " + "  ".join(cells)
                             + f"  err {entry['relative_error_vs_fp32_reference']:.1e}")
             result["shapes"][name][scheme] = figures
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(args.out, result)  # after each: what a cut-short run measured stays
             del layer, ffns
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, result)
     print("shape            scheme      top-k way       one expert us [range] x in turn   top-k layer us   "
           "top-k layer zero-copy us")
     print("\n".join(rows))
