@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, spread  # noqa: E402
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E402
 from mira.kernels import dependent  # noqa: E402
+from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
@@ -67,6 +69,11 @@ class TopKLayer:
     def call(self, ffn, c: int = 0, out: torch.Tensor | None = None, tables: list | None = None) -> torch.Tensor:
         """The layer's experts for call c's token and blobs (of `tables`, default the device slots')."""
         return ffn.forward_bases(self.x[c], self.index, self.weights, (tables or self.tables)[c], out=out)
+
+    def reference(self) -> torch.Tensor:
+        """Call 0's layer by the float32 PyTorch reference."""
+        blobs = [self.slots[e] for e in range(LAYER_BLOBS)]  # call 0's table
+        return moe_ffn_reference(self.x[0].float(), self.index, self.weights.float(), blobs, self.layout, F.silu)
 
     def time(self, ffn) -> float:
         """Seconds per layer call (CUDA graph replays over the rotating blobs)."""

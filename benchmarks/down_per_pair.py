@@ -22,17 +22,15 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import LAYER_BLOBS, TOP_K, TopKLayer, header  # noqa: E402
+from dependent_launch import TOP_K, TopKLayer, header  # noqa: E402
 from kernels_int4 import relative_error, spread  # noqa: E402
 from kernels_int8 import Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
 from mira.kernels.tuning import load_config  # noqa: E402
@@ -70,8 +68,7 @@ def main() -> None:
             layer = TopKLayer(name, device, timer, scheme)
             layout, top_k = layer.layout, layer.top_k
             kind, stored = kernels(scheme, gpu, layout.hidden, layout.intermediate)
-            truth = moe_ffn_reference(layer.x[0].float(), layer.index, layer.weights.float(),
-                                      [layer.slots[e] for e in range(LAYER_BLOBS)], layout, F.silu)
+            truth = layer.reference()
             ffns = {way: kind(layout, device, config=dataclasses.replace(stored, down_per_pair=apart))
                     for way, apart in WAYS.items()}
             figures = {"hidden": layout.hidden, "intermediate": layout.intermediate, "top_k": top_k,
