@@ -17,11 +17,13 @@ decode (P <= config.decode_max_pairs): two launches over all routed pairs of the
        SwiGLU, into the fp32 workspace act [P, I]; a program owns one block of block_rows rows,
        or a run of blocks (`programs_per_sm`: fewer, longer-lived programs read pinned experts
        over PCIe faster).
-    2. down, grid (T, H / block_rows, splits): per token, the down projection of each of its K
-       experts in turn, scaled and weighted, summed in registers and written once into out
-       [T, H]: no atomics in the sum, deterministic, every output element written. With `split`
-       the reduction over I is shared by several programs (more programs than H / block_rows
-       alone gives); the last of them to arrive adds their partial sums in a fixed order.
+    2. down, grid (T, H / block_rows, K x splits): per token, the down projection of each of its K
+       experts, scaled and weighted, in programs of its own (`down_per_pair`; else one program
+       walks the K in turn, summing in registers: grid (T, H / block_rows, splits)). With `split`
+       the reduction over I is shared by several programs too (more programs than H / block_rows
+       alone gives). A row block's programs write their partial sums, and the last of them to
+       arrive adds them in a fixed order into out [T, H]: no atomics in the sum, deterministic,
+       every output element written.
     Each launch comes as a CUDA-core GEMV (`_gate_up_gemv`, `_down_gemv`: fp32 FMAs, INT8
     converted by integer tricks instead of the quarter-rate int-to-float unit) or on the tensor
     cores (`_gate_up_gemv_mma`, `_down_gemv_mma`: the token padded to 16 columns, weight loads
@@ -42,9 +44,9 @@ s * y after the down product): no multiply per weight. `int8-row` multiplies eac
 after its reduction. Accumulation is fp32; hidden may be bf16 (the GPU path) or fp32.
 
 Allocation. Decode allocates no device memory after the first call: the fp32 decode workspace
-and a split down launch's partial sums and arrival counts are made at construction, the address
-table on the first call (or at construction given `num_experts`), and the output goes into
-`out=` when given. Prefill allocates small index tensors (O(P + E)) through the caching
+and the partial sums and arrival counts of down programs sharing rows are made at construction,
+the address table on the first call (or at construction given `num_experts`), and the output
+goes into `out=` when given. Prefill allocates small index tensors (O(P + E)) through the caching
 allocator on every call, and its act/y workspaces unless `max_tokens` and `top_k` were given at
 construction (they grow when a larger call comes; int8-shared keeps its scaled token rows in y
 until the down launch overwrites it). No path
@@ -676,7 +678,7 @@ class TritonMoEFFN:
         self._after_down = dict(HAS_BIAS=layout.bias, NAN_ABSENT=not absent_zero)
         self._decode_act = torch.empty(config.decode_max_pairs, I, dtype=torch.float32, device=self.device)
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
-        # a split down launch's partial sums and arrival counts (the counts are back at zero after every call)
+        # partial sums and arrival counts of down programs sharing rows (the counts are back at zero after every call)
         down = config.down_gemv
         self._down_span, splits = self._down_split(I, down)
         row_blocks = config.decode_max_pairs * triton.cdiv(H, down.block_rows) if self._rows_shared(splits) else 0
