@@ -1,8 +1,9 @@
 """Time an INT4 decode layer at the models' own top-k under down-launch candidates.
 
 The autotune (kernels_int4.py) and the untuned configuration choose the down launch by one
-expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), all of
-which one down program walks in turn. Per expert shape (random INT4 blobs, bf16 activations, one
+expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), each
+with down programs of its own (KernelConfig.down_per_pair; results before it had one program walk
+the K in turn). Per expert shape (random INT4 blobs, bf16 activations, one
 token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
 stored (or untuned) configuration, and the same with each candidate down launch (narrower steps,
 the reduction over I split among more programs). Each candidate is checked against the float32
