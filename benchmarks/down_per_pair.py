@@ -1,4 +1,4 @@
-"""Time a decode layer's down launch with a token's experts walked in turn against apart.
+"""Time decode layers whose down launch walks a token's experts in turn against apart.
 
 One down program used to walk a token's K routed experts in turn, waiting on memory for each;
 with `KernelConfig.down_per_pair` each expert gets programs of its own, whose partial sums the last
@@ -6,7 +6,7 @@ to arrive adds. Per expert shape and scheme (random INT4 and int8-shared blobs, 
 one token), on one GPU, in turns within each repeat, the stored (or untuned) configuration both
 ways: one expert from HBM, a token's layer at the model's own top-k (its K experts of 8 distinct
 blobs) from HBM, and the same layer with every expert read zero-copy from pinned host memory (a
-layer of misses under a budget). Each way is checked against the float32 reference first. Figures
+layer of misses under a budget). Each way's error against the float32 reference is recorded. Figures
 are per call, --repeats repeats of the median of --replays CUDA-graph replays (median and range),
 against the experts walked in turn in the same run.
 
