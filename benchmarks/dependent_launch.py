@@ -102,13 +102,27 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
                       "sms": torch.cuda.get_device_properties(device).multi_processor_count}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(TOP_K), help="comma-separated: " + ", ".join(TOP_K))
+def layer_parser(doc: str, shapes: str, out_name: str) -> argparse.ArgumentParser:
+    """The options the top-k layer benchmarks share: --shapes (default `shapes`), --repeats,
+    --replays and --out (default `out_name` under benchmarks/results)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--shapes", default=shapes, help="comma-separated: " + ", ".join(TOP_K))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dependent-launch.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / out_name)
+    return parser
+
+
+def cell(entry: dict, key: str, base: str) -> str:
+    """A row's timing: the median [range] in us of entry[key] (a `spread`) and its ratio to `base`
+    (entry[key with "_s" made "_over_<base>"])."""
+    timing = entry[key]
+    return (f"{timing['median'] * 1e6:7.1f} [{timing['min'] * 1e6:.1f}, {timing['max'] * 1e6:.1f}] "
+            f"x{entry[key.replace('_s', f'_over_{base}')]:.3f}")
+
+
+def main() -> None:
+    args = layer_parser(__doc__, ",".join(TOP_K), "dependent-launch.json").parse_args()
     device = torch.device("cuda")
     if not torch.cuda.is_available() or not dependent.supported_on(device):
         sys.exit("dependent launches need a CUDA GPU of compute capability 9.0 or later and Triton 3.4 or later")
@@ -141,9 +155,7 @@ def main() -> None:
                      **{key.replace("_s", "_over_ordinary"): statistics.median(values) / base[key]
                         for key, values in timed[way].items()}}
             figures["ways"][way] = entry
-            cells = [f"{entry[key]['median'] * 1e6:7.1f} [{entry[key]['min'] * 1e6:.1f}, "
-                     f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_ordinary')]:.3f}"
-                     for key in ("one_expert_s", "layer_s", "zero_copy_s")]
+            cells = [cell(entry, key, "ordinary") for key in ("one_expert_s", "layer_s", "zero_copy_s")]
             flags = f"{'D' if entry['dependent_one_expert'] else '-'}{'D' if entry['dependent_layer'] else '-'}"
             rows.append(f"{name:16} {top_k:5} {way:24} {flags:5} " + "  ".join(cells))
         result["shapes"][name] = figures

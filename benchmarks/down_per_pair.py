@@ -15,7 +15,6 @@ against the experts walked in turn in the same run.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import TOP_K, TopKLayer, header  # noqa: E402
+from dependent_launch import TOP_K, TopKLayer, cell, header, layer_parser  # noqa: E402
 from kernels_int4 import relative_error, spread  # noqa: E402
 from kernels_int8 import Timer  # noqa: E402
 
@@ -48,12 +47,8 @@ def kernels(scheme: str, gpu: str, hidden: int, intermediate: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(TOP_K), help="comma-separated: " + ", ".join(TOP_K))
+    parser = layer_parser(__doc__, ",".join(TOP_K), "down-per-pair.json")
     parser.add_argument("--schemes", default="int4,int8-shared")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "down-per-pair.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
@@ -87,10 +82,8 @@ def main() -> None:
                 for key in TIMES:
                     entry[key.replace("_s", "_over_in_turn")] = statistics.median(entry[key]) / base[key]
                     entry[key] = spread(entry[key])
-                cells = [f"{entry[key]['median'] * 1e6:7.1f} [{entry[key]['min'] * 1e6:.1f}, "
-                         f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_in_turn')]:.3f}"
-                         for key in TIMES]
-                rows.append(f"{name:16} {scheme:11} {top_k:5} {way:8} " + "  ".join(cells)
+                rows.append(f"{name:16} {scheme:11} {top_k:5} {way:8} "
+                            + "  ".join(cell(entry, key, "in_turn") for key in TIMES)
                             + f"  err {entry['relative_error_vs_fp32_reference']:.1e}")
             result["shapes"][name][scheme] = figures
             args.out.parent.mkdir(parents=True, exist_ok=True)

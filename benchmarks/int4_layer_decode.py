@@ -16,7 +16,6 @@ and whether its down launch is a dependent one (mira.kernels.dependent) are reco
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import statistics
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import TOP_K, TopKLayer, header  # noqa: E402
+from dependent_launch import TopKLayer, cell, header, layer_parser  # noqa: E402
 from kernels_int4 import relative_error, spread  # noqa: E402
 from kernels_int8 import Timer  # noqa: E402
 
@@ -49,12 +48,7 @@ def candidates(intermediate: int) -> dict[str, GemvConfig]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SMALL), help="comma-separated: " + ", ".join(TOP_K))
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "int4-layer-decode.json")
-    args = parser.parse_args()
+    args = layer_parser(__doc__, ",".join(SMALL), "int4-layer-decode.json").parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
     device = torch.device("cuda")
@@ -96,9 +90,7 @@ def main() -> None:
                 entry[key.replace("_s", "_over_stored")] = statistics.median(entry[key]) / base[key]
                 entry[key] = spread(entry[key])
             rows.append(f"{name:16} {top_k:5} {label:36} {'D' if entry['dependent'] else '-'}  "
-                        + "  ".join(f"{entry[key]['median'] * 1e6:6.1f} [{entry[key]['min'] * 1e6:.1f}, "
-                                    f"{entry[key]['max'] * 1e6:.1f}] x{entry[key.replace('_s', '_over_stored')]:.3f}"
-                                    for key in ("layer_s", "one_expert_s")))
+                        + "  ".join(cell(entry, key, "stored") for key in ("layer_s", "one_expert_s")))
         result["shapes"][name] = figures
         del layer, work, ffns
         torch.cuda.empty_cache()
