@@ -15,6 +15,7 @@ activations):
   gate tile, then its up tile; with and without the scales): what its access pattern allows; and
   the same reads split over H (SPLIT_READS); and its arithmetic without the gating, a unit's gate and
   up rows in one program as the launch takes them, against programs of their own (`_gate_up_sums_at`);
+  and one expert at batch 1 on the prefill GEMMs instead (tensor cores, pipelined loads: GEMM_ONE_TOKEN);
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -96,6 +97,10 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
 # gate/up reads alone, split over H (split, lanes, warps): the shapes of the split gate/up launches
 # (5afef31's history), so that what their reads alone take stands beside what the launches took
 SPLIT_READS = [(2, 64, 8), (4, 64, 4), (8, 32, 4), (8, 16, 1)]
+# the prefill GEMMs (tensor cores, pipelined loads) run for one token (decode_max_pairs 0): could a
+# decode on the tensor cores read faster than the CUDA-core GEMVs?
+GEMM_ONE_TOKEN = [GemmConfig(16, n, 64, num_warps=warps, num_stages=stages)
+                  for n, warps, stages in ((64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4), (64, 2, 4))]
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
@@ -517,6 +522,12 @@ def main() -> None:
             for split, lanes, warps in SPLIT_READS:  # the same reads with the reduction over H split
                 figures[f"gate_up_tile_read_split{split}_{lanes}lanes_{warps}warps_s"] = spread(
                     [work4.gate_up_tile_read(True, lanes, warps, split) for _ in range(repeats)])
+            for gemm in GEMM_ONE_TOKEN:
+                key = f"gemm_one_token_{gemm.block_m}x{gemm.block_n}x{gemm.block_k}_{gemm.num_warps}w{gemm.num_stages}s"
+                on_gemm = ffn4(dataclasses.replace(config, decode_max_pairs=0, gemm=gemm))
+                figures[f"{key}_relative_error"] = work4.check_one(on_gemm)
+                figures[f"{key}_s"] = spread([work4.one_expert(on_gemm) for _ in range(repeats)])
+                log(f"{name}: one expert on the prefill GEMMs, {key}: {figures[f'{key}_s']['median'] * 1e6:.1f} us")
             gate_up = config.gate_up_gemv
             for key, apart, warps in gate_up_sums_variants(gate_up.num_warps):
                 runs = [work4.gate_up_sums(gate_up, apart, warps) for _ in range(repeats)]
