@@ -13,9 +13,7 @@ activations):
   and without the groups' scales and zeros), which tells the codes' reads from the scales' apart;
 - on a GPU, the gate/up launch's reads alone from HBM, in its grid (a program per unit tile: its
   gate tile, then its up tile; with and without the scales): what its access pattern allows; and
-  the same reads split over H (SPLIT_READS); and its arithmetic without the gating, a unit's gate and
-  up rows in one program as the launch takes them, against programs of their own (`_gate_up_sums_at`);
-  and one expert at batch 1 on the prefill GEMMs instead (tensor cores, pipelined loads: GEMM_ONE_TOKEN);
+  the same reads split over H (SPLIT_READS);
 - prefill: 512 tokens routed top-2 over a layer's 8 experts (random routing), INT4 and INT8.
 
 Every figure is measured --repeats times, each the median of --replays replays of a CUDA graph of
@@ -61,13 +59,12 @@ from mira.bench.provenance import commit, context, machine, utc_now  # noqa: E40
 from mira.kernels.reference import moe_ffn_reference  # noqa: E402
 from mira.kernels.triton_ffn import TritonMoEFFN  # noqa: E402
 from mira.kernels.triton_int4 import (  # noqa: E402
-    GROUP_W, MAGIC, TILE_W, TritonInt4MoEFFN, _tile_rows, _tiles_dot, default_int4_config, load_int4_config,
-    tuning_name,
+    TritonInt4MoEFFN, default_int4_config, load_int4_config, tuning_name,
 )
 from mira.kernels.tuning import (  # noqa: E402
     TUNING_DIR, GemmConfig, GemvConfig, default_config, load_config, save_configs,
 )
-from mira.store.int4 import TILE, dequantize_matrix  # noqa: E402
+from mira.store.int4 import TILE  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768),
@@ -97,10 +94,6 @@ DOWN = [  # down decode launch candidates: Mixtral's H has only 64 tiles, so mos
 # gate/up reads alone, split over H (split, lanes, warps): the shapes of the split gate/up launches
 # (5afef31's history), so that what their reads alone take stands beside what the launches took
 SPLIT_READS = [(2, 64, 8), (4, 64, 4), (8, 32, 4), (8, 16, 1)]
-# the prefill GEMMs (tensor cores, pipelined loads) run for one token (decode_max_pairs 0): could a
-# decode on the tensor cores read faster than the CUDA-core GEMVs?
-GEMM_ONE_TOKEN = [GemmConfig(16, n, 64, num_warps=warps, num_stages=stages)
-                  for n, warps, stages in ((64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4), (64, 2, 4))]
 CVT_VARIANTS = ("fold", "half2")  # conversions other than "bits", tried on each decode launch's first candidates
 GATE_UP += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in GATE_UP[:4]]
 DOWN += [dataclasses.replace(c, cvt=cvt) for cvt in CVT_VARIANTS for c in DOWN[:8]]
@@ -186,30 +179,6 @@ def _read_unit_tiles_at(table_ptr, W_OFF, SZ_OFF, I, H, sink_ptr, LANES: tl.cons
             + split * (H // SPLIT // 64 * 2 * I)
         total += _read_tile(words, sz, 2 * I, H // SPLIT, LANES, SCALES)
     tl.store(sink_ptr + unit * SPLIT + split, total.to(tl.float32))
-
-
-@triton.jit
-def _gate_up_sums_at(x_ptr, table_ptr, sums_ptr, H, I, SZ13_OFF, MAGIC, LANES: tl.constexpr, UNROLL: tl.constexpr,
-                     CVT: tl.constexpr, APART: tl.constexpr):
-    """The gate/up launch's arithmetic without its gating, on the blob at table_ptr[0] against the row
-    x: program (unit) takes its unit tile's gate rows, then its up rows, as the launch does; with
-    APART, program (unit, half) takes one of them (twice the programs, each one chain of loads).
-    Sums into sums [2I] in row order."""
-    base = tl.load(table_ptr)
-    w13 = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
-    sz13 = tl.multiple_of((base + SZ13_OFF).to(tl.pointer_type(tl.uint32)), 16)
-    for half in tl.static_range(1 if APART else 2):
-        tile = tl.program_id(0) + (tl.program_id(1) if APART else half) * (I // TILE_W)
-        lo, hi = _tiles_dot(x_ptr, w13, sz13, tile + tl.arange(0, 1), 2 * I, H, 0, H // GROUP_W, MAGIC, LANES, UNROLL,
-                            CVT)
-        tl.store(sums_ptr + tile * TILE_W + tl.arange(0, TILE_W), _tile_rows(lo, hi))
-
-
-def gate_up_sums_variants(warps: int) -> list[tuple[str, bool, int]]:
-    """(key, apart, warps) of the gate/up sums timed at the launch's configuration: a unit's gate and
-    up rows in one program (as the launch does) or in programs of their own, on its warps or half."""
-    return [("together", False, warps), ("apart", True, warps), (f"apart_{max(1, warps // 2)}warps", True,
-                                                                   max(1, warps // 2))]
 
 
 def addresses(rows, device) -> torch.Tensor:
@@ -311,25 +280,6 @@ class Workload:
         return self.timer.graph(lambda i: _read_unit_tiles_at[(I // TILE, split)](
             self.one_tables[i], w, sz, I, H, sink, LANES=lanes, SCALES=scales, SPLIT=split, num_warps=warps),
             self.inputs["calls"])
-
-    def gate_up_sums(self, config: GemvConfig, apart: bool, warps: int) -> tuple[float, float]:
-        """`_gate_up_sums_at` over the blobs in device slots with the gate/up launch's lanes, unroll and
-        conversion: (seconds, relative error of the sums against float64's). Whether gate and up rows in
-        programs of their own (the gating moved to where down reads act) would pay."""
-        I, H = self.layout.intermediate, self.layout.hidden
-        x = self.inputs["x1"]
-        sums = torch.empty(2 * I, dtype=torch.float32, device=self.slots.device)
-        sz = self.layout.sections["sz13"].offset
-        grid = (I // TILE, 2) if apart else (I // TILE,)
-
-        def launch(i):
-            _gate_up_sums_at[grid](x[i], self.one_tables[i], sums, H, I, sz, MAGIC, LANES=config.block_cols // 16,
-                                   UNROLL=config.unroll, CVT=config.cvt, APART=apart, num_warps=warps)
-        launch(0)
-        views = self.layout.views(self.slots[0])
-        ref = dequantize_matrix(views["w13"], views["sz13"], torch.float64) @ x[0].double().reshape(-1)
-        error = relative_error(sums, ref)
-        return self.timer.graph(launch, self.inputs["calls"]), error
 
     def _read_grid(self) -> tuple[int, torch.Tensor]:
         """The plain reads' program count and their sink [programs]."""
@@ -522,18 +472,6 @@ def main() -> None:
             for split, lanes, warps in SPLIT_READS:  # the same reads with the reduction over H split
                 figures[f"gate_up_tile_read_split{split}_{lanes}lanes_{warps}warps_s"] = spread(
                     [work4.gate_up_tile_read(True, lanes, warps, split) for _ in range(repeats)])
-            for gemm in GEMM_ONE_TOKEN:
-                key = f"gemm_one_token_{gemm.block_m}x{gemm.block_n}x{gemm.block_k}_{gemm.num_warps}w{gemm.num_stages}s"
-                on_gemm = ffn4(dataclasses.replace(config, decode_max_pairs=0, gemm=gemm))
-                figures[f"{key}_relative_error"] = work4.check_one(on_gemm)
-                figures[f"{key}_s"] = spread([work4.one_expert(on_gemm) for _ in range(repeats)])
-                log(f"{name}: one expert on the prefill GEMMs, {key}: {figures[f'{key}_s']['median'] * 1e6:.1f} us")
-            gate_up = config.gate_up_gemv
-            for key, apart, warps in gate_up_sums_variants(gate_up.num_warps):
-                runs = [work4.gate_up_sums(gate_up, apart, warps) for _ in range(repeats)]
-                figures[f"gate_up_sums_{key}_s"] = spread([seconds for seconds, _ in runs])
-                figures[f"gate_up_sums_{key}_relative_error"] = runs[0][1]
-                log(f"{name}: gate/up sums, {key}: {figures[f'gate_up_sums_{key}_s']['median'] * 1e6:.1f} us")
             codes_bytes = layout4.sections["w13"].nbytes + layout4.sections["w2"].nbytes
             for key, scales, nbytes in (("codes", False, codes_bytes), ("codes_and_scales", True, layout4.nbytes)):
                 tiles_read = [work4.zero_copy_tile_read(args.smoke, scales) for _ in range(repeats)]
