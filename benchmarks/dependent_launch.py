@@ -102,6 +102,16 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
                       "sms": torch.cuda.get_device_properties(device).multi_processor_count}}
 
 
+def cuda_run(args: argparse.Namespace, needs: str = "a CUDA GPU") -> tuple[torch.device, str, Timer, dict]:
+    """What a run of these layers starts from: the CUDA device, its name, a Timer of --replays replays
+    and the result's `header` with no shapes yet; without a GPU, exits saying it `needs` one."""
+    if not torch.cuda.is_available():
+        sys.exit(f"this benchmark times CUDA graphs: it needs {needs}")
+    device = torch.device("cuda")
+    result = {**header(args, device), "shapes": {}}
+    return device, torch.cuda.get_device_name(device), Timer(device, args.replays), result
+
+
 def layer_parser(doc: str, shapes: str, out_name: str) -> argparse.ArgumentParser:
     """The options the top-k layer benchmarks share: --shapes (default `shapes`), --repeats,
     --replays and --out (default `out_name` under benchmarks/results)."""
@@ -123,12 +133,9 @@ def cell(entry: dict, key: str, base: str) -> str:
 
 def main() -> None:
     args = layer_parser(__doc__, ",".join(TOP_K), "dependent-launch.json").parse_args()
-    device = torch.device("cuda")
-    if not torch.cuda.is_available() or not dependent.supported_on(device):
+    device, gpu, timer, result = cuda_run(args, "a CUDA GPU of compute capability 9.0 or later")
+    if not dependent.supported_on(device):
         sys.exit("dependent launches need a CUDA GPU of compute capability 9.0 or later and Triton 3.4 or later")
-    gpu = torch.cuda.get_device_name(device)
-    timer = Timer(device, args.replays)
-    result = {**header(args, device), "shapes": {}}
     rows = []
     for name in args.shapes.split(","):
         layer = TopKLayer(name, device, timer)

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import TOP_K, TopKLayer, cell, header, layer_parser  # noqa: E402
+from dependent_launch import TOP_K, TopKLayer, cell, cuda_run, layer_parser  # noqa: E402
 from kernels_int4 import relative_error, spread  # noqa: E402
-from kernels_int8 import Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,12 +49,7 @@ def main() -> None:
     parser = layer_parser(__doc__, ",".join(TOP_K), "down-per-pair.json")
     parser.add_argument("--schemes", default="int4,int8-shared")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    timer = Timer(device, args.replays)
-    result = {**header(args, device), "shapes": {}}
+    device, gpu, timer, result = cuda_run(args)
     rows = []
     for name in args.shapes.split(","):
         result["shapes"][name] = {}

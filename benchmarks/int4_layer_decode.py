@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import TopKLayer, cell, header, layer_parser  # noqa: E402
+from dependent_launch import TopKLayer, cell, cuda_run, layer_parser  # noqa: E402
 from kernels_int4 import relative_error, spread  # noqa: E402
-from kernels_int8 import Timer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -49,12 +48,7 @@ def candidates(intermediate: int) -> dict[str, GemvConfig]:
 
 def main() -> None:
     args = layer_parser(__doc__, ",".join(SMALL), "int4-layer-decode.json").parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("this benchmark times CUDA graphs: it needs a CUDA GPU")
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    timer = Timer(device, args.replays)
-    result = {**header(args, device), "shapes": {}}
+    device, gpu, timer, result = cuda_run(args)
     rows = []
     for name in args.shapes.split(","):
         layer = TopKLayer(name, device, timer)
