@@ -15,7 +15,11 @@ sizes, offsets) get the same hint here, so the code matches what a launch compil
 versions differ: the GPU machine's may schedule differently.
 
     python tools/kernel_sass.py [--scheme int8|int4] [--hidden 4096 --intermediate 14336] [--arch 90]
-                                [--json] [--out FILE]
+                                [--launch gate_up:2048:16 ...] [--json] [--out FILE]
+
+--launch compiles INT4 launches of one's choosing instead of the stored ones: LAUNCH:COLS:WARPS[:SPLIT]
+(a split for down only), one tile of rows, all 16 sub-steps of a group unrolled, "half2" codes (as
+`default_int4_config` has them).
 
 (Not under TRITON_INTERPRET=1, which replaces the kernels with interpreted functions.)
 """
@@ -39,6 +43,7 @@ from triton.compiler import ASTSource
 from mira.bench.provenance import result_header
 from mira.kernels import triton_ffn, triton_int4
 from mira.kernels.tuning import GemvConfig
+from mira.store.files import write_json_atomic
 
 CANDIDATES = {  # launch -> configurations (the stored H200 tuning)
     "gate_up": [GemvConfig(16, 256, unroll=2, cvt="prmt")],
@@ -115,6 +120,19 @@ def int4_candidates(hidden: int, intermediate: int) -> dict[str, list[GemvConfig
     return {"gate_up": [config.gate_up_gemv], "down": [config.down_gemv]}
 
 
+def int4_launch(text: str) -> tuple[str, GemvConfig]:
+    """`LAUNCH:COLS:WARPS[:SPLIT]` -> (launch, an INT4 GEMV configuration as `default_int4_config`'s)."""
+    launch, *numbers = text.split(":")
+    if launch not in ("gate_up", "down") or len(numbers) not in (2, 3) or not all(n.isdigit() for n in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r}: give gate_up or down, block columns, warps and an optional "
+                                         "split, e.g. gate_up:2048:16 or down:512:8:2")
+    cols, warps, split = (*map(int, numbers), 1)[:3]
+    if launch == "gate_up" and split > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the INT4 gate/up launch is not split over H; drop the split")
+    return launch, GemvConfig(triton_int4.TILE, cols, unroll=triton_int4.SUB_STEPS, num_warps=warps, cvt="half2",
+                              split=split)
+
+
 def sass_figures(cubin: bytes) -> dict:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
@@ -151,10 +169,14 @@ def _in_loops(sass: str) -> tuple[list[str], list[list[str]]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scheme", choices=("int8", "int4"), default="int8",
-                        help="int8: the int8-shared launches at CANDIDATES; int4: the INT4 launches as stored")
+                        help="int8: the int8-shared launches at CANDIDATES; int4: the INT4 launches as stored "
+                             "(or --launch)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper (default)")
+    parser.add_argument("--launch", type=int4_launch, action="append", default=[],
+                        help="an INT4 launch to compile instead of the stored ones, LAUNCH:COLS:WARPS[:SPLIT] "
+                             "(gate_up or down; repeat for more), e.g. gate_up:2048:16")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--out", type=Path, help="also write the rows, with the result header, to this JSON file")
     args = parser.parse_args()
@@ -162,8 +184,13 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this tool compiles")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default the GPU machine's Triton uses
     candidates, compile_one = CANDIDATES, compile_launch
+    if args.launch and args.scheme != "int4":
+        parser.error("--launch compiles INT4 launches: add --scheme int4")
     if args.scheme == "int4":
         candidates, compile_one = int4_candidates(args.hidden, args.intermediate), compile_launch4
+        if args.launch:
+            candidates = {launch: [config for name, config in args.launch if name == launch]
+                          for launch in ("gate_up", "down")}
     rows = [{"launch": launch, "config": dataclasses.asdict(config),
              **sass_figures(compile_one(launch, config, args.hidden, args.intermediate, args.arch))}
             for launch, configs in candidates.items() for config in configs]
@@ -172,16 +199,16 @@ def main() -> None:
         result = {**result_header(command), "triton": triton.__version__, "target": f"sm_{args.arch}",
                   "scheme": args.scheme, "shape": {"hidden": args.hidden, "intermediate": args.intermediate},
                   "rows": rows}
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(args.out, result)
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'regs':>5} {'BAR':>4} {'in loops':>8} "
-          f"{'STS':>4} {'LDG.128 (weights)':>17} {'loop instr':>10} {'HFMA2':>6}  innermost loops")
+    print(f"{'launch':8} {'rows x cols':>11} {'unroll':>6} {'warps':>5} {'split':>5} {'regs':>5} {'BAR':>4} "
+          f"{'in loops':>8} {'STS':>4} {'LDG.128 (weights)':>17} {'loop instr':>10} {'HFMA2':>6}  innermost loops")
     for row in rows:
         config = row["config"]
         shape = f"{config['block_rows']} x {config['block_cols']}"
-        print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} "
+        print(f"{row['launch']:8} {shape:>11} {config['unroll']:>6} {config['num_warps']:>5} {config['split']:>5} "
               f"{row['registers']:>5} {row['barriers']:>4} {row['barriers_in_loops']:>8} "
               f"{row['shared_stores']:>4} {row['weight_loads_128']:>17} {row['instructions_in_loops']:>10} "
               f"{row['half2_fmas_in_loops']:>6}  "

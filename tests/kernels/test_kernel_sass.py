@@ -47,3 +47,30 @@ def test_int4_gate_up_loop_is_its_half2_arithmetic_and_little_else():
     steps = gate_up["instructions_in_innermost_loops"]
     assert len(steps) == 2 and min(steps) >= codes // 2 * 3 // 4 and sum(steps) <= gate_up["instructions_in_loops"]
     assert gate_up["evict_first_loads"] == 0
+
+
+def test_int4_launches_of_ones_choosing_give_each_thread_its_share():
+    """--launch: INT4 gate/up at H = 2048 (the small experts' rows) in one step of 2048 columns, on 8
+    warps (the untuned default) and on 16. A matrix's step gives each thread 64 rows x 2048 columns /
+    8 codes a word / (32 x warps) threads: 64 words (512 codes) on 8 warps, 32 on 16; at least 3/4
+    of an HFMA2 a code (one a pair for the products, one a pair for the high nibbles) in each of the
+    two matrices. Twice the warps, half the arithmetic in a thread's loop step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(TOOL), "--scheme", "int4", "--hidden", "2048", "--intermediate", "768",
+                          "--launch", "gate_up:2048:8", "--launch", "gate_up:2048:16", "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [(r["launch"], r["config"]["block_cols"], r["config"]["num_warps"]) for r in rows] == \
+        [("gate_up", 2048, 8), ("gate_up", 2048, 16)]
+    for row, codes in zip(rows, (512, 256)):
+        assert row["half2_fmas_in_loops"] >= 2 * codes * 3 // 4
+        assert len(row["instructions_in_innermost_loops"]) == 2  # gate, then up: one step of 2048 columns each
+    eight, sixteen = (row["half2_fmas_in_loops"] for row in rows)
+    assert sixteen < 0.55 * eight
+
+
+def test_launch_option_refuses_what_the_int4_kernels_do_not_split():
+    run = subprocess.run([sys.executable, str(TOOL), "--scheme", "int4", "--launch", "gate_up:512:8:4"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "drop the split" in run.stderr
