@@ -1,13 +1,14 @@
-"""Time an INT4 decode layer at the models' own top-k under down-launch candidates.
+"""Time an INT4 decode layer at the models' own top-k under candidate down and gate/up launches.
 
 The autotune (kernels_int4.py) and the untuned configuration choose the down launch by one
 expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), each
 with down programs of its own (KernelConfig.down_per_pair; results before it had one program walk
 the K in turn). Per expert shape (random INT4 blobs, bf16 activations, one
 token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
-stored (or untuned) configuration, and the same with each candidate down launch (narrower steps,
-the reduction over I split among more programs). Each candidate is checked against the float32
-reference first. Figures are per call, --repeats repeats of the median of --replays CUDA-graph
+stored (or untuned) configuration, and the same with candidate launches that give a thread a
+smaller share of a program's codes (fewer columns a warp; down's reduction over I split so that a
+step is a program), down and gate/up alone and together. Each candidate is checked against the
+float32 reference first. Figures are per call, --repeats repeats of the median of --replays CUDA-graph
 replays (median and range), against the stored configuration in the same run; the decode's grids
 and whether its down launch is a dependent one (mira.kernels.dependent) are recorded.
 
@@ -36,14 +37,26 @@ from mira.kernels.tuning import GemvConfig  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
 
 SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
-STEPS = ((512, 2), (256, 1), (256, 2), (128, 1))  # down (block_cols, num_warps): the split makes one step a program
+# (block_cols, num_warps): fewer columns a warp than the untuned 256, so a thread walks a smaller
+# share of a program's codes; down's reduction over I split so that a step is a program
+DOWN_STEPS = ((1024, 8), (1024, 16), (512, 8), (256, 4))
+UP_STEPS = ((2048, 16), (1024, 16))  # gate/up: unsplit, a row of H in steps of block_cols
 
 
-def candidates(intermediate: int) -> dict[str, GemvConfig]:
-    """Down launches of one step of block_cols a program (split = I / block_cols), "half2"."""
-    return {f"down {cols} cols, {warps} warp{'s' if warps > 1 else ''}, split {math.ceil(intermediate / cols)}":
-            GemvConfig(64, cols, unroll=16, num_warps=warps, cvt="half2", split=math.ceil(intermediate / cols))
-            for cols, warps in STEPS}
+def _launch(cols: int, warps: int, split: int = 1) -> GemvConfig:
+    return GemvConfig(64, cols, unroll=16, num_warps=warps, cvt="half2", split=split)
+
+
+def candidates(hidden: int, intermediate: int) -> dict[str, dict[str, GemvConfig]]:
+    """label -> the KernelConfig fields a candidate replaces: each down and gate/up launch alone, and
+    the first of each together."""
+    down = {f"down {cols} cols, {warps} warps, split {math.ceil(intermediate / cols)}":
+            {"down_gemv": _launch(cols, warps, math.ceil(intermediate / cols))} for cols, warps in DOWN_STEPS}
+    up = {f"gate/up {min(cols, hidden)} cols, {warps} warps": {"gate_up_gemv": _launch(min(cols, hidden), warps)}
+          for cols, warps in UP_STEPS}
+    (cols, warps), (up_cols, up_warps) = DOWN_STEPS[0], UP_STEPS[0]
+    both = f"down {cols}/{warps} + gate/up {min(up_cols, hidden)}/{up_warps} (cols/warps)"
+    return down | up | {both: next(iter(down.values())) | next(iter(up.values()))}
 
 
 def main() -> None:
@@ -56,14 +69,15 @@ def main() -> None:
         hidden, intermediate = layout.hidden, layout.intermediate
         truth = layer.reference()
         stored = load_int4_config(gpu, hidden, intermediate)
-        configs = {"stored": stored, **{label: dataclasses.replace(stored, down_gemv=down)
-                                        for label, down in candidates(intermediate).items()}}
+        configs = {"stored": stored, **{label: dataclasses.replace(stored, **fields)
+                                        for label, fields in candidates(hidden, intermediate).items()}}
         ffns, figures = {}, {"hidden": hidden, "intermediate": intermediate, "top_k": top_k, "launches": {}}
         for label, config in configs.items():
             ffn = TritonInt4MoEFFN(layout, device, config=config)
             _, up_grid, down_grid, dependent = ffn.decode_launches(1, top_k)
             error = relative_error(layer.call(ffn), truth)
-            figures["launches"][label] = {"down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
+            figures["launches"][label] = {"gate_up_gemv": dataclasses.asdict(config.gate_up_gemv),
+                                          "down_gemv": dataclasses.asdict(config.down_gemv), "gate_up_grid": up_grid,
                                           "down_grid": down_grid, "dependent": dependent,
                                           "relative_error_vs_fp32_reference": error,
                                           "layer_s": [], "one_expert_s": []}
@@ -78,19 +92,19 @@ def main() -> None:
         for label, entry in figures["launches"].items():
             if not entry["layer_s"]:
                 error = entry["relative_error_vs_fp32_reference"]
-                rows.append(f"{name:16} {top_k:5} {label:36} refused: error {error}")
+                rows.append(f"{name:16} {top_k:5} {label:44} refused: error {error}")
                 continue
             for key in ("layer_s", "one_expert_s"):
                 entry[key.replace("_s", "_over_stored")] = statistics.median(entry[key]) / base[key]
                 entry[key] = spread(entry[key])
-            rows.append(f"{name:16} {top_k:5} {label:36} {'D' if entry['dependent'] else '-'}  "
+            rows.append(f"{name:16} {top_k:5} {label:44} {'D' if entry['dependent'] else '-'}  "
                         + "  ".join(cell(entry, key, "stored") for key in ("layer_s", "one_expert_s")))
         result["shapes"][name] = figures
         del layer, work, ffns
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)
-    print("shape            top-k launches                             D  top-k layer us [range] x stored   "
+    print("shape            top-k launches" + " " * 37 + "D  top-k layer us [range] x stored   "
           "one expert us [range] x stored")
     print("\n".join(rows))
     print(f"wrote {args.out}")
