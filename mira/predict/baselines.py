@@ -12,7 +12,6 @@ predictor's own that the next call for the same source layer overwrites: copy it
 
 - GateSpeculation: layer i+2's own router applied to layer i's MoE input; the experts its top-k
   would route the step's tokens to. The default predictor of a model without trained heads.
-- PreviousStep: the routing of layer i+2 at the previous step.
 - Popularity: routed tokens per expert of layer i+2 in a profile trace; the same every step.
 """
 
@@ -26,7 +25,6 @@ import torch
 from torch import nn
 
 from mira.kernels import DECODE_TOKENS
-from mira.predict.features import RoutingHistory, routed_mass
 
 
 class Predictor(Protocol):
@@ -206,30 +204,6 @@ class GateSpeculation:
             mass = ws.counts.zero_().scatter_add_(0, chosen.reshape(-1), ws.one.expand(slots)).div_(slots)  # [E]
             mean = torch.mean(probability, 0, out=ws.mean)  # [E]
             return torch.add(mass, mean, alpha=1 / (2 * slots), out=self._scores[layer])
-
-
-class PreviousStep:
-    """The routed mass of layer i+2 at the previous step (zeros before the first step).
-
-    Args:
-        num_layers: L.
-        num_experts: E.
-        device: where the state lives.
-    """
-
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str):
-        self.num_layers = num_layers
-        self.num_experts = num_experts
-        self.history = RoutingHistory(num_layers, num_experts, 1, device)
-
-    def observe(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """Remember the routing [T, K] of `layer` in this step."""
-        self.history.observe(layer, routed_mass(top_k_index, self.num_experts))
-
-    def scores(self, layer: int, hidden: torch.Tensor | None = None, router_logits: torch.Tensor | None = None,
-               top_k_index: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [E]: the mass of layer+2 at the previous step (a view of a reused buffer)."""
-        return self.history.recent(layer + 2)
 
 
 class Popularity:

@@ -54,22 +54,20 @@ def features_path(trace_path: str | os.PathLike) -> Path:
     return path.with_name(path.name.removesuffix(".npz") + ".features.npz")
 
 
-def routed_mass(top_k_index: torch.Tensor, num_experts: int, one: torch.Tensor | None = None) -> torch.Tensor:
-    """Share of a step's routed slots that went to each expert; no host sync.
+def routed_mass(top_k_index: torch.Tensor, out: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """Share of a step's routed slots that went to each expert, written into `out`; no host sync, no
+    allocation.
 
     Args:
         top_k_index: int [T, K] routed expert ids.
-        num_experts: E.
-        one: optional float32 [1] tensor holding 1.0 on the ids' device, to avoid allocating it.
+        out: float32 [E] on the ids' device.
+        one: float32 [1] holding 1.0 on that device.
 
     Returns:
-        float32 [E], summing to 1.
+        `out`, summing to 1.
     """
     routed = top_k_index.reshape(-1)  # [T*K]
-    if one is None:
-        one = torch.ones(1, device=routed.device)
-    counts = torch.zeros(num_experts, device=routed.device).scatter_add_(0, routed, one.expand(routed.numel()))
-    return counts / routed.numel()  # [E]
+    return out.zero_().scatter_add_(0, routed, one.expand(routed.numel())).div_(routed.numel())
 
 
 def top_mask(mass: torch.Tensor, k: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 
 from mira.errors import MiraError
 from mira.predict.baselines import GateSpeculation
-from mira.predict.features import HISTORY_WINDOW, HeadInputs, RoutingHistory
+from mira.predict.features import HISTORY_WINDOW, HeadInputs, RoutingHistory, routed_mass
 from mira.store.files import temporary_beside
 from mira.store.manifest import Manifest
 
@@ -308,7 +308,7 @@ class TrainedPredictor:
 
     def observe(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Record the routing [T, K] of MoE layer `layer` in this step (for the history feature)."""
-        self.history.observe(layer, self._routed_mass(top_k_index, self._mass))
+        self.history.observe(layer, routed_mass(top_k_index, self._mass, self._one))
 
     def scores(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor,
                top_k_index: torch.Tensor) -> torch.Tensor:
@@ -334,18 +334,13 @@ class TrainedPredictor:
             torch.mean(hidden, 0, keepdim=True, dtype=torch.float32, out=mean_hidden)
             torch.mean(router_logits, 0, dtype=torch.float32, out=logits)
             speculation.copy_(self.speculation.scores(layer, hidden))
-            self._routed_mass(top_k_index, selected)
+            routed_mass(top_k_index, selected, self._one)
             torch.topk(torch.add(selected, self._ramp, out=self._ranked), self.top_k,
                        out=(self._top_values, self._top_index))  # the K most routed, ties to the lower id
             top.zero_().scatter_(0, self._top_index, 1.0)
             history.copy_(self.history.recent(layer + 2))
             mixture = self._serving[layer](features)  # [1, E]
             return torch.softmax(mixture[0], -1, out=self._scores[layer])
-
-    def _routed_mass(self, top_k_index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`features.routed_mass` written into `out` [E]."""
-        routed = top_k_index.reshape(-1)  # [T*K]
-        return out.zero_().scatter_add_(0, routed, self._one.expand(routed.numel())).div_(routed.numel())
 
 
 def predictor_file(store_dir: str | os.PathLike) -> Path:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import mira
-from mira.predict.baselines import GateSpeculation, Popularity, PreviousStep
+from mira.predict.baselines import GateSpeculation, Popularity
 from mira.runtime.experts import model_routers
 from tiny_models import CONFIGS, FAMILIES
 
@@ -59,16 +59,6 @@ def test_gate_speculation_bypasses_hooks_on_the_routers(checkpoints):
     GateSpeculation(model_routers(model.hf_model), model.store.num_experts).scores(0, torch.randn(3, 64))
     handle.remove()
     assert calls == []
-
-
-def test_previous_step_is_the_last_routing_of_the_target_layer():
-    previous = PreviousStep(num_layers=3, num_experts=4, device="cpu")
-    assert previous.scores(0).tolist() == [0, 0, 0, 0]
-    previous.observe(2, torch.tensor([[1, 3]]))
-    previous.observe(0, torch.tensor([[0, 2]]))  # another layer: not layer 0 + 2
-    assert previous.scores(0).tolist() == [0, 0.5, 0, 0.5]
-    previous.observe(2, torch.tensor([[0, 1], [1, 2]]))
-    assert previous.scores(0).tolist() == [0.25, 0.5, 0.25, 0]
 
 
 def test_popularity_ranks_by_the_profile_of_the_target_layer():

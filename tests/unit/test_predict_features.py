@@ -16,7 +16,9 @@ from mira.store.trace import RoutingTrace
 
 def test_routed_mass_is_the_share_of_routed_slots_per_expert():
     index = torch.tensor([[0, 2], [2, 3], [2, 0]])  # 3 tokens, top-2 of 5
-    assert routed_mass(index, 5).tolist() == pytest.approx([2 / 6, 0, 3 / 6, 1 / 6, 0])
+    out = torch.full((5,), 7.0)  # stale values: overwritten
+    assert routed_mass(index, out, torch.ones(1)) is out
+    assert out.tolist() == pytest.approx([2 / 6, 0, 3 / 6, 1 / 6, 0])
 
 
 def test_top_mask_marks_the_k_largest_with_ties_to_the_lower_id():
