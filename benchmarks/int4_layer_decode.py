@@ -41,6 +41,9 @@ SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
 # share of a program's codes; down's reduction over I split so that a step is a program
 DOWN_STEPS = ((1024, 8), (1024, 16), (512, 8), (256, 4))
 UP_STEPS = ((2048, 16), (1024, 16))  # gate/up: unsplit, a row of H in steps of block_cols
+# gate/up at rows longer than 2048 (Mixtral's 4096, top-2): the stored launch's 128 columns a warp
+# on fewer warps a program, and 256 a warp on 4; the autotune chose by one expert, a decode runs top-k
+LONG_UP_STEPS = ((512, 4), (256, 2), (1024, 4))
 
 
 def _launch(cols: int, warps: int, split: int = 1) -> GemvConfig:
@@ -52,9 +55,10 @@ def candidates(hidden: int, intermediate: int) -> dict[str, dict[str, GemvConfig
     the first of each together."""
     down = {f"down {cols} cols, {warps} warps, split {math.ceil(intermediate / cols)}":
             {"down_gemv": _launch(cols, warps, math.ceil(intermediate / cols))} for cols, warps in DOWN_STEPS}
+    up_steps = UP_STEPS if hidden <= 2048 else LONG_UP_STEPS
     up = {f"gate/up {min(cols, hidden)} cols, {warps} warps": {"gate_up_gemv": _launch(min(cols, hidden), warps)}
-          for cols, warps in UP_STEPS}
-    (cols, warps), (up_cols, up_warps) = DOWN_STEPS[0], UP_STEPS[0]
+          for cols, warps in up_steps}
+    (cols, warps), (up_cols, up_warps) = DOWN_STEPS[0], up_steps[0]
     both = f"down {cols}/{warps} + gate/up {min(up_cols, hidden)}/{up_warps} (cols/warps)"
     return down | up | {both: next(iter(down.values())) | next(iter(up.values()))}
 
