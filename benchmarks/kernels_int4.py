@@ -78,7 +78,7 @@ GATE_UP = [  # gate/up decode launch candidates (INT4 meanings: mira.kernels.tri
     GemvConfig(64, 1024, unroll=8, num_warps=4), GemvConfig(64, 1024, unroll=4, num_warps=4),
     GemvConfig(64, 1024, unroll=16, num_warps=4), GemvConfig(64, 512, unroll=8, num_warps=2),
     GemvConfig(64, 256, unroll=8, num_warps=1), GemvConfig(64, 2048, unroll=8, num_warps=8),
-    GemvConfig(128, 1024, unroll=4, num_warps=4), GemvConfig(64, 1024, unroll=8, num_warps=4, num_stages=3),
+    GemvConfig(128, 1024, unroll=4, num_warps=4),
     # longer-lived programs walking runs of tiles (fewer, each with more of a pinned expert to read)
     GemvConfig(64, 512, unroll=8, num_warps=2, programs_per_sm=8),
     GemvConfig(64, 256, unroll=16, num_warps=1, programs_per_sm=16),
