@@ -32,7 +32,7 @@ from kernels_int4 import relative_error, spread  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa: E402
+from mira.kernels.triton_int4 import TritonInt4MoEFFN, decode_gemv, load_int4_config  # noqa: E402
 from mira.kernels.tuning import GemvConfig  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
 
@@ -46,17 +46,13 @@ UP_STEPS = ((2048, 16), (1024, 16))  # gate/up: unsplit, a row of H in steps of 
 LONG_UP_STEPS = ((512, 4), (256, 2), (1024, 4))
 
 
-def _launch(cols: int, warps: int, split: int = 1) -> GemvConfig:
-    return GemvConfig(64, cols, unroll=16, num_warps=warps, cvt="half2", split=split)
-
-
 def candidates(hidden: int, intermediate: int) -> dict[str, dict[str, GemvConfig]]:
     """label -> the KernelConfig fields a candidate replaces: each down and gate/up launch alone, and
     the first of each together."""
     down = {f"down {cols} cols, {warps} warps, split {math.ceil(intermediate / cols)}":
-            {"down_gemv": _launch(cols, warps, math.ceil(intermediate / cols))} for cols, warps in DOWN_STEPS}
+            {"down_gemv": decode_gemv(cols, warps, math.ceil(intermediate / cols))} for cols, warps in DOWN_STEPS}
     up_steps = UP_STEPS if hidden <= 2048 else LONG_UP_STEPS
-    up = {f"gate/up {min(cols, hidden)} cols, {warps} warps": {"gate_up_gemv": _launch(min(cols, hidden), warps)}
+    up = {f"gate/up {min(cols, hidden)} cols, {warps} warps": {"gate_up_gemv": decode_gemv(min(cols, hidden), warps)}
           for cols, warps in up_steps}
     (cols, warps), (up_cols, up_warps) = DOWN_STEPS[0], up_steps[0]
     both = f"down {cols}/{warps} + gate/up {min(up_cols, hidden)}/{up_warps} (cols/warps)"

@@ -129,8 +129,7 @@ def int4_launch(text: str) -> tuple[str, GemvConfig]:
     cols, warps, split = (*map(int, numbers), 1)[:3]
     if launch == "gate_up" and split > 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the INT4 gate/up launch is not split over H; drop the split")
-    return launch, GemvConfig(triton_int4.TILE, cols, unroll=triton_int4.SUB_STEPS, num_warps=warps, cvt="half2",
-                              split=split)
+    return launch, triton_int4.decode_gemv(cols, warps, split)
 
 
 def sass_figures(cubin: bytes) -> dict:

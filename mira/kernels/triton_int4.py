@@ -554,11 +554,16 @@ def default_int4_config(hidden: int, intermediate: int) -> KernelConfig:
 
 
 def _gemv(columns: int, widest: int) -> GemvConfig:
-    """One tile a program, steps of a row's `columns` up to `widest` (at least 256) on a warp per 256
-    of them, all 16 sub-steps of a group issued together, "half2" codes."""
+    """Steps of a row's `columns` up to `widest` (at least 256) on a warp per 256 of them."""
     block_cols = min(widest, max(256, triton.next_power_of_2(columns)))
-    return GemvConfig(block_rows=TILE, block_cols=block_cols, unroll=SUB_STEPS, num_warps=block_cols // 256,
-                      cvt="half2")
+    return decode_gemv(block_cols, block_cols // 256)
+
+
+def decode_gemv(block_cols: int, num_warps: int, split: int = 1) -> GemvConfig:
+    """A decode launch as the untuned configuration has them: one tile a program, steps of block_cols
+    columns on num_warps warps, all 16 sub-steps of a group issued together, "half2" codes."""
+    return GemvConfig(block_rows=TILE, block_cols=block_cols, unroll=SUB_STEPS, num_warps=num_warps, cvt="half2",
+                      split=split)
 
 
 def load_int4_config(device_name: str, hidden: int, intermediate: int, directory: Path = TUNING_DIR) -> KernelConfig:
