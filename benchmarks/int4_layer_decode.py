@@ -41,9 +41,9 @@ SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
 # share of a program's codes; down's reduction over I split so that a step is a program
 DOWN_STEPS = ((1024, 8), (1024, 16), (512, 8), (256, 4))
 UP_STEPS = ((2048, 16), (1024, 16))  # gate/up: unsplit, a row of H in steps of block_cols
-# gate/up at rows longer than 2048 (Mixtral's 4096, top-2): the stored launch's 128 columns a warp
-# on fewer warps a program, and 256 a warp on 4; the autotune chose by one expert, a decode runs top-k
-LONG_UP_STEPS = ((512, 4), (256, 2), (1024, 4))
+# gate/up at rows longer than 2048 (Mixtral's 4096, top-2): 128 to 512 columns a warp on 2 to 8 warps a
+# program; the autotune chose by one expert, whose programs are a top-k layer's over K
+LONG_UP_STEPS = ((1024, 4), (2048, 8), (512, 4), (2048, 4), (512, 2))
 
 
 def candidates(hidden: int, intermediate: int) -> dict[str, dict[str, GemvConfig]]:
