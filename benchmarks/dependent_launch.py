@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_int4 import SHAPES, Workload, addresses, make_inputs, random_int4_slots, spread  # noqa: E402
+from kernels_int4 import (  # noqa: E402
+    MODEL_TOP_K, SHAPES, Workload, addresses, make_inputs, random_int4_slots, spread,
+)
 from kernels_int8 import ROTATE_BYTES, Timer, random_slots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +41,6 @@ from mira.kernels.triton_int4 import TritonInt4MoEFFN, load_int4_config  # noqa:
 from mira.store.files import write_json_atomic  # noqa: E402
 from mira.store.layout import ExpertLayout  # noqa: E402
 
-TOP_K = {"mixtral-8x7b": 2, "deepseek-v2-lite": 6, "qwen3-30b-a3b": 8, "olmoe-1b-7b": 8}  # the models' own
 LAYER_BLOBS = 8  # distinct blobs a layer call's top-k experts are taken from
 WAYS = {"ordinary": False, "dependent where it pays": True}  # KernelConfig.dependent_launch
 
@@ -51,18 +52,17 @@ class TopKLayer:
 
     def __init__(self, name: str, device: torch.device, timer: Timer, scheme: str = "int4") -> None:
         hidden, intermediate = SHAPES[name]
-        self.top_k, self.timer = TOP_K[name], timer
+        self.top_k, self.timer = MODEL_TOP_K[name], timer
         gen = torch.Generator(device=device).manual_seed(0)
         self.layout = ExpertLayout(scheme, hidden, intermediate)
         count = max(LAYER_BLOBS, math.ceil(ROTATE_BYTES / self.layout.nbytes))
         self.slots = (random_int4_slots if scheme == "int4" else random_slots)(self.layout, count, device, gen)
-        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False)
+        inputs = make_inputs(hidden, device, torch.bfloat16, min(64, count), gen, False, self.top_k)
         self.work = Workload(self.layout, self.slots, inputs, timer)
         self.x, self.calls = inputs["x1"], inputs["calls"]
         self.tables = [addresses([self.slots[(LAYER_BLOBS * c + e) % count] for e in range(LAYER_BLOBS)], device)
                        for c in range(self.calls)]
-        self.index = torch.arange(self.top_k, device=device).view(1, self.top_k)
-        self.weights = torch.softmax(torch.randn(1, self.top_k, generator=gen, device=device), -1).bfloat16()
+        self.index, self.weights = inputs["k_index"], inputs["k_weight"]
         self.out = torch.empty(1, hidden, dtype=torch.bfloat16, device=device)
         self._host_tables: list[torch.Tensor] | None = None  # pinned copies' tables (`zero_copy_time`)
 
@@ -116,7 +116,7 @@ def layer_parser(doc: str, shapes: str, out_name: str) -> argparse.ArgumentParse
     """The options the top-k layer benchmarks share: --shapes (default `shapes`), --repeats,
     --replays and --out (default `out_name` under benchmarks/results)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--shapes", default=shapes, help="comma-separated: " + ", ".join(TOP_K))
+    parser.add_argument("--shapes", default=shapes, help="comma-separated: " + ", ".join(MODEL_TOP_K))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / out_name)
@@ -132,7 +132,7 @@ def cell(entry: dict, key: str, base: str) -> str:
 
 
 def main() -> None:
-    args = layer_parser(__doc__, ",".join(TOP_K), "dependent-launch.json").parse_args()
+    args = layer_parser(__doc__, ",".join(MODEL_TOP_K), "dependent-launch.json").parse_args()
     device, gpu, timer, result = cuda_run(args, "a CUDA GPU of compute capability 9.0 or later")
     if not dependent.supported_on(device):
         sys.exit("dependent launches need a CUDA GPU of compute capability 9.0 or later and Triton 3.4 or later")

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dependent_launch import TOP_K, TopKLayer, cell, cuda_run, layer_parser  # noqa: E402
-from kernels_int4 import relative_error, spread  # noqa: E402
+from dependent_launch import TopKLayer, cell, cuda_run, layer_parser  # noqa: E402
+from kernels_int4 import MODEL_TOP_K, relative_error, spread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +46,7 @@ def kernels(scheme: str, gpu: str, hidden: int, intermediate: int):
 
 
 def main() -> None:
-    parser = layer_parser(__doc__, ",".join(TOP_K), "down-per-pair.json")
+    parser = layer_parser(__doc__, ",".join(MODEL_TOP_K), "down-per-pair.json")
     parser.add_argument("--schemes", default="int4,int8-shared")
     args = parser.parse_args()
     device, gpu, timer, result = cuda_run(args)

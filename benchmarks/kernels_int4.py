@@ -6,6 +6,7 @@ activations):
 - one expert at batch 1 from HBM: the INT4 decode launches; the INT8 (int8-shared) ones on the same
   shape in the same run; on a GPU each launch's device time too (torch's profiler, eager calls); a plain read of the INT4 blob's bytes in one launch (the read ceiling);
   GB/s of blob bytes and the share of the design's 4.29 TB/s (DESIGN.md 3);
+- a decode's layer from HBM: one token routed to the model's top-k experts (MODEL_TOP_K);
 - zero-copy: the same expert read by the kernel straight from pinned host memory, against a copy
   of the same bytes from pinned memory into a device slot: the kernel's share of the copy bandwidth,
   beside the share of a plain read of those bytes in one launch (what a kernel's reads could reach),
@@ -22,9 +23,11 @@ repeat with their median and range. --autotune first tries a few launch configur
 gate/up, then down, each also with the "fold" and "half2" conversions, then the prefill GEMM; each
 checked against the reference) and writes the
 fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir). A decode launch is chosen
-by its time from HBM, except that among those within ZERO_COPY_TOLERANCE of the fastest the one
-reading a pinned expert fastest wins if it reads it ZERO_COPY_MIN_GAIN faster (kernels_int8.py's rule:
-under a budget the misses, read zero-copy, take most of a decode step).
+by the top-k layer's time from HBM (a decode launches the layer's K experts together; one expert's
+grid, with fewer programs, favours other launches), except that among those within
+ZERO_COPY_TOLERANCE of the fastest the one reading a pinned expert fastest wins if it reads it
+ZERO_COPY_MIN_GAIN faster (kernels_int8.py's rule: under a budget the misses, read zero-copy, take
+most of a decode step).
 
     python benchmarks/kernels_int4.py [--autotune] [--shapes mixtral-8x7b,...] [--out FILE]
     python benchmarks/kernels_int4.py --smoke   # a tiny shape, few repeats: checks the script runs (CPU too)
@@ -71,6 +74,8 @@ SHAPES = {"mixtral-8x7b": (4096, 14336), "deepseek-v2-lite": (2048, 1408), "qwen
           "olmoe-1b-7b": (2048, 1024)}
 SMOKE_SHAPES = {"smoke": (64, 64)}
 EXPERTS, TOP_K, PREFILL_TOKENS = 8, 2, 512
+# the models' own top-k: a decode call routes one token to this many experts at every MoE layer
+MODEL_TOP_K = {"mixtral-8x7b": 2, "deepseek-v2-lite": 6, "qwen3-30b-a3b": 8, "olmoe-1b-7b": 8}
 GOALS = {"mixtral-8x7b": {"one_expert_s": 30e-6}}  # the issue's goal for one Mixtral-shaped INT4 expert
 ZERO_COPY_GOAL = 0.90  # of the pinned copy's bandwidth
 
@@ -224,6 +229,21 @@ class Workload:
             torch.cuda.synchronize()
         return {event.key: event.device_time / 1e6 for event in profile.key_averages() if "gemv" in event.key}
 
+    def top_k_layer(self, ffn) -> float:
+        """One token routed to the shape's top-k experts, distinct blobs from HBM: the call a decode
+        makes at every MoE layer (where a miss runs on the CPU its expert's programs add nothing and
+        the layer waits on the CPU; one read zero-copy, on PCIe)."""
+        x, index, weight, out = (self.inputs[k] for k in ("x1", "k_index", "k_weight", "out1"))
+        return self.timer.graph(lambda i: ffn.forward_bases(x[i], index, weight, self.layer_tables[i], out=out),
+                                self.inputs["calls"])
+
+    def check_decode(self, ffn) -> float:
+        """The larger relative error of one expert and of the top-k layer against the reference."""
+        x, index, weight = self.inputs["x1"][0], self.inputs["k_index"], self.inputs["k_weight"]
+        layer = [self.slots[e % self.slots.shape[0]] for e in range(EXPERTS)]
+        ref = moe_ffn_reference(x.float(), index, weight.float(), layer, self.layout, F.silu)
+        return max(self.check_one(ffn), relative_error(ffn.forward_bases(x, index, weight, self.layer_tables[0]), ref))
+
     def check_one(self, ffn) -> float:
         x, index, weight = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"]
         ref = moe_ffn_reference(x.float(), index, weight.float(), [self.slots[0]], self.layout, F.silu)
@@ -318,7 +338,7 @@ class Workload:
 
 
 def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: int, gen: torch.Generator,
-                smoke: bool) -> dict:
+                smoke: bool, decode_top_k: int = TOP_K) -> dict:
     tokens = 16 if smoke else PREFILL_TOKENS
     logits = torch.randn(tokens, EXPERTS, generator=gen, device=device)
     top = logits.topk(TOP_K, dim=-1)
@@ -329,18 +349,21 @@ def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: in
             "out1": torch.empty(1, hidden, dtype=dtype, device=device),
             "xp": torch.randn(tokens, hidden, generator=gen, device=device).to(dtype),
             "p_index": top.indices, "p_weight": torch.softmax(top.values, -1).to(dtype),
-            "outp": torch.empty(tokens, hidden, dtype=dtype, device=device)}
+            "outp": torch.empty(tokens, hidden, dtype=dtype, device=device),
+            "k_index": torch.arange(decode_top_k, device=device).view(1, decode_top_k),
+            "k_weight": torch.softmax(torch.randn(1, decode_top_k, generator=gen, device=device), -1).to(dtype)}
 
 
 def autotune(work: Workload, ffn_for, log, smoke: bool):
-    """Coordinate search over the decode launches by one expert's time from HBM (near ties going
-    to the faster zero-copy reader, `zero_copy_reader`), then over the prefill launches by a
-    layer's prefill time; returns the config and every candidate's figures."""
+    """Coordinate search over the decode launches by the top-k layer's time from HBM, the call a
+    decode makes (near ties going to the faster zero-copy reader of one expert, `zero_copy_reader`),
+    then over the prefill launches by a layer's prefill time; returns the config and every
+    candidate's figures (the decode candidates' one-expert time too)."""
     H, I = work.layout.hidden, work.layout.intermediate
     best = default_int4_config(H, I)
     tried = []
-    for field, candidates, check, timed in (("gate_up_gemv", GATE_UP, work.check_one, work.one_expert),
-                                            ("down_gemv", DOWN, work.check_one, work.one_expert),
+    for field, candidates, check, timed in (("gate_up_gemv", GATE_UP, work.check_decode, work.top_k_layer),
+                                            ("down_gemv", DOWN, work.check_decode, work.top_k_layer),
                                             ("gemm", GEMM, work.check_prefill, work.prefill)):
         results = []
         for candidate in (candidates[:2] if smoke else candidates):
@@ -352,8 +375,11 @@ def autotune(work: Workload, ffn_for, log, smoke: bool):
             except Exception as failure:  # a configuration the compiler or the GPU refuses
                 error, seconds = repr(failure)[:160], math.inf
             results.append((seconds, candidate))
-            tried.append({"field": field, "config": dataclasses.asdict(candidate), "seconds": seconds,
-                          "relative_error": error})
+            entry = {"field": field, "config": dataclasses.asdict(candidate), "seconds": seconds,
+                     "relative_error": error}
+            if field != "gemm" and math.isfinite(seconds):
+                entry["one_expert_seconds"] = work.one_expert(ffn)
+            tried.append(entry)
             log(f"  {field} {candidate}: {seconds * 1e6:.1f} us (error {error})")
         seconds, winner = min(results, key=lambda r: r[0])
         if math.isfinite(seconds):
@@ -414,7 +440,8 @@ def main() -> None:
         slots4 = random_int4_slots(layout4, max(EXPERTS, math.ceil(rotate / layout4.nbytes)), device, gen)
         slots8 = random_slots(layout8, max(EXPERTS, math.ceil(rotate / layout8.nbytes)), device, gen)
         calls = 2 if args.smoke else min(64, slots4.shape[0])
-        inputs = make_inputs(hidden, device, dtype, calls, gen, args.smoke)
+        decode_top_k = MODEL_TOP_K.get(name, TOP_K)
+        inputs = make_inputs(hidden, device, dtype, calls, gen, args.smoke, decode_top_k)
         work4, work8 = Workload(layout4, slots4, inputs, timer), Workload(layout8, slots8, inputs, timer)
 
         def ffn4(config, layout4=layout4):
@@ -433,10 +460,12 @@ def main() -> None:
                    else default_config(hidden, intermediate))
         ffn = ffn4(config)
         ffn8 = TritonMoEFFN(layout8, device, config=config8, max_tokens=inputs["xp"].shape[0], top_k=TOP_K, dtype=dtype)
-        errors = {"one_expert": work4.check_one(ffn), "prefill": work4.check_prefill(ffn),
+        errors = {"one_expert": work4.check_one(ffn), "decode": work4.check_decode(ffn),
+                  "prefill": work4.check_prefill(ffn),
                   "int8_one_expert": work8.check_one(ffn8)}
         one = [work4.one_expert(ffn) for _ in range(repeats)]
         one8 = [work8.one_expert(ffn8) for _ in range(repeats)]
+        layer = [work4.top_k_layer(ffn) for _ in range(repeats)]
         misses = [work4.zero_copy(ffn, args.smoke) for _ in range(repeats)]
         fraction = [copy / zero for copy, zero, _ in misses]
         prefill = [work4.prefill(ffn) for _ in range(repeats)]
@@ -449,6 +478,7 @@ def main() -> None:
             "one_expert_GBps": layout4.nbytes / statistics.median(one) / 1e9,
             "one_expert_fraction_of_4.29TBps": layout4.nbytes / statistics.median(one) / HBM_DESIGN_BPS,
             "int8_one_expert_s": spread(one8),
+            "decode_top_k": decode_top_k, "top_k_layer_s": spread(layer),
             "int4_over_int8_one_expert": statistics.median(one) / statistics.median(one8),
             "pinned_copy_s": spread([copy for copy, _, _ in misses]),
             "zero_copy_s": spread([zero for _, zero, _ in misses]),
@@ -487,7 +517,8 @@ def main() -> None:
         result["shapes"][name] = figures
         log(f"{name}: one INT4 expert {statistics.median(one) * 1e6:.1f} us "
             f"({min(one) * 1e6:.1f}-{max(one) * 1e6:.1f}; "
-            f"{figures['one_expert_GBps']:.0f} GB/s), INT8 {statistics.median(one8) * 1e6:.1f} us; zero-copy "
+            f"{figures['one_expert_GBps']:.0f} GB/s), INT8 {statistics.median(one8) * 1e6:.1f} us; top-{decode_top_k} "
+            f"INT4 layer {statistics.median(layer) * 1e6:.1f} us; zero-copy "
             f"{statistics.median(fraction):.3f} of the copy ({min(fraction):.3f}-{max(fraction):.3f}); prefill "
             f"{statistics.median(prefill) * 1e6:.0f} us against INT8 {statistics.median(prefill8) * 1e6:.0f} us; "
             f"errors {errors}")
