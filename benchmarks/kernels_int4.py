@@ -23,8 +23,8 @@ repeat with their median and range. --autotune first tries a few launch configur
 gate/up, then down, each also with the "fold" and "half2" conversions, then the prefill GEMM; each
 checked against the reference) and writes the
 fastest into mira/kernels/tuning/<device>-int4.json (or --tuning-dir). A decode launch is chosen
-by the top-k layer's time from HBM (a decode launches the layer's K experts together; one expert's
-grid, with fewer programs, favours other launches), except that among those within
+by one expert's time plus the top-k layer's over K, from HBM (kernels_int8.py's score; a decode
+launches a layer's K experts together), except that among those within
 ZERO_COPY_TOLERANCE of the fastest the one reading a pinned expert fastest wins if it reads it
 ZERO_COPY_MIN_GAIN faster (kernels_int8.py's rule: under a budget the misses, read zero-copy, take
 most of a decode step).
@@ -229,6 +229,17 @@ class Workload:
             torch.cuda.synchronize()
         return {event.key: event.device_time / 1e6 for event in profile.key_averages() if "gemv" in event.key}
 
+    def decode_score(self, ffn) -> tuple[float, dict[str, float]]:
+        """A decode launch's score, the INT8 autotune's: one expert's seconds plus the top-k layer's
+        over K, each from HBM (and both times). The layer is what a decode runs; one expert, whose
+        few programs favour more warps each, keeps a near tie at the layer from costing it."""
+        one, layer = self.one_expert(ffn), self.top_k_layer(ffn)
+        return one + layer / self.inputs["k_index"].shape[1], {"one_expert_s": one, "top_k_layer_s": layer}
+
+    def prefill_score(self, ffn) -> tuple[float, dict[str, float]]:
+        """A prefill launch's score: the layer's prefill seconds (no other figures)."""
+        return self.prefill(ffn), {}
+
     def top_k_layer(self, ffn) -> float:
         """One token routed to the shape's top-k experts, distinct blobs from HBM: the call a decode
         makes at every MoE layer (where a miss runs on the CPU its expert's programs add nothing and
@@ -355,31 +366,27 @@ def make_inputs(hidden: int, device: torch.device, dtype: torch.dtype, calls: in
 
 
 def autotune(work: Workload, ffn_for, log, smoke: bool):
-    """Coordinate search over the decode launches by the top-k layer's time from HBM, the call a
-    decode makes (near ties going to the faster zero-copy reader of one expert, `zero_copy_reader`),
-    then over the prefill launches by a layer's prefill time; returns the config and every
-    candidate's figures (the decode candidates' one-expert time too)."""
+    """Coordinate search over the decode launches by `decode_score` from HBM (near ties going to the
+    faster zero-copy reader of one expert, `zero_copy_reader`), then over the prefill launches by a
+    layer's prefill time; returns the config and every candidate's figures."""
     H, I = work.layout.hidden, work.layout.intermediate
     best = default_int4_config(H, I)
     tried = []
-    for field, candidates, check, timed in (("gate_up_gemv", GATE_UP, work.check_decode, work.top_k_layer),
-                                            ("down_gemv", DOWN, work.check_decode, work.top_k_layer),
-                                            ("gemm", GEMM, work.check_prefill, work.prefill)):
+    for field, candidates, check, timed in (("gate_up_gemv", GATE_UP, work.check_decode, work.decode_score),
+                                            ("down_gemv", DOWN, work.check_decode, work.decode_score),
+                                            ("gemm", GEMM, work.check_prefill, work.prefill_score)):
         results = []
         for candidate in (candidates[:2] if smoke else candidates):
             config = dataclasses.replace(best, **{field: candidate})
             try:
                 ffn = ffn_for(config)
                 error = check(ffn)
-                seconds = timed(ffn) if error < 2e-2 else math.inf
+                seconds, figures = timed(ffn) if error < 2e-2 else (math.inf, {})
             except Exception as failure:  # a configuration the compiler or the GPU refuses
-                error, seconds = repr(failure)[:160], math.inf
+                error, seconds, figures = repr(failure)[:160], math.inf, {}
             results.append((seconds, candidate))
-            entry = {"field": field, "config": dataclasses.asdict(candidate), "seconds": seconds,
-                     "relative_error": error}
-            if field != "gemm" and math.isfinite(seconds):
-                entry["one_expert_seconds"] = work.one_expert(ffn)
-            tried.append(entry)
+            tried.append({"field": field, "config": dataclasses.asdict(candidate), "seconds": seconds, **figures,
+                          "relative_error": error})
             log(f"  {field} {candidate}: {seconds * 1e6:.1f} us (error {error})")
         seconds, winner = min(results, key=lambda r: r[0])
         if math.isfinite(seconds):
