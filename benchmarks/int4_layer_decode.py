@@ -1,9 +1,9 @@
 """Time an INT4 decode layer at the models' own top-k under candidate down and gate/up launches.
 
-The autotune (kernels_int4.py) and the untuned configuration choose the down launch by one
-expert's time; a token's layer routes it to K experts (6 or 8 for the small-expert models), each
-with down programs of its own (KernelConfig.down_per_pair; results before it had one program walk
-the K in turn). Per expert shape (random INT4 blobs, bf16 activations, one
+The untuned configuration's launches were chosen by one expert's time (the autotune,
+kernels_int4.py, now adds the top-k layer's); a token's layer routes it to K experts (2 for
+Mixtral, 6 or 8 for the small-expert models), each with down programs of its own
+(KernelConfig.down_per_pair; results before it had one program walk the K in turn). Per expert shape (random INT4 blobs, bf16 activations, one
 token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
 stored (or untuned) configuration, and the same with candidate launches that give a thread a
 smaller share of a program's codes (fewer columns a warp; down's reduction over I split so that a
@@ -42,7 +42,7 @@ SMALL = ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite")
 DOWN_STEPS = ((1024, 8), (1024, 16), (512, 8), (256, 4))
 UP_STEPS = ((2048, 16), (1024, 16))  # gate/up: unsplit, a row of H in steps of block_cols
 # gate/up at rows longer than 2048 (Mixtral's 4096, top-2): 128 to 512 columns a warp on 2 to 8 warps a
-# program; the autotune chose by one expert, whose programs are a top-k layer's over K
+# program; one expert has a top-k layer's programs over K
 LONG_UP_STEPS = ((1024, 4), (2048, 8), (512, 4), (2048, 4), (512, 2))
 
 
