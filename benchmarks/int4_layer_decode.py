@@ -3,8 +3,9 @@
 The untuned configuration's launches were chosen by one expert's time (the autotune,
 kernels_int4.py, now adds the top-k layer's); a token's layer routes it to K experts (2 for
 Mixtral, 6 or 8 for the small-expert models), each with down programs of its own
-(KernelConfig.down_per_pair; results before it had one program walk the K in turn). Per expert shape (random INT4 blobs, bf16 activations, one
-token, its K experts of 8 distinct blobs, from HBM), on one GPU, in turns within each repeat: the
+(KernelConfig.down_per_pair; results before it had one program walk the K in turn). Per expert
+shape (random INT4 blobs, bf16 activations, one token, its K experts of 8 distinct blobs, from
+HBM), on one GPU, in turns within each repeat: the
 stored (or untuned) configuration, and the same with candidate launches that give a thread a
 smaller share of a program's codes (fewer columns a warp; down's reduction over I split so that a
 step is a program), down and gate/up alone and together. Each candidate is checked against the

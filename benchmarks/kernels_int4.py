@@ -242,8 +242,7 @@ class Workload:
 
     def top_k_layer(self, ffn) -> float:
         """One token routed to the shape's top-k experts, distinct blobs from HBM: the call a decode
-        makes at every MoE layer (where a miss runs on the CPU its expert's programs add nothing and
-        the layer waits on the CPU; one read zero-copy, on PCIe)."""
+        makes at every MoE layer."""
         x, index, weight, out = (self.inputs[k] for k in ("x1", "k_index", "k_weight", "out1"))
         return self.timer.graph(lambda i: ffn.forward_bases(x[i], index, weight, self.layer_tables[i], out=out),
                                 self.inputs["calls"])
