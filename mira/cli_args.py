@@ -50,6 +50,13 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    value = _number(text, int, "a whole number")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port; pass 1 to 65535, or 0 for any free port")
+    return value
+
+
 def temperature(text: str) -> float:
     value = _number(text, float, "a number")
     if value < 0:

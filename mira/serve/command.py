@@ -15,7 +15,7 @@ API_KEY_VARIABLE = "MIRA_API_KEY"
 
 
 def add_command(subparsers) -> None:
-    from mira.cli_args import add_model_options, add_sampling_options, nonnegative_int
+    from mira.cli_args import add_model_options, add_sampling_options, nonnegative_int, port
     from mira.serve.relay import STREAM_INTERVAL_S
 
     serve = subparsers.add_parser(
@@ -32,11 +32,11 @@ def add_command(subparsers) -> None:
     add_sampling_options(serve, generation=False)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    serve.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free port)")
     serve.add_argument("--api-key", metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                             f"${API_KEY_VARIABLE} when set, else no key)")
-    serve.add_argument("--max-queue", type=int, default=16, metavar="N",
+    serve.add_argument("--max-queue", type=nonnegative_int, default=16, metavar="N",
                        help="requests that may wait for the device behind the running one; more are answered 429 "
                             "(default 16)")
     serve.add_argument("--stream-interval", type=nonnegative_int, default=round(STREAM_INTERVAL_S * 1000),
@@ -93,8 +93,6 @@ def _serve(args: argparse.Namespace) -> None:
         raise MiraError(f"mira serve needs FastAPI and uvicorn ({error}); pip install 'mira[serve]'") from None
     if args.raw:
         raise MiraError("mira serve applies the chat template to chat requests and none to completions; drop --raw")
-    if args.max_queue < 0:
-        raise MiraError(f"--max-queue must be 0 or more, not {args.max_queue}")
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     name = args.served_model_name or model_name(args.model)
     defaults = sampling_config(args)
