@@ -146,6 +146,8 @@ def _bench(args: argparse.Namespace) -> None:
             inputs, outputs = (int(n) for n in args.fixed.lower().split("x"))
         except ValueError:
             raise MiraError(f"cannot read --fixed {args.fixed!r}; write INxOUT, e.g. 64x256") from None
+        if inputs < 1 or outputs < 1:
+            raise MiraError(f"--fixed {args.fixed!r} needs at least one prompt token and one new token, e.g. 64x256")
         prompts = fixed_prompts(args.fixed_count, inputs, outputs)
         prompt_set = f"fixed {inputs} in / {outputs} out, random ids ({args.fixed_count} prompts)"
     schemes = _schemes(args.quant)
