@@ -113,6 +113,7 @@ def add_commands(subparsers) -> None:
     Args:
         subparsers: what `ArgumentParser.add_subparsers` returned; each command sets `run`.
     """
+    from mira.cli_args import existing_file, positive_int
     from mira.predict.features import HISTORY_WINDOW
     from mira.predict.heads import HeadConfig
     from mira.predict.train import TrainConfig
@@ -125,14 +126,14 @@ def add_commands(subparsers) -> None:
                     "whole sequences are held out for validation and each head stops early. The heads are saved "
                     "with their metadata in the store's predictor/ folder, where the runtime finds them.")
     train.add_argument("--model", help=model_help)
-    train.add_argument("--traces", nargs="+", required=True, metavar="T.npz",
+    train.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                        help="traces recorded with `mira trace --features` (T.features.npz beside each)")
     train.add_argument("--out", metavar="DIR", help="folder for heads.safetensors (default: <store>/predictor)")
-    train.add_argument("--epochs", type=int, default=TrainConfig.epochs,
+    train.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs,
                        help=f"most epochs per head (default {TrainConfig.epochs})")
-    train.add_argument("--width", type=int, default=HeadConfig.width,
+    train.add_argument("--width", type=positive_int, default=HeadConfig.width,
                        help=f"hidden units of each branch (default {HeadConfig.width})")
-    train.add_argument("--history-window", type=int, default=HISTORY_WINDOW, metavar="W",
+    train.add_argument("--history-window", type=positive_int, default=HISTORY_WINDOW, metavar="W",
                        help=f"steps of layer i+2's routing the history feature averages (default {HISTORY_WINDOW})")
     train.add_argument("--seed", type=int, default=TrainConfig.seed, help="random seed (default 0)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -145,10 +146,10 @@ def add_commands(subparsers) -> None:
                     "for the trained MixtureHead, its ActHead and HistHead alone, gate speculation, the previous "
                     "step's routing and popularity; decode steps, prompt steps and all steps apart.")
     evaluate.add_argument("--model", help=model_help)
-    evaluate.add_argument("--traces", nargs="+", required=True, metavar="T.npz",
+    evaluate.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                           help="held-out traces recorded with `mira trace --features`")
-    evaluate.add_argument("--heads", metavar="FILE", help="heads.safetensors (default: the store's predictor/)")
-    evaluate.add_argument("--profile", metavar="TRACE", help="trace whose routing ranks the popularity baseline "
+    evaluate.add_argument("--heads", type=existing_file, metavar="FILE", help="heads.safetensors (default: the store's predictor/)")
+    evaluate.add_argument("--profile", type=existing_file, metavar="TRACE", help="trace whose routing ranks the popularity baseline "
                                                              "(default: the heads' training traces)")
     evaluate.add_argument("--json", action="store_true", help="print the results as one JSON object")
     evaluate.add_argument("--plot", metavar="FILE.png", help="write Coverage@k per layer as a PNG")

@@ -178,9 +178,15 @@ class RoutingTrace:
 def _read_npz(source: str) -> dict[str, np.ndarray]:
     """All arrays of an `.npz`, or a TraceError saying why the file is not one."""
     try:
+        with open(source, "rb") as file:
+            magic = file.read(6)
+    except (IsADirectoryError, PermissionError) as error:  # a missing file raises FileNotFoundError
+        raise TraceError(f"trace {source}: cannot read it ({error.strerror}); pass an .npz file") from None
+    if not magic.startswith(b"PK") and magic != b"\x93NUMPY":  # numpy would try it as a pickle
+        raise TraceError(f"trace {source}: not a readable .npz file (neither a zip archive nor an .npy array); "
+                         "record traces with `mira trace`")
+    try:
         data = np.load(source, allow_pickle=False)
-    except FileNotFoundError:
-        raise
     except (zipfile.BadZipFile, ValueError, OSError) as error:
         raise TraceError(f"trace {source}: not a readable .npz file ({error})") from error
     if not isinstance(data, np.lib.npyio.NpzFile):

@@ -63,6 +63,9 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
         bad_fixed = _mira("bench", "--fixed", fixed, "--configs", "mira")
         assert bad_fixed.returncode == 1 and "mira: error: " in bad_fixed.stderr and "--fixed" in bad_fixed.stderr
         assert "e.g. 64x256" in bad_fixed.stderr and "Loading" not in bad_fixed.stderr  # before any model
+    for command in ("train-predictor", "eval-predictor"):
+        missing_trace = _mira(command, "--traces", str(tmp_path / "t.npz"))
+        assert missing_trace.returncode == 2 and "t.npz does not exist" in missing_trace.stderr, missing_trace.stderr
     for flag, value, says in (("--port", "70000", "70000 is not a TCP port; pass 1 to 65535, or 0"),
                               ("--port", "-1", "-1 is not a TCP port"),
                               ("--max-queue", "-3", "-3 is negative; pass 0 or more")):

@@ -131,8 +131,15 @@ def test_load_refuses_missing_or_malformed_arrays(tmp_path, arrays, message):
 def test_load_refuses_a_file_that_is_not_an_npz(tmp_path):
     text = tmp_path / "t.npz"
     text.write_text("not a trace")
-    with pytest.raises(TraceError, match="not a readable .npz file"):
+    with pytest.raises(TraceError, match=r"not a readable .npz file \(neither a zip archive nor an .npy array\)"):
         RoutingTrace.load(text)
+    truncated = tmp_path / "truncated.npz"
+    np.savez(truncated, topk_ids=np.zeros((2, 1, 1)))
+    truncated.write_bytes(truncated.read_bytes()[:40])  # a zip's header, then nothing
+    with pytest.raises(TraceError, match="not a readable .npz file"):
+        RoutingTrace.load(truncated)
+    with pytest.raises(TraceError, match="cannot read it .* pass an .npz file"):
+        RoutingTrace.load(tmp_path)
     single = tmp_path / "single.npy"
     np.save(single, np.zeros(3))
     with pytest.raises(TraceError, match="a single .npy array"):
