@@ -15,6 +15,8 @@ DEFAULT_CONTEXT = 512  # the bundled model's training context
 
 
 def add_command(subparsers) -> None:
+    from mira.cli_args import positive_int
+
     evaluate = subparsers.add_parser(
         "eval", help="what quantized experts cost in quality: perplexity, KL and agreement; lm-eval-harness tasks",
         description="Measure what quantizing the experts costs: `mira eval ppl` scores a text with every scheme "
@@ -38,7 +40,7 @@ def add_command(subparsers) -> None:
     ppl.add_argument("--quant", default=",".join(SCHEMES), metavar="SCHEME,...",
                      help=f"comma-separated expert schemes out of {', '.join(SCHEMES)} (default: all); none, the "
                           f"reference, is always run")
-    ppl.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens of the text")
+    ppl.add_argument("--max-tokens", type=positive_int, metavar="N", help="score only the first N tokens of the text")
     ppl.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
                      help=f"tokens per window (default {DEFAULT_CONTEXT})")
     ppl.add_argument("--stride", type=int, metavar="N", help="tokens a window advances (default: half the context)")
@@ -152,5 +154,8 @@ def _lm_eval(args: argparse.Namespace) -> None:
     try:
         cli = HarnessCLI()
         cli.execute(cli.parse_args())
+    except ValueError as error:  # the harness's word for arguments it refuses, such as unknown tasks
+        raise MiraError(f"lm-evaluation-harness refused the run: {error}; `mira eval lm-eval ls tasks` lists "
+                        "the tasks") from None
     finally:
         sys.argv = saved

@@ -141,3 +141,12 @@ def test_mira_eval_lm_eval_hands_its_arguments_to_the_harness_command_line(capsy
     assert sys.argv is argv
     table = capsys.readouterr().out
     assert "mira_bigbench_cause_and_effect_one_sentence" in table and "acc" in table and "mira ({'quant': 'int8-row'})" in table
+
+
+def test_mira_eval_lm_eval_names_a_task_the_harness_does_not_know(capsys):
+    argv = sys.argv
+    assert main(["eval", "lm-eval", "--model", "mira", "--tasks", "no_such_task_here"]) == 1
+    assert sys.argv is argv
+    error = capsys.readouterr().err
+    assert error.startswith("mira: error: lm-evaluation-harness refused the run: Tasks not found: no_such_task_here")
+    assert "`mira eval lm-eval ls tasks`" in error and error.count("\n") == 1
