@@ -148,9 +148,11 @@ def add_commands(subparsers) -> None:
     evaluate.add_argument("--model", help=model_help)
     evaluate.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                           help="held-out traces recorded with `mira trace --features`")
-    evaluate.add_argument("--heads", type=existing_file, metavar="FILE", help="heads.safetensors (default: the store's predictor/)")
-    evaluate.add_argument("--profile", type=existing_file, metavar="TRACE", help="trace whose routing ranks the popularity baseline "
-                                                             "(default: the heads' training traces)")
+    evaluate.add_argument("--heads", type=existing_file, metavar="FILE",
+                          help="heads.safetensors (default: the store's predictor/)")
+    evaluate.add_argument("--profile", type=existing_file, metavar="TRACE",
+                          help="trace whose routing ranks the popularity baseline (default: the heads' training "
+                               "traces)")
     evaluate.add_argument("--json", action="store_true", help="print the results as one JSON object")
     evaluate.add_argument("--plot", metavar="FILE.png", help="write Coverage@k per layer as a PNG")
     evaluate.set_defaults(run=_eval)
