@@ -131,6 +131,23 @@ def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv,
     assert nothing_converted()
 
 
+@pytest.mark.parametrize("argv, status, phrases", [
+    (("serve", "--port", "70000"), 2, ("--port", "70000 is not a TCP port", "or 0 for any free port")),
+    (("serve", "--port", "-1"), 2, ("--port", "-1 is not a TCP port")),
+    (("serve", "--max-queue", "-3"), 2, ("--max-queue", "-3 is negative")),
+    (("bench", "--fixed", "8", "--configs", "mira"), 1, ("cannot read --fixed '8'", "e.g. 64x256")),
+    (("bench", "--fixed", "0x4", "--configs", "mira"), 1, ("--fixed '0x4' needs at least one prompt token",)),
+    (("bench", "--fixed", "8x0", "--configs", "mira"), 1, ("one new token", "e.g. 64x256")),
+    (("train-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
+    (("eval-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
+    (("eval", "ppl", "--max-tokens", "0"), 2, ("--max-tokens", "not positive")),
+])
+def test_the_other_commands_refuse_bad_values_before_any_work(argv, status, phrases, fresh_cache):
+    code, _, err = cli(*argv)
+    refused(code, err, status, *phrases)
+    assert nothing_converted()
+
+
 def test_a_share_budget_means_in_generate_what_it_means_in_bench(stores, tmp_path):
     stats = tmp_path / "stats.json"
     code, _, err = cli("generate", "--model", str(stores["mixtral", "int8-shared"]), "--prompt", "hi", "--raw",
