@@ -340,8 +340,9 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         if file is not None and not Path(file).is_file():
             raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
     model_path = Path(path) if path is not None else BUNDLED_MODEL
-    _check_model_path(model_path)
-    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None)
+    directory = locate(model_path).directory  # a hub id or cache folder -> its snapshot
+    _check_model_path(directory)
+    positions = getattr(read_config(directory), "max_position_embeddings", None)
     setup = resolve_setup(dataclasses.replace(config, device=str(torch_device)),
                           cuda_available=torch.cuda.is_available(), model_positions=positions)
     store_path = resolve_store(model_path, config.quant, config.progress)

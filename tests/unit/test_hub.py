@@ -5,7 +5,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+import mira
 from mira.errors import MiraError
 from mira.models.hub import hub_cache, locate
 from mira.runtime.engine import resolve_store
@@ -34,6 +36,17 @@ def test_a_hub_id_resolves_in_the_cache_that_HF_HOME_names(checkpoints, tmp_path
     store = resolve_store(Path("acme/tiny-moe"), None, progress=False)
     assert store.parent == cache_dir() and store.name.startswith(f"acme--tiny-moe-{REVISION[:12]}-")
     assert resolve_store(repo, None, progress=False) == store  # the same store, whichever way it was named
+
+
+def test_mira_load_takes_a_hub_id_from_the_cache(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    _hub_cache_with(tmp_path, checkpoints["mixtral"])
+    model = mira.load("acme/tiny-moe", device="cpu", progress=False)
+    assert model.store.path == resolve_store(Path("acme/tiny-moe"), None, progress=False)
+    assert model.store.path.name.startswith(f"acme--tiny-moe-{REVISION[:12]}-")
+    ids = torch.tensor([[1, 2, 3]])
+    assert model(ids).logits.shape[:2] == (1, 3)
 
 
 def test_a_plain_directory_keeps_its_own_name(checkpoints):
