@@ -23,9 +23,11 @@ from mira.cli.models import add_command as add_models_command
 from mira.store.layout import SCHEMES
 
 def _convert(args: argparse.Namespace) -> None:
+    from mira.models.hub import locate
     from mira.store.convert import convert
 
-    manifest = convert(Path(args.model_dir), Path(args.out), args.quant, progress=not args.quiet, force=args.force)
+    source = locate(args.model_dir)  # a hub id or cache folder -> its snapshot
+    manifest = convert(source.directory, Path(args.out), args.quant, progress=not args.quiet, force=args.force)
     print(f"store {args.out}: {len(manifest.moe_layers)} MoE layers x {manifest.num_experts} experts, "
           f"{manifest.scheme}, {manifest.layout['nbytes'] / 2**20:.2f} MiB per expert")
 
@@ -173,12 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=CommandParser)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face MoE checkpoint into an expert store",
-                                  description="Stream the experts of a local Hugging Face MoE checkpoint into a "
+                                  description="Stream the experts of a Hugging Face MoE checkpoint on this machine into a "
                                               "Mira store, one expert at a time. An interrupted conversion "
                                               "resumes where it stopped. Over an existing store of the model it "
                                               "checks every file and rewrites those missing or corrupt; if the "
                                               "model's files changed since, it converts again.")
-    convert.add_argument("model_dir", help="local Hugging Face model directory (config.json, *.safetensors)")
+    convert.add_argument("model_dir", help="local Hugging Face model directory (config.json, *.safetensors), or a hub "
+                                           "id (org/name) in the local Hugging Face cache")
     convert.add_argument("--out", required=True, type=output_dir, help="store directory to create, check or repair")
     convert.add_argument("--quant", choices=SCHEMES, default="int8-shared", help=QUANT_HELP)
     convert.add_argument("--force", action="store_true",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mira
+from mira.cli import main
 from mira.errors import MiraError
 from mira.models.hub import hub_cache, locate
 from mira.runtime.engine import resolve_store
@@ -38,7 +39,7 @@ def test_a_hub_id_resolves_in_the_cache_that_HF_HOME_names(checkpoints, tmp_path
     assert resolve_store(repo, None, progress=False) == store  # the same store, whichever way it was named
 
 
-def test_mira_load_takes_a_hub_id_from_the_cache(checkpoints, tmp_path, monkeypatch):
+def test_mira_load_and_convert_take_a_hub_id_from_the_cache(checkpoints, tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     _hub_cache_with(tmp_path, checkpoints["mixtral"])
@@ -47,6 +48,12 @@ def test_mira_load_takes_a_hub_id_from_the_cache(checkpoints, tmp_path, monkeypa
     assert model.store.path.name.startswith(f"acme--tiny-moe-{REVISION[:12]}-")
     ids = torch.tensor([[1, 2, 3]])
     assert model(ids).logits.shape[:2] == (1, 3)
+    threads = torch.get_num_threads()  # main sets torch's threads for the process; the suite keeps its own
+    try:
+        assert main(["convert", "acme/tiny-moe", "--out", str(tmp_path / "store"), "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "store" / "manifest.json").is_file()
 
 
 def test_a_plain_directory_keeps_its_own_name(checkpoints):
