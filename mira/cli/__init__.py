@@ -175,11 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      parser_class=CommandParser)
 
     convert = commands.add_parser("convert", help="convert a Hugging Face MoE checkpoint into an expert store",
-                                  description="Stream the experts of a Hugging Face MoE checkpoint on this machine into a "
-                                              "Mira store, one expert at a time. An interrupted conversion "
-                                              "resumes where it stopped. Over an existing store of the model it "
-                                              "checks every file and rewrites those missing or corrupt; if the "
-                                              "model's files changed since, it converts again.")
+                                  description="Stream the experts of a Hugging Face MoE checkpoint on this "
+                                              "machine into a Mira store, one expert at a time. An interrupted "
+                                              "conversion resumes where it stopped. Over an existing store of the "
+                                              "model it checks every file and rewrites those missing or corrupt; "
+                                              "if the model's files changed since, it converts again.")
     convert.add_argument("model_dir", help="local Hugging Face model directory (config.json, *.safetensors), or a hub "
                                            "id (org/name) in the local Hugging Face cache")
     convert.add_argument("--out", required=True, type=output_dir, help="store directory to create, check or repair")
