@@ -1,7 +1,7 @@
 """Time an INT4 decode layer at the models' own top-k under candidate down and gate/up launches.
 
 The untuned configuration's launches were chosen by one expert's time (the autotune,
-kernels_int4.py, now adds the top-k layer's); a token's layer routes it to K experts (2 for
+kernels_int4.py, adds the top-k layer's); a token's layer routes it to K experts (2 for
 Mixtral, 6 or 8 for the small-expert models), each with down programs of its own
 (KernelConfig.down_per_pair; results before it had one program walk the K in turn). Per expert
 shape (random INT4 blobs, bf16 activations, one token, its K experts of 8 distinct blobs, from

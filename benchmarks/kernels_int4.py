@@ -249,10 +249,8 @@ class Workload:
 
     def check_decode(self, ffn) -> float:
         """The larger relative error of one expert and of the top-k layer against the reference."""
-        x, index, weight = self.inputs["x1"][0], self.inputs["k_index"], self.inputs["k_weight"]
-        layer = [self.slots[e % self.slots.shape[0]] for e in range(EXPERTS)]
-        ref = moe_ffn_reference(x.float(), index, weight.float(), layer, self.layout, F.silu)
-        return max(self.check_one(ffn), relative_error(ffn.forward_bases(x, index, weight, self.layer_tables[0]), ref))
+        top_k = self._check_layer(ffn, self.inputs["x1"][0], self.inputs["k_index"], self.inputs["k_weight"])
+        return max(self.check_one(ffn), top_k)
 
     def check_one(self, ffn) -> float:
         x, index, weight = self.inputs["x1"][0], self.inputs["one_index"], self.inputs["one_weight"]
@@ -265,7 +263,10 @@ class Workload:
         return self.timer.graph(lambda i: ffn.forward_bases(x, index, weight, self.layer_tables[i], out=out), calls)
 
     def check_prefill(self, ffn) -> float:
-        x, index, weight = self.inputs["xp"], self.inputs["p_index"], self.inputs["p_weight"]
+        return self._check_layer(ffn, self.inputs["xp"], self.inputs["p_index"], self.inputs["p_weight"])
+
+    def _check_layer(self, ffn, x, index, weight) -> float:
+        """Relative error of a call on the first layer table's experts against the float32 reference."""
         layer = [self.slots[e % self.slots.shape[0]] for e in range(EXPERTS)]
         ref = moe_ffn_reference(x.float(), index, weight.float(), layer, self.layout, F.silu)
         return relative_error(ffn.forward_bases(x, index, weight, self.layer_tables[0]), ref)
