@@ -154,7 +154,9 @@ def _lm_eval(args: argparse.Namespace) -> None:
     try:
         cli = HarnessCLI()
         cli.execute(cli.parse_args())
-    except ValueError as error:  # the harness's word for arguments it refuses, such as unknown tasks
+    except ValueError as error:
+        if not str(error).startswith("Tasks not found"):  # others may come from the run itself: keep them whole
+            raise
         raise MiraError(f"lm-evaluation-harness refused the run: {error}; `mira eval lm-eval ls tasks` lists "
                         "the tasks") from None
     finally:
