@@ -57,6 +57,15 @@ def port(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    from mira.runtime.generate import SEEDS
+
+    value = _number(text, int, "a whole number")
+    if not SEEDS[0] <= value <= SEEDS[1]:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; pass a seed from {SEEDS[0]} to {SEEDS[1]}")
+    return value
+
+
 def temperature(text: str) -> float:
     value = _number(text, float, "a number")
     if value < 0:
@@ -274,7 +283,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, generation: bool = Tru
                             help="tokens to generate (default 128)")
         parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                             help="end the reply before this text (repeatable)")
-        parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+        parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
 
 
 def sampling_config(args: argparse.Namespace):

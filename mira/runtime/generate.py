@@ -26,6 +26,7 @@ from mira.runtime.run_ahead import HostCriterion
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+SEEDS = (-2**63, 2**64 - 1)  # the seeds torch's generator takes (torch.manual_seed)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class SamplingConfig:
             (self.repetition_penalty is None or self.repetition_penalty > 0,
              f"repetition penalty must be > 0 (1: off), not {self.repetition_penalty}"),
             (all(self.stop), "a stop string must not be empty"),
+            (self.seed is None or SEEDS[0] <= self.seed <= SEEDS[1],
+             f"the seed must be between {SEEDS[0]} and {SEEDS[1]}, not {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} most likely tokens, not {self.logprobs}"),
             (not self.prompt_logprobs or self.logprobs is not None, "prompt logprobs need logprobs set"),
@@ -86,7 +89,7 @@ class TokenLogprob:
 class GenerationReport:
     text: str
     prompt_tokens: int
-    new_ids: tuple[int, ...]  # the new tokens, all of them (the text stops at a stop string)
+    new_ids: tuple[int, ...]  # the new tokens, up to the one that completed a stop string
     ttft_s: float  # prompt in -> first new token out
     decode_tokens_per_s: float  # new tokens after the first, per second
     finish_reason: str  # "stop" (end of sequence or a stop string), "length" (max new tokens) or "cancelled"
@@ -153,6 +156,7 @@ class TextStream:
         self.stop = tuple(stop)
         self.on_text = on_text
         self.stopped = False  # a stop string was met
+        self.stopped_at = 0  # once stopped: the tokens added up to the one that completed the stop string
         self._ids: list[int] = []
         self._prefix = 0  # ids[prefix:read] were decoded last time, as context for the next piece
         self._read = 0
@@ -202,7 +206,7 @@ class TextStream:
         if found:
             self._emit(text[:min(found)])
             self._held = ""
-            self.stopped = True
+            self.stopped, self.stopped_at = True, len(self._ids)
             return
         held = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
                    default=0)
@@ -268,7 +272,8 @@ class LogprobTap:
 
 class _Streamer(BaseStreamer):
     """transformers' streamer hook: new ids into the TextStream (and the logprob tap, if any), with
-    the time each arrives."""
+    the time each arrives. Ids after a stop string are dropped: the loop checks its criteria before
+    it streams a token, so it decodes one more step after the token that met the stop."""
 
     def __init__(self, stream: TextStream, tap: LogprobTap | None):
         self.stream = stream
@@ -279,6 +284,8 @@ class _Streamer(BaseStreamer):
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # generate puts the prompt first
             self._prompt_seen = True
+            return
+        if self.stream.stopped:
             return
         self.token_times.append(time.perf_counter())
         ids = value.reshape(-1).tolist()
@@ -300,6 +307,15 @@ class _Halt(HostCriterion):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         halt = self.stream.stopped or self.cancel.is_set()
         return torch.full((input_ids.shape[0],), halt, dtype=torch.bool, device=input_ids.device)
+
+
+def end_ids(model: MiraModel) -> set[int]:
+    """The token ids that end a generation: the checkpoint's end-of-sequence ids and its tokenizer's."""
+    ends = model.hf_model.generation_config.eos_token_id
+    ids = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return ids
 
 
 def _tokenizer(model: MiraModel):
@@ -375,12 +391,14 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
         if tap is not None:
             tap.close()
     new_ids = tuple(output[0, input_ids.shape[1]:].tolist())
+    if stream.stopped:
+        new_ids = new_ids[:stream.stopped_at]
     times = streamer.token_times
     ttft = times[0] - start if times else float("nan")
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
     if cancel.is_set() and not stream.stopped:
         finish = "cancelled"
-    elif stream.stopped or len(new_ids) < sampling.max_new_tokens:
+    elif stream.stopped or len(new_ids) < sampling.max_new_tokens or new_ids[-1] in end_ids(model):
         finish = "stop"
     else:
         finish = "length"

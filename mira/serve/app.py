@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from mira.errors import MiraError
 from mira.runtime.engine import MiraModel
-from mira.runtime.generate import GenerationReport, SamplingConfig, TokenLogprob, encode_messages
+from mira.runtime.generate import GenerationReport, SamplingConfig, TokenLogprob, encode_messages, end_ids
 from mira.serve import protocol
 from mira.serve.metrics import Metrics
 from mira.serve.relay import STREAM_INTERVAL_S
@@ -63,7 +63,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
     """
     metrics = Metrics()
     worker = DeviceWorker(model, max_waiting, metrics, stream_interval_s)
-    end_ids = _end_ids(model)
+    ends = end_ids(model)
     defaults = defaults or SamplingConfig()
     created = int(time.time())
 
@@ -93,11 +93,19 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        try:  # the body is read before the key is checked: a request without the key learns nothing more
+            await authorize(request)
+        except ApiError as unauthorized:
+            return await api_error(request, unauthorized)
         problem = error.errors()[0]
         where = [str(part) for part in problem.get("loc", ()) if part != "body"]
+        content_type = request.headers.get("content-type", "")
         if problem.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}"
             where = []
+        elif not where and "json" not in content_type:
+            message = (f"the request body must be JSON, sent with the header 'Content-Type: application/json' (it "
+                       f"came as {content_type or 'no content type'})")
         else:
             message = f"{'.'.join(where) or 'body'}: {problem['msg']}"
         return await api_error(request, ApiError(400, message, param=".".join(where) or None))
@@ -139,7 +147,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             raise ApiError(400, str(error), param="tools") from None
         prompt = input_ids[0].tolist()
         return await respond(request, "chat", body, input_ids, read_tools=lambda report: read_reply(
-            model.tokenizer, prompt, list(report.new_ids), tools, end_ids))
+            model.tokenizer, prompt, list(report.new_ids), tools, ends))
 
     @api.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
@@ -166,8 +174,10 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
     def sampling_for(body: protocol.SamplingRequest, prompt_tokens: int) -> SamplingConfig:
         room = model.max_context - prompt_tokens
         wanted = body.requested_tokens()
+        prompt = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
+        if prompt_tokens == 0:  # refused here, before a stream starts, rather than by the generation
+            raise ApiError(400, "the prompt is empty (no tokens); give a prompt", param=prompt)
         if room < 1 or (wanted is not None and wanted > room):
-            prompt = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
             raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
                                 f"{prompt_tokens} and {wanted or 1} more were asked for: shorten the prompt or "
                                 f"lower max_tokens", param=prompt, code="context_length_exceeded")
@@ -301,15 +311,6 @@ class Reply:
                                            report.new_tokens))
 
 
-def _end_ids(model: MiraModel) -> set[int]:
-    """The token ids that end a generation: the checkpoint's end-of-sequence ids and its tokenizer's."""
-    ends = model.hf_model.generation_config.eos_token_id
-    ids = set(ends if isinstance(ends, list) else [] if ends is None else [ends])
-    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-        ids.add(model.tokenizer.eos_token_id)
-    return ids
-
-
 def _endpoint(request: Request) -> str:
     """The metrics label of a request: its route's path, or "other" for paths the API does not have."""
     route = request.scope.get("route")
@@ -327,15 +328,19 @@ async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[s
         opening = reply.opening()
         if opening:
             yield opening
+        held: list[TokenLogprob] = []  # log-probabilities of tokens whose text has not come out yet
         while True:
             events = await job.events.take()  # what came since the last chunk goes in one chunk
             text = "".join(value for kind, value in events if kind == "text")
-            entries = [value for kind, value in events if kind == "logprob"]
-            if text or entries:
-                yield reply.chunk(text, entries=entries)
+            held += [value for kind, value in events if kind == "logprob"]
+            if text:
+                yield reply.chunk(text, entries=held)
+                held = []
             kind, value = events[-1]  # "done" or "error" is always the last event
             if kind in STREAMED:
                 continue
+            if held:  # tokens without text of their own (an end of sequence, a stop string's)
+                yield reply.chunk("", entries=held)
             if kind == "done":
                 for event in reply.ending(value):
                     yield event

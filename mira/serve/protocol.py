@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from mira.runtime.generate import MAX_TOP_LOGPROBS, TokenLogprob
+from mira.runtime.generate import MAX_TOP_LOGPROBS, SEEDS, TokenLogprob
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_COMPLETION_LOGPROBS = 5  # likewise, for the completions endpoint's most likely tokens
@@ -52,13 +52,22 @@ class SamplingRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEEDS[0], le=SEEDS[1])
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: Any = None  # these and those of the endpoints below: refused unless left unset (UNSERVED)
 
     _unserved = field_validator("logit_bias")(_refuse_unserved)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as in OpenAI's API (SDKs send unset fields so)."""
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items()
+                if value is not None or name not in cls.model_fields or cls.model_fields[name].default is None}
 
     @field_validator("stop")
     @classmethod
@@ -219,7 +228,9 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if not prompt:
+            raise ValueError("the prompt is empty; give text or token ids")
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
             return prompt
         if len(prompt) != 1:
             raise ValueError("give one prompt per request")

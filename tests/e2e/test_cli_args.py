@@ -77,6 +77,7 @@ GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
     (("--profile", "/no/such/trace.npz"), ("--profile", "does not exist")),
     (("--vram-budget", "lots"), ("cannot read the size 'lots'", "25%")),
     (("--vram-budget", "150%"), ("not a share",)),
+    (("--seed", str(2**64)), ("--seed", "out of range", str(2**64 - 1))),
     (("--threads", "0"), ("--threads", "not positive")),
     (("--cpu-threads", "0"), ("--cpu-threads", "not positive")),
     (("--cpu-threads=-1",), ("--cpu-threads", "not positive")),

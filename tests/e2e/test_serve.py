@@ -145,6 +145,35 @@ def test_completions_streamed_and_not_with_stop_and_top_k(client, model):
     assert streamed == whole.choices[0].text
 
 
+def test_a_stop_string_ends_the_tokens_their_logprobs_and_usage_at_the_token_that_met_it(client, model):
+    prompt = "Once upon a time"
+    input_ids = model.tokenizer(prompt, return_tensors="pt").input_ids
+    generated = _generated_ids(model, input_ids, max_new_tokens=20, temperature=0)
+    words = model.tokenizer.decode(generated, skip_special_tokens=True).split(" ")
+    stop = " " + words[3]
+    met = next(k for k in range(1, len(generated) + 1)
+               if stop in model.tokenizer.decode(generated[:k], skip_special_tokens=True))
+    assert met < len(generated)  # the loop decodes on after the token that met the stop
+    texts = token_texts(model.tokenizer, generated[:met])
+    settings = dict(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=stop, logprobs=1)
+    reply = client.completions.create(**settings)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.text
+    assert choice.logprobs.tokens == texts and reply.usage.completion_tokens == met
+    assert max(choice.logprobs.text_offset) <= len(choice.text)
+    chunks = list(client.completions.create(**settings, stream=True))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == texts
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+
+
+def test_an_end_of_sequence_at_exactly_max_tokens_finishes_as_stop(client, model):
+    text, finish, tokens = _alone(model, prompt="Hi", max_new_tokens=200, temperature=0)
+    assert finish == "stop" and tokens < 200  # the model ends this answer itself
+    for max_tokens, reason in ((tokens, "stop"), (tokens - 1, "length")):
+        reply = client.completions.create(model=NAME, prompt="Hi", max_tokens=max_tokens, temperature=0)
+        assert reply.choices[0].finish_reason == reason and reply.usage.completion_tokens == max_tokens
+
+
 def _generated_ids(model, input_ids, **settings):
     """The ids the library generates for the same request (its log-probabilities' tokens)."""
     report = stream_generate(model, input_ids, SamplingConfig(logprobs=0, **settings), lambda text: None)
@@ -188,6 +217,9 @@ def test_chat_logprobs_are_the_models_at_each_step_before_sampling_settings(clie
                                                  seed=settings.get("seed"), stream=True, **extra))
     streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
     assert streamed == content
+    for chunk in chunks:  # a chunk's log-probabilities are those of the tokens whose text it carries
+        if chunk.choices and chunk.choices[0].logprobs:
+            assert "".join(entry.token for entry in chunk.choices[0].logprobs.content) == chunk.choices[0].delta.content
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
 
 
@@ -409,6 +441,7 @@ BAD = {
                                            "response_format": {"type": "json_object"}}), "response_format"),
     "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
                      "logit_bias"),
+    "a seed beyond 64 bits": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}), "seed"),
 }
 
 
@@ -444,6 +477,30 @@ def test_bad_input_through_the_openai_client_raises_its_errors(client):
     assert error.value.code == "context_length_exceeded" and error.value.param == "prompt"
 
 
+def test_null_fields_take_their_defaults(url):
+    nulls = dict.fromkeys(("n", "frequency_penalty", "presence_penalty", "stream", "min_tokens", "seed", "stop"))
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=DEADLINE_S,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **nulls})
+    assert chat.status_code == 200, chat.text
+    completion = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=DEADLINE_S,
+                            json={"prompt": "Once upon a time", "max_tokens": None, "temperature": 0, **nulls})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
+
+
+def test_an_empty_prompt_or_a_body_not_sent_as_json_is_refused_before_any_stream(url):
+    for prompt in ("", [], [[]]):
+        for stream in (False, True):
+            answer = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=DEADLINE_S,
+                                json={"prompt": prompt, "max_tokens": 2, "stream": stream})
+            assert answer.status_code == 400 and "empty" in answer.json()["error"]["message"], answer.text
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    for content_type in ({}, {"Content-Type": "text/plain"}):
+        answer = httpx.post(f"{url}/v1/completions", content=body, headers={**AUTH, **content_type})
+        assert answer.status_code == 400
+        assert "Content-Type: application/json" in answer.json()["error"]["message"], answer.text
+
+
 def test_api_key_missing_wrong_and_right(url):
     assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -452,6 +509,9 @@ def test_api_key_missing_wrong_and_right(url):
             assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
         posted = httpx.post(f"{url}/v1/completions", headers=headers, json={"prompt": "hi", "max_tokens": 1})
         assert posted.status_code == 401
+        malformed = httpx.post(f"{url}/v1/completions", headers={**headers, "Content-Type": "application/json"},
+                               content='{"prompt": [')
+        assert malformed.status_code == 401  # not a JSON error: the key comes first
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

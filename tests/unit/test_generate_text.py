@@ -72,6 +72,10 @@ def test_settings_come_from_the_checkpoint_and_calls_override_them():
     assert SamplingConfig(top_k=2).with_defaults(server) == SamplingConfig(temperature=0.3, top_k=2)
     with pytest.raises(MiraError, match="top-p"):
         SamplingConfig(top_p=1.5)
+    SamplingConfig(seed=2**64 - 1), SamplingConfig(seed=-2**63)  # what torch.manual_seed takes
+    for seed in (2**64, -2**63 - 1):
+        with pytest.raises(MiraError, match="seed"):
+            SamplingConfig(seed=seed)
 
 
 def test_seeded_sampling_is_transformers_sampling_and_reproducible(model):
@@ -124,7 +128,9 @@ def test_a_stop_string_ends_the_text_before_it(model):
     cut = free.text.index(stop)
     stopped = _generate(model, ids, SamplingConfig(max_new_tokens=30, temperature=0, stop=("zzqq", stop)))
     assert stopped.text == free.text[:cut] and stopped.finish_reason == "stop"
-    assert stopped.new_tokens < free.new_tokens
+    met = next(k for k in range(1, free.new_tokens + 1)
+               if stop in model.tokenizer.decode(free.new_ids[:k], skip_special_tokens=True))
+    assert stopped.new_ids == free.new_ids[:met]  # up to the token that completed the stop string
     unmet = _generate(model, ids, SamplingConfig(max_new_tokens=30, temperature=0, stop=(free.text[-2:] + "#",)))
     assert unmet.text == free.text  # text held back as a possible stop is released at the end
 
