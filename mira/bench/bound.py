@@ -22,18 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mira.cache.belady import belady_misses
+from mira.cache.belady import warm_belady_misses
 from mira.kernels.machine import Machine, machine
 from mira.store.trace import RoutingTrace
-
-
-def warm_belady_misses(sequence: np.ndarray, slots: int) -> int:
-    """Belady's misses on `sequence` when the cache may start full with any experts."""
-    if slots == 0:
-        return len(sequence)
-    _, first = np.unique(sequence, return_index=True)
-    preload = sequence[np.sort(first)][:slots]  # distinct uids in order of first use
-    return belady_misses(np.concatenate([preload, sequence]), slots) - len(preload)
 
 
 def decode_bound(trace: RoutingTrace, slots: int, blob_bytes: int, weight_bytes: int, kv_bytes_per_token: int,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mira.cache.belady import belady_misses
+from mira.cache.belady import warm_belady_misses
 from mira.charts import save_png
 from mira.kernels.machine import machine
 from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
@@ -77,9 +77,10 @@ def simulate(
             blob). The decisions are the same; Belady is the inline optimum either way.
 
     Returns:
-        A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (the static
-        placement is loaded before the first access, so it has no warm-up misses; every other
-        policy and Belady start empty), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
+        A JSON-ready dict: policy, slots, hot_slots, stage_slots, tokens, preloaded (static's and
+        mira's placements are loaded with the model, before the first access, so they have no
+        warm-up misses; lru, lfu and on-demand start empty; Belady starts from the best contents,
+        so it bounds them all), accesses, hits, misses, hit_rate, miss_rate, hits_hot,
         hits_stage, copies (misses + prefetches issued, + admissions when lagged: every blob moved over
         PCIe), pcie_bytes,
         pcie_seconds_per_token, expert_bytes, bandwidth_gbps, residency; for the online policies also
@@ -211,10 +212,12 @@ def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike 
 
 def _belady_counts(trace: RoutingTrace, slots: int) -> dict[str, int]:
     sequence = trace.uid_sequence()
-    misses = belady_misses(sequence, slots)
+    misses = warm_belady_misses(sequence, slots)
     hits = len(sequence) - misses
+    preloaded = min(slots, len(np.unique(sequence)))  # its optimal start, as warm_belady_misses takes it
     return {
-        "preloaded": 0, "accesses": len(sequence), "hits": hits, "misses": misses, "hits_hot": hits, "hits_stage": 0
+        "preloaded": preloaded, "accesses": len(sequence), "hits": hits, "misses": misses, "hits_hot": hits,
+        "hits_stage": 0,
     }
 
 

@@ -2,7 +2,8 @@
 
 Offline and future-knowing, so it is a bound rather than a policy: `mira simulate` reports it next
 to the online policies of paper IV-D, and the PCIe lower bound of DESIGN.md 4 is its miss count
-times the expert blob size. Mira's zero-copy miss path (DESIGN.md 2.8) serves a miss straight from
+times the expert blob size; both let it start holding any experts (`warm_belady_misses`), as a
+placement loaded with the model does. Mira's zero-copy miss path (DESIGN.md 2.8) serves a miss straight from
 the host store, so a miss need not be admitted; with that bypass allowed the optimum is Belady's
 MIN rule with one change: on a miss with every slot taken, the expert whose next use lies furthest
 in the future is the one that does not hold a slot afterwards, and that may be the requested
@@ -73,6 +74,19 @@ def belady_misses(sequence: Sequence[int] | np.ndarray, slots: int) -> int:
         resident[uid] = upcoming
         heapq.heappush(furthest, (-upcoming, uid))
     return misses
+
+
+def warm_belady_misses(sequence: Sequence[int] | np.ndarray, slots: int) -> int:
+    """The minimum number of misses when the slots may start holding any experts (bypass allowed):
+    the bound for a policy whose placement is loaded with the model. The optimal start holds the
+    first `slots` distinct uids in order of first use (a cold start fills its free slots with them
+    without an eviction), so this is the cold optimum less those first loads."""
+    uids = np.asarray(sequence, dtype=np.int64)
+    if slots == 0:
+        return len(uids)
+    _, first = np.unique(uids, return_index=True)
+    preload = uids[np.sort(first)][:slots]  # distinct uids in order of first use
+    return belady_misses(np.concatenate([preload, uids]), slots) - len(preload)
 
 
 def _furthest(furthest: list[tuple[int, int]], resident: dict[int, int]) -> tuple[int, int]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from belady_reference import brute_force_misses
-from mira.cache.belady import belady_misses, next_uses
+from mira.cache.belady import belady_misses, next_uses, warm_belady_misses
 
 
 def test_next_uses_points_at_the_next_access_or_past_the_end():
@@ -50,3 +53,16 @@ def test_never_fewer_misses_than_distinct_uids_nor_more_with_more_slots(sequence
 def test_negative_slots_are_refused():
     with pytest.raises(ValueError, match="slots must be >= 0"):
         belady_misses([1], -1)
+
+
+def brute_force_warm_misses(sequence: list[int], slots: int) -> int:
+    """The fewest misses over every starting cache content and every later choice (bypass allowed)."""
+    distinct = sorted(set(sequence))
+    starts = itertools.combinations(distinct, min(slots, len(distinct)))
+    return min(brute_force_misses(sequence, slots, frozenset(start)) for start in starts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.integers(0, 4))
+def test_warm_belady_matches_exhaustive_search_over_starting_contents(sequence, slots):
+    assert warm_belady_misses(np.array(sequence), slots) == brute_force_warm_misses(sequence, slots)

@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from belady_reference import brute_force_misses
-from mira.bench.bound import decode_bound, warm_belady_misses
+from mira.bench.bound import decode_bound
 from mira.kernels.machine import Machine
 from mira.bench.run import compare, compare_schemes
 from mira.store.trace import RoutingTrace
-
-
-def brute_force_warm_misses(sequence: list[int], slots: int) -> int:
-    """The fewest misses over every starting cache content and every later choice (bypass allowed)."""
-    distinct = sorted(set(sequence))
-    starts = itertools.combinations(distinct, min(slots, len(distinct)))
-    return min(brute_force_misses(sequence, slots, frozenset(start)) for start in starts)
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.integers(0, 4))
-def test_warm_belady_matches_exhaustive_search_over_starting_contents(sequence, slots):
-    assert warm_belady_misses(np.array(sequence), slots) == brute_force_warm_misses(sequence, slots)
 
 
 def _trace() -> RoutingTrace:
