@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from mira.cache.config import POLICIES
@@ -112,16 +113,30 @@ def existing_file(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file that can be written: its directory exists and is writable, and it is not a directory."""
+    """A file that can be written: its directory exists and takes new files, and it is not a directory."""
     path = Path(text)
     parent = path.parent if str(path.parent) else Path(".")
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty; pass a file name")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; pass a file name")
+    if parent.exists() and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{parent} is a file, not a directory; pass another path")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"the directory {parent} does not exist; create it or pass another path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not _takes_files(parent) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written (permission denied); pass another path")
     return text
+
+
+def _takes_files(directory: Path) -> bool:
+    """Whether a file can be created in `directory`: tried, since permissions do not say (root on a
+    read-only file system)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
 
 
 def output_dir(text: str) -> str:
@@ -132,7 +147,7 @@ def output_dir(text: str) -> str:
     existing = path.parent if str(path.parent) else Path(".")
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir() or not _takes_files(existing):
         raise argparse.ArgumentTypeError(f"cannot write in {existing} (permission denied); pass another path")
     return text
 

@@ -70,7 +70,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--prompts", metavar="FILE.jsonl",
                        help="prompt set: JSON lines with prompt, input_tokens and max_new_tokens (write one from "
                             "held-out ShareGPT with `python tools/bench_prompts.py`); default: the fixed setting")
-    bench.add_argument("--num-prompts", type=int, help="use the first N prompts of --prompts (default all)")
+    bench.add_argument("--num-prompts", type=positive_int, help="use the first N prompts of --prompts (default all)")
     bench.add_argument("--fixed", default="64x256", metavar="INxOUT",
                        help="the fixed setting without --prompts: INxOUT tokens, random ids (default 64x256)")
     bench.add_argument("--fixed-count", type=int, default=1, help="prompts in the fixed setting (default 1)")
@@ -134,6 +134,9 @@ def _bench(args: argparse.Namespace) -> None:
     for label in [*_names(args.budgets), args.beam_budget, *_names(args.offload_budgets or "")]:
         _check_budget(label)
     configs = _names(args.configs)
+    if not configs or not _names(args.budgets):
+        raise MiraError("--configs and --budgets each need at least one name, e.g. --configs mira,lru "
+                        "--budgets 25%,all")
     unknown = [c for c in configs if c not in MIRA_CONFIGS and c not in BASELINES]
     if unknown:
         raise MiraError(f"unknown configuration {', '.join(unknown)}; choose from "

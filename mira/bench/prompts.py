@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mira.errors import MiraError
+from mira.store.files import read_text
 
 FIRST_ID = 5  # random prompt ids start above the ids tokenizers keep for special tokens
 
@@ -36,16 +37,20 @@ def read_prompt_file(path: Path) -> list[BenchPrompt]:
     if not path.is_file():
         raise MiraError(f"prompt file {path} does not exist; write one with `python tools/bench_prompts.py`")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            prompts.append(BenchPrompt(str(record["prompt"]), int(record["input_tokens"]),
-                                       int(record["max_new_tokens"])))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            prompt = BenchPrompt(str(record["prompt"]), int(record["input_tokens"]), int(record["max_new_tokens"]))
+        except json.JSONDecodeError as error:
+            raise MiraError(f"{path}:{number}: the line is not valid JSON ({error})") from None
+        except (KeyError, TypeError, ValueError):
             raise MiraError(f"{path}:{number}: expected a JSON object with \"prompt\", \"input_tokens\" and "
                             "\"max_new_tokens\"") from None
+        if prompt.input_tokens < 1 or prompt.max_new_tokens < 1:
+            raise MiraError(f"{path}:{number}: \"input_tokens\" and \"max_new_tokens\" must be at least 1")
+        prompts.append(prompt)
     if not prompts:
         raise MiraError(f"{path} holds no prompts")
     return prompts

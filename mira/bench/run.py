@@ -105,6 +105,10 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
         [p.max_new_tokens for p in every] + [setup.beam_new_tokens])
     vocab = source.config.vocab_size
+    positions = getattr(source.config, "max_position_embeddings", None)
+    if positions and max_context > positions:
+        raise MiraError(f"the longest prompt with its new tokens needs {max_context} tokens of context, beyond the "
+                        f"{positions} positions of {source.label}; shorten --fixed or the prompts")
     if source.trace is not None:
         needed = CALIBRATION_ROWS + max(_input_tokens(source, p) + p.max_new_tokens for p in setup.prompts)
         if needed > source.trace.num_tokens:

@@ -62,6 +62,9 @@ def _simulate(args: argparse.Namespace) -> None:
                             f"{trace.num_tokens}), and no --profile")
         profile, trace = trace.tokens(0, args.calibrate), trace.tokens(args.calibrate, trace.num_tokens)
     slot_counts = args.sweep or [args.slots]
+    if args.stage_slots is not None and args.stage_slots > min(slot_counts):
+        raise MiraError(f"--stage-slots {args.stage_slots} is more than the {min(slot_counts)} slots simulated; "
+                        "pass at most that many (STAGE rows are part of the slots)")
     policies = args.policy or SIMULATED_POLICIES
     predictions = load_predictions(args.predictions, trace, args.heads, profile) if args.predictions else None
     options = dict(stage_slots=args.stage_slots, expert_bytes=args.expert_bytes, bandwidth_gbps=args.bandwidth,
@@ -303,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a fault of Mira's, not of the input: one line, the traceback under --debug
         if args.debug:
             raise
+        if isinstance(error, OSError) and error.filename is not None:  # the file system refused a path
+            print(f"mira: error: {error.strerror or error}: {error.filename}; check the path and its permissions",
+                  file=sys.stderr)
+            return 1
         what = " ".join(str(error).split())
         print(f"mira: error: internal error ({type(error).__name__}: {what}); run again with `mira --debug "
               f"{args.command} ...` for the traceback, and report it", file=sys.stderr)

@@ -113,7 +113,7 @@ def add_commands(subparsers) -> None:
     Args:
         subparsers: what `ArgumentParser.add_subparsers` returned; each command sets `run`.
     """
-    from mira.cli_args import existing_file, positive_int
+    from mira.cli_args import existing_file, output_dir, positive_int
     from mira.predict.features import HISTORY_WINDOW
     from mira.predict.heads import HeadConfig
     from mira.predict.train import TrainConfig
@@ -128,7 +128,8 @@ def add_commands(subparsers) -> None:
     train.add_argument("--model", help=model_help)
     train.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                        help="traces recorded with `mira trace --features` (T.features.npz beside each)")
-    train.add_argument("--out", metavar="DIR", help="folder for heads.safetensors (default: <store>/predictor)")
+    train.add_argument("--out", metavar="DIR", type=output_dir,
+                       help="folder for heads.safetensors (default: <store>/predictor)")
     train.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs,
                        help=f"most epochs per head (default {TrainConfig.epochs})")
     train.add_argument("--width", type=positive_int, default=HeadConfig.width,

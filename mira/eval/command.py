@@ -15,7 +15,7 @@ DEFAULT_CONTEXT = 512  # the bundled model's training context
 
 
 def add_command(subparsers) -> None:
-    from mira.cli_args import positive_int
+    from mira.cli_args import output_file, positive_int
 
     evaluate = subparsers.add_parser(
         "eval", help="what quantized experts cost in quality: perplexity, KL and agreement; lm-eval-harness tasks",
@@ -41,16 +41,17 @@ def add_command(subparsers) -> None:
                      help=f"comma-separated expert schemes out of {', '.join(SCHEMES)} (default: all); none, the "
                           f"reference, is always run")
     ppl.add_argument("--max-tokens", type=positive_int, metavar="N", help="score only the first N tokens of the text")
-    ppl.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N",
-                     help=f"tokens per window (default {DEFAULT_CONTEXT})")
-    ppl.add_argument("--stride", type=int, metavar="N", help="tokens a window advances (default: half the context)")
+    ppl.add_argument("--context", type=positive_int, metavar="N",
+                     help=f"tokens per window (default {DEFAULT_CONTEXT}, or the model's positions if fewer)")
+    ppl.add_argument("--stride", type=positive_int, metavar="N",
+                     help="tokens a window advances (default: half the context)")
     ppl.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     ppl.add_argument("--vram-budget", metavar="SIZE",
                      help="device memory each scheme's model may use, e.g. 12GiB (default on CUDA: the free memory "
                           "less 1 GiB, shared evenly by the models)")
     ppl.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    ppl.add_argument("--out", metavar="FILE.json", help="also write the JSON result to FILE (with command, commit, "
-                                                        "machine and date)")
+    ppl.add_argument("--out", metavar="FILE.json", type=output_file,
+                     help="also write the JSON result to FILE (with command, commit, machine and date)")
     ppl.add_argument("--quiet", action="store_true", help="no progress bars")
     ppl.set_defaults(run=_ppl)
 
@@ -88,6 +89,8 @@ def _ppl(args: argparse.Namespace) -> None:
     from mira.errors import MiraError
     from mira.eval.data import HELDOUT_TEXT, read_documents, token_stream
     from mira.eval.ppl import measure, model_log_probs, windows
+    from mira.models.hub import locate
+    from mira.models.loader import read_config
     from mira.runtime.engine import BUNDLED_MODEL, default_device, load
     from mira.runtime.plan import FREE_MEMORY_MARGIN
     from mira.store.files import write_json_atomic
@@ -100,21 +103,26 @@ def _ppl(args: argparse.Namespace) -> None:
                         "pass --model with the Hugging Face model directory it was converted from")
     data = Path(args.data) if args.data else HELDOUT_TEXT
     documents = read_documents(data)
+    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None) or DEFAULT_CONTEXT
+    if args.context is not None and args.context > positions:
+        raise MiraError(f"--context {args.context} is beyond the {positions} positions this model was made for; "
+                        f"pass --context {positions} or less")
+    context = args.context or min(DEFAULT_CONTEXT, positions)
     device = torch.device(args.device or default_device())
     budget = parse_size(args.vram_budget) if args.vram_budget else None
     if budget is None and device.type == "cuda" and torch.cuda.is_available():
         budget = (torch.cuda.mem_get_info(device)[0] - FREE_MEMORY_MARGIN) // len(schemes)
     models = {scheme: load(model_path, device=str(device), vram_budget=budget, quant=scheme, progress=not args.quiet,
-                           max_context=args.context, cuda_graphs=False)
+                           max_context=context, cuda_graphs=False)
               for scheme in schemes}
     ids = token_stream(models[schemes[0]].tokenizer, documents, args.max_tokens)
-    stride = args.stride or max(1, args.context // 2)
-    spans = windows(len(ids), args.context, stride)
+    stride = args.stride or max(1, context // 2)
+    spans = windows(len(ids), context, stride)
     figures = measure({scheme: model_log_probs(model) for scheme, model in models.items()}, ids, spans,
                       progress=not args.quiet)
     result = result_header("mira " + shlex.join(args.argv), device) | {
         "model": str(model_path), "data": str(data), "documents": len(documents), "tokens": len(ids),
-        "scored_tokens": len(ids) - 1, "context": args.context, "stride": stride, "windows": len(spans),
+        "scored_tokens": len(ids) - 1, "context": context, "stride": stride, "windows": len(spans),
         "device": str(device), "dtype": models[schemes[0]].config.dtype, "reference": schemes[0], "schemes": figures,
     }
     if args.out:

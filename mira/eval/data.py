@@ -13,6 +13,7 @@ import torch
 
 from mira.errors import MiraError
 from mira.runtime.engine import BUNDLED_MODEL
+from mira.store.files import read_text
 
 HELDOUT_TEXT = BUNDLED_MODEL / "heldout.jsonl"
 
@@ -26,10 +27,7 @@ def read_documents(path: Path) -> list[str]:
     """
     if not path.is_file():
         raise MiraError(f"data file {path} does not exist; pass --data with a .txt or .jsonl file")
-    try:
-        content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise MiraError(f"cannot read data file {path} as UTF-8 text ({error}); pass a .txt or .jsonl file") from None
+    content = read_text(path, "data file")
     documents = _jsonl_texts(path, content) if path.suffix == ".jsonl" else [content]
     documents = [document for document in documents if document.strip()]
     if not documents:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mira.cache.budget import parse_size
 from mira.cache.config import POLICIES, CacheConfig
 from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.errors import MiraError
@@ -97,9 +98,9 @@ class RuntimeConfig:
 
     device: "cuda", "cuda:N" or "cpu"; None: CUDA when present.
     dtype: compute dtype of the non-expert weights and activations; None: `default_dtype`.
-    vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots, or a
-        share of all experts to give slots beyond the rest ("25%"); None: free memory less a margin
-        on CUDA, and no slots on the CPU (experts are read in place).
+    vram_budget: bytes of device memory for weights, KV cache, workspaces and expert slots (an int,
+        or a size such as "24GiB"), or a share of all experts to give slots beyond the rest ("25%");
+        None: free memory less a margin on CUDA, and no slots on the CPU (experts are read in place).
     max_context: tokens of KV cache; None: the model's positions, at most DEFAULT_MAX_CONTEXT.
     quant: expert scheme; None: the store's own, or int8-shared when converting.
     profile: a routing trace (`mira trace`) whose counts place static's experts and give the mira
@@ -127,6 +128,9 @@ class RuntimeConfig:
             if value not in allowed:
                 raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
         budget = self.vram_budget
+        if isinstance(budget, str) and budget_share(budget) is None and not budget.strip().endswith("%"):
+            budget = parse_size(budget)  # a size such as "24GiB", as --vram-budget takes it
+            object.__setattr__(self, "vram_budget", budget)
         if budget is not None and not (isinstance(budget, str) and budget_share(budget) is not None) and (
                 isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise MiraError(f"the VRAM budget {budget!r} is not a positive number of bytes or a share like 25%; "
@@ -218,7 +222,8 @@ def default_dtype(device: str, expert_weights: int) -> str:
     reading the quantized bytes once (mira.kernels.CpuMoEFFN); float32 for smaller experts, where it
     costs little and computes exactly what the store holds (the reference). By weights, not bytes,
     so that every scheme of one checkpoint computes in the same dtype."""
-    return "float32" if device == "cpu" and expert_weights < CPU_BF16_EXPERT_WEIGHTS else "bfloat16"
+    on_cpu = device.split(":")[0] == "cpu"  # "cpu" or "cpu:0"
+    return "float32" if on_cpu and expert_weights < CPU_BF16_EXPERT_WEIGHTS else "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -325,8 +325,8 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
             directory, `$MIRA_CACHE` or $XDG_CACHE_HOME/mira, default ~/.cache/mira), a hub id (org/name)
             or repo folder in the local Hugging Face cache, or a store; None for the bundled model.
         config: the settings (mira.runtime.config.RuntimeConfig); default: every one left to Mira.
-        overrides: settings by name on top of `config`: device, dtype, vram_budget ("12GiB" as bytes,
-            or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
+        overrides: settings by name on top of `config`: device, dtype, vram_budget (bytes, a size such
+            as "12GiB", or "25%"), max_context, quant, profile, progress, and policy (mira, lru, lfu, static,
             on-demand), prefetch (auto, trained, gate, off), heads, residency (auto, lagged, inline),
             cuda_graphs, cpu_experts (auto, off, all, split, graph), cpu_threads, cpu_lanes, device_pace,
             deferred_settle and decode_ahead.
@@ -334,6 +334,8 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
     Raises:
         MiraError: with a message naming the fix, for every problem a user can fix.
     """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise MiraError(f"the model must be a path or a hub id (str or Path), not {type(path).__name__} {path!r}")
     config = (config or RuntimeConfig()).with_overrides(**overrides)
     torch_device = parse_device(config.device)
     for flag, file in (("--profile", config.profile), ("--heads", config.prefetch.heads)):

@@ -27,6 +27,8 @@ from mira.runtime.run_ahead import HostCriterion
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 SEEDS = (-2**63, 2**64 - 1)  # the seeds torch's generator takes (torch.manual_seed)
+GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily: its samples are the argmax all but surely, and
+# logits divided by it overflow to inf
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class SamplingConfig:
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0  # the end-of-sequence token is held off until this many were generated
-    temperature: float | None = None  # 0 means greedy
+    temperature: float | None = None  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None  # transformers' (CTRL's): divides the logits of tokens already seen
@@ -116,7 +118,7 @@ def generation_kwargs(model: MiraModel, sampling: SamplingConfig) -> dict:
         return off if value is None else value
 
     if sampling.temperature is not None:
-        sample = sampling.temperature > 0
+        sample = sampling.temperature >= GREEDY_BELOW
     elif sampling.top_p is not None or sampling.top_k is not None:
         sample = True
     else:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
+from mira.store.files import read_text
 from mira.runtime.engine import MiraModel
 from mira.predict.baselines import GateSpeculation
 from mira.predict.features import FeatureSet
@@ -93,13 +94,15 @@ def read_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise MiraError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
                 prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except json.JSONDecodeError as error:
+                raise MiraError(f"{path}:{number}: the line is not valid JSON ({error})") from None
+            except (KeyError, TypeError):
                 raise MiraError(f"{path}:{number}: a JSON line needs a \"prompt\" field") from None
         else:
             prompts.append(line)

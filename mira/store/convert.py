@@ -137,6 +137,9 @@ def check_source(model_dir: Path, scheme: str) -> Source:
     """
     if scheme not in SCHEMES:
         raise MiraError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if looks_like_store(model_dir):
+        raise MiraError(f"{model_dir} is a Mira store, not a checkpoint; pass it to --model as it is, or convert the "
+                        "Hugging Face model directory it was made from")
     config = read_config(model_dir)
     checkpoint_quant_method(config)  # refuses a quantization Mira cannot read
     adapter = adapter_for(config, str(model_dir))

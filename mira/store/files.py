@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from mira.errors import MiraError
+
 CHUNK = 16 << 20
 
 
@@ -19,6 +21,18 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`, the `what` a command was given (e.g. "prompt file").
+
+    Raises:
+        MiraError: the file is unreadable or not UTF-8 text.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise MiraError(f"cannot read {what} {path} as UTF-8 text ({error}); pass a text file") from None
 
 
 def _umask() -> int:

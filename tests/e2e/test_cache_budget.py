@@ -136,6 +136,11 @@ def test_a_runtime_config_and_overrides_on_top_of_it_load_the_same_model(stores)
     assert by_config.config == by_name.config
     with pytest.raises(mira.MiraError, match="unknown setting vram"):
         mira.load(store, config, vram="1GiB")
+    with pytest.raises(mira.MiraError, match="a path or a hub id"):
+        mira.load(123, config)
+    assert mira.RuntimeConfig(vram_budget="24GiB").vram_budget == 24 << 30  # a size, as --vram-budget takes it
+    with pytest.raises(mira.MiraError, match="cannot read the size 'lots'"):
+        mira.RuntimeConfig(vram_budget="lots")
 
 
 def test_a_share_too_small_for_one_layer_is_refused_with_the_least_share_that_fits(stores):

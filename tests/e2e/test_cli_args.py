@@ -64,6 +64,7 @@ def fresh_cache(tmp_path, monkeypatch) -> Path:
 
 
 GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
+HELDOUT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "traces" / "heldout.npz"
 
 
 @pytest.mark.parametrize("argv, phrases", [
@@ -142,11 +143,66 @@ def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv,
     (("train-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
     (("eval-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
     (("eval", "ppl", "--max-tokens", "0"), 2, ("--max-tokens", "not positive")),
+    (("eval", "ppl", "--stride", "0"), 2, ("--stride", "not positive")),
+    (("eval", "ppl", "--context", "0"), 2, ("--context", "not positive")),
+    (("eval", "ppl", "--context", "5000"), 1, ("--context 5000 is beyond the 2048 positions", "pass --context 2048")),
+    (("eval", "ppl", "--out", "/"), 2, ("--out", "is a directory")),
+    (("bench", "--configs", "", "--fixed", "8x8"), 1, ("--configs and --budgets each need at least one name",)),
+    (("bench", "--budgets", ",", "--fixed", "8x8"), 1, ("--configs and --budgets each need at least one name",)),
+    (("bench", "--num-prompts", "0"), 2, ("--num-prompts", "not positive")),
+    (("simulate", "--trace", str(HELDOUT_TRACE), "--slots", "4", "--stage-slots", "10"), 1,
+     ("--stage-slots 10 is more than the 4 slots",)),
+    (("generate", "--prompt", "hi", "--stats-json", "/proc/mira-stats.json"), 2, ("cannot be written",)),
+    (("generate", "--prompt", "hi", "--stats-json", ""), 2, ("the path is empty",)),
+    (("generate", "--prompt", "hi", "--stats-json", f"{HELDOUT_TRACE}/stats.json"), 2,
+     ("is a file, not a directory",)),
+    (("train-predictor", "--traces", str(HELDOUT_TRACE), "--out", str(HELDOUT_TRACE)), 2,
+     ("--out", "is a file; pass a directory")),
 ])
 def test_the_other_commands_refuse_bad_values_before_any_work(argv, status, phrases, fresh_cache):
     code, _, err = cli(*argv)
     refused(code, err, status, *phrases)
     assert nothing_converted()
+
+
+@pytest.mark.parametrize("content, phrases", [
+    (b"\xff\xfe not text\n", ("cannot read prompt file", "as UTF-8 text")),
+    (b'{"prompt": "a"\n', ("the line is not valid JSON",)),
+    (b'{"text": "a"}\n', ('a JSON line needs a "prompt" field',)),
+])
+def test_a_prompt_file_that_cannot_be_read_is_named_before_any_work(tmp_path, fresh_cache, content, phrases):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    code, _, err = cli("trace", "--prompts", str(prompts), "--out", str(tmp_path / "t.npz"))
+    refused(code, err, 1, f"{prompts}", *phrases)
+    assert nothing_converted() and not (tmp_path / "t.npz").exists()
+
+
+def test_a_file_system_error_is_one_line_naming_the_path(monkeypatch, tmp_path, fresh_cache):
+    from mira.cli import predictor
+
+    def refuse(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "heads"))
+
+    monkeypatch.setattr(predictor, "_train", refuse)
+    code, _, err = cli("train-predictor", "--traces", str(HELDOUT_TRACE))
+    refused(code, err, 1, "Permission denied", str(tmp_path / "heads"), "check the path")
+
+
+def test_a_bench_longer_than_the_context_names_its_own_flag(tmp_path, fresh_cache):
+    out = tmp_path / "bench.json"
+    code, _, err = cli("bench", "--device", "cpu", "--fixed", "3000x4", "--configs", "mira", "--budgets", "all",
+                       "--quiet", "--out", str(out))
+    last = err.splitlines()[-1]  # after the first use's conversion, which later runs reuse
+    assert code == 1 and last.startswith("mira: error: the longest prompt with its new tokens needs 3064 tokens")
+    assert "beyond the 2048 positions" in last and "shorten --fixed" in last and not out.exists()
+
+
+def test_a_store_given_to_convert_is_named_a_store(stores, tmp_path):
+    store = stores["mixtral", "int8-shared"]
+    code, _, err = cli("convert", str(store), "--out", str(tmp_path / "again"))
+    refused(code, err, 1, f"{store} is a Mira store, not a checkpoint", "pass it to --model")
+    assert not (tmp_path / "again").exists()
 
 
 def test_a_share_budget_means_in_generate_what_it_means_in_bench(stores, tmp_path):

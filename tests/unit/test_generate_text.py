@@ -64,6 +64,7 @@ def test_settings_come_from_the_checkpoint_and_calls_override_them():
     got = kwargs(sampler, SamplingConfig(max_new_tokens=5, temperature=0.9, top_k=3))
     assert (got["temperature"], got["top_p"], got["top_k"]) == (0.9, 0.8, 3)
     assert kwargs(sampler, SamplingConfig(temperature=0))["do_sample"] is False
+    assert kwargs(sampler, SamplingConfig(temperature=1e-45))["do_sample"] is False  # x / 1e-45 overflows
     plain = GenerationConfig(bos_token_id=0)  # a checkpoint that says nothing: greedy, and off when sampling
     assert kwargs(plain, SamplingConfig())["do_sample"] is False
     got = kwargs(plain, SamplingConfig(top_p=0.5))

@@ -35,7 +35,7 @@ def test_setup_defaults_follow_the_device_and_the_model():
 def test_the_default_dtype_is_bf16_but_for_small_experts_on_the_cpu():
     assert default_dtype("cuda", 1) == default_dtype("cuda:1", 1) == "bfloat16"
     assert default_dtype("cpu", CPU_BF16_EXPERT_WEIGHTS) == "bfloat16"
-    assert default_dtype("cpu", CPU_BF16_EXPERT_WEIGHTS - 1) == "float32"
+    assert default_dtype("cpu", CPU_BF16_EXPERT_WEIGHTS - 1) == default_dtype("cpu:0", 1) == "float32"
 
 
 def test_auto_residency_lags_on_cuda_with_the_fused_kernels_and_not_on_the_cpu():
