@@ -44,6 +44,7 @@ from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
 from mira.store.manifest import Manifest, is_store, looks_like_store
 from mira.store.store import ExpertStore
+from mira.store.verify import corrupt
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "mira-tiny-moe"
 REVIEW_STEPS = 16  # decode steps between judgements of auto's CPU share at the paces they measured
@@ -344,7 +345,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
     model_path = Path(path) if path is not None else BUNDLED_MODEL
     directory = locate(model_path).directory  # a hub id or cache folder -> its snapshot
     _check_model_path(directory)
-    positions = getattr(read_config(directory), "max_position_embeddings", None)
+    positions = getattr(_model_config(directory), "max_position_embeddings", None)
     setup = resolve_setup(dataclasses.replace(config, device=str(torch_device)),
                           cuda_available=torch.cuda.is_available(), model_positions=positions)
     store_path = resolve_store(model_path, config.quant, config.progress)
@@ -509,6 +510,17 @@ def _check_model_path(path: Path) -> None:
     if looks_like_store(path) and not is_store(path):
         raise MiraError(f"{path} is a Mira store whose manifest.json is missing; repair it with `mira convert "
                         f"MODEL_DIR --out {path}`, MODEL_DIR being the model it was converted from")
+
+
+def _model_config(directory: Path):
+    """The transformers config of a model directory or store; a store's unreadable one is corruption,
+    named with the command that repairs the store."""
+    try:
+        return read_config(directory)
+    except MiraError as error:
+        if not is_store(directory):
+            raise
+        raise corrupt(directory, Manifest.read(directory), f"config.json cannot be read ({error})") from None
 
 
 def parse_device(device: str | None) -> torch.device:

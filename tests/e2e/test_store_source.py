@@ -97,6 +97,7 @@ DAMAGE = {
     "flipped non-expert byte": lambda s: _flip(s / "model-00001.safetensors"),
     "deleted tokenizer": lambda s: (s / "tokenizer.json").unlink(),
     "deleted manifest": lambda s: (s / "manifest.json").unlink(),
+    "unreadable config": lambda s: (s / "config.json").write_text("garbage"),
 }
 
 
