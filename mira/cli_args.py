@@ -214,9 +214,11 @@ def _number(text: str, kind: type, what: str):
     return value
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use) or a "
-                                        "Mira store; default: the bundled mira-tiny-moe")
+def add_model_options(parser: argparse.ArgumentParser, raw: bool = True) -> None:
+    """The options that load a model; `raw` (--raw) where a command can skip the chat template."""
+    parser.add_argument("--model", help="Hugging Face model directory (converted into a store on first use), a hub "
+                                        "id (org/name) in the local Hugging Face cache, or a Mira store; default: "
+                                        "the bundled mira-tiny-moe")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="compute dtype of the activations and the weights outside the experts (default: "
@@ -271,7 +273,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run every decode step eagerly; by default on CUDA a decode step in which no MoE layer "
                              "needs the host is captured once as a CUDA graph and replayed")
-    parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
+    if raw:
+        parser.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_threads_option(parser)
 

@@ -157,8 +157,6 @@ def _generate(args: argparse.Namespace) -> None:
 def _chat(args: argparse.Namespace) -> None:
     from mira.runtime.chat import COMMANDS, chat
 
-    if args.raw:
-        raise MiraError("mira chat sends the conversation through the chat template; drop --raw")
     sampling = sampling_config(args)
     model = load_model(args)
     interactive = sys.stdin.isatty()
@@ -211,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="A conversation at the terminal: each reply streams as it comes and "
                                            "every turn is sent with the whole conversation before it. /reset starts "
                                            "over, /exit or end of input leaves.")
-    add_model_options(chat)
+    add_model_options(chat, raw=False)
     chat.add_argument("--system", help="the system message that opens the conversation")
     add_sampling_options(chat)
     chat.set_defaults(run=_chat)

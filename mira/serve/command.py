@@ -29,7 +29,7 @@ def add_command(subparsers) -> None:
                     "Response formats, logit bias, suffix, best_of and parallel_tool_calls false are refused "
                     "(400). Generations run one at a time on the device; others wait in a bounded queue. Needs "
                     "`pip install mira[serve]`.")
-    add_model_options(serve)
+    add_model_options(serve, raw=False)
     add_sampling_options(serve, generation=False)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
@@ -92,8 +92,6 @@ def _serve(args: argparse.Namespace) -> None:
         from mira.serve.tools import load_response_template
     except ImportError as error:
         raise MiraError(f"mira serve needs FastAPI and uvicorn ({error}); pip install 'mira[serve]'") from None
-    if args.raw:
-        raise MiraError("mira serve applies the chat template to chat requests and none to completions; drop --raw")
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     name = args.served_model_name or model_name(args.model)
     defaults = sampling_config(args)
