@@ -139,6 +139,11 @@ class RuntimeConfig:
                                              or not isinstance(self.max_context, int) or self.max_context < 1):
             raise MiraError(f"--max-context {self.max_context} is not a positive number of tokens; pass at least 1 "
                             "(the prompt plus the new tokens must fit)")
+        switches = {"progress": self.progress, "cuda_graphs": self.graphs.enabled, "decode_ahead": self.graphs.ahead,
+                    "deferred_settle": self.residency.deferred, "device_pace": self.hybrid.device_pace}
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise MiraError(f"{name} {value!r} is not a bool; pass True or False")
         threads = self.hybrid.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MiraError(f"--cpu-threads {threads} is not a positive number of threads; pass 1 or more")

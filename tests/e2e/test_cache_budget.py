@@ -138,6 +138,8 @@ def test_a_runtime_config_and_overrides_on_top_of_it_load_the_same_model(stores)
         mira.load(store, config, vram="1GiB")
     with pytest.raises(mira.MiraError, match="a path or a hub id"):
         mira.load(123, config)
+    with pytest.raises(mira.MiraError, match="cuda_graphs 'yes' is not a bool"):
+        mira.load(store, config, cuda_graphs="yes")
     assert mira.RuntimeConfig(vram_budget="24GiB").vram_budget == 24 << 30  # a size, as --vram-budget takes it
     with pytest.raises(mira.MiraError, match="cannot read the size 'lots'"):
         mira.RuntimeConfig(vram_budget="lots")
