@@ -15,12 +15,13 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from mira.cache.budget import parse_size
 from mira.errors import MiraError
 from mira.eval.ppl import model_log_probs, windows
 from mira.runtime.engine import load
 
 DEFAULT_MAX_GEN_TOKS = 256
+SAMPLING = ("do_sample", "temperature", "top_p", "top_k")  # the generation settings a task may give; a
+# temperature of 0 decodes greedily, as does do_sample false
 
 
 @register_model("mira")
@@ -29,18 +30,23 @@ class MiraLM(TemplateLM):
 
     Args (`--model_args`):
         pretrained: model directory or store (default: the bundled model).
-        vram_budget: device memory for Mira, e.g. 12GiB, or bytes.
-        quant: expert scheme (int8-shared, int8-row, none).
+        vram_budget: device memory for Mira, e.g. 12GiB, bytes, or a share of the experts such as 25%.
+        quant: expert scheme (int8-shared, int8-row, int4, none).
         device, policy, max_context: as for `mira.load`.
         batch_size, max_batch_size: accepted from the harness's command line; requests run one at a time.
+
+    Raises:
+        MiraError: a --model_args key it does not take, or a setting `mira.load` refuses.
     """
 
     def __init__(self, pretrained: str | None = None, vram_budget: str | int | None = None, quant: str | None = None,
                  device: str | None = None, policy: str = "mira", max_context: int | None = None,
-                 batch_size: int | str | None = None, max_batch_size: int | None = None) -> None:
+                 batch_size: int | str | None = None, max_batch_size: int | None = None, **unknown) -> None:
         super().__init__()
-        budget = parse_size(vram_budget) if isinstance(vram_budget, str) else vram_budget
-        self.model = load(pretrained, device=device, vram_budget=budget, quant=quant, policy=policy,
+        if unknown:
+            raise MiraError(f"the mira model takes no --model_args {', '.join(sorted(unknown))}; give pretrained, "
+                            "vram_budget, quant, device, policy or max_context")
+        self.model = load(pretrained, device=device, vram_budget=vram_budget, quant=quant, policy=policy,
                           max_context=max_context, progress=False)
         if self.model.tokenizer is None:
             raise MiraError(f"{pretrained} has no tokenizer files; lm-eval tasks need them")
@@ -104,11 +110,17 @@ class MiraLM(TemplateLM):
             until = options.pop("until", None) or [self.tokenizer.decode([self.eot_token_id])]
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(options.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-            do_sample = bool(options.pop("do_sample", False))
-            sampling = {"temperature": float(options.get("temperature", 1.0))} if do_sample else {}
-            ids = self.tok_encode(context)[-max(1, self.max_length - max_new):]
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=do_sample,
-                                      pad_token_id=self.eot_token_id, **sampling)
+            if max_new >= self.max_length:
+                raise MiraError(f"the task asks for {max_new} new tokens and the context holds {self.max_length}; "
+                                "give a larger max_context in --model_args or a smaller max_gen_toks")
+            sampling = {name: options.pop(name) for name in SAMPLING if name in options}
+            if options:
+                raise MiraError(f"the mira model does not take the generation setting {', '.join(sorted(options))}; "
+                                f"it takes until, max_gen_toks and {', '.join(SAMPLING)}")
+            do_sample = bool(sampling.pop("do_sample", False)) and float(sampling.get("temperature", 1.0)) > 0
+            ids = self.tok_encode(context)[-(self.max_length - max_new):]
+            out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new, pad_token_id=self.eot_token_id,
+                                      do_sample=do_sample, **(sampling if do_sample else {}))
             text = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
             for stop in until:
                 text = text.split(stop)[0] if stop else text

@@ -212,12 +212,15 @@ class MiraModel:
         """transformers' `generate`: token ids [B, T] in, token ids [B, T + new] out.
 
         Raises:
-            MiraError: the prompt plus max_new_tokens does not fit in max_context.
+            MiraError: the prompt plus max_new_tokens (or max_length) does not fit in max_context.
         """
         prompt_tokens = input_ids.shape[-1]
         if prompt_tokens == 0:
             raise MiraError("the prompt is empty (no tokens); pass a prompt")
-        total = prompt_tokens + kwargs.get("max_new_tokens", 0)
+        new_tokens = kwargs.get("max_new_tokens")
+        if new_tokens is None and kwargs.get("max_length") is not None:  # a total length, as transformers takes it
+            new_tokens = kwargs["max_length"] - prompt_tokens
+        total = prompt_tokens + (new_tokens or 0)
         if total > self.max_context:
             positions = getattr(self.hf_model.config, "max_position_embeddings", None)
             if positions is not None and positions <= self.max_context:
@@ -225,7 +228,7 @@ class MiraModel:
             else:
                 fix = ("shorten the prompt, lower --max-new-tokens or pass a larger --max-context"
                        + (f" (up to {positions})" if positions else ""))
-            raise MiraError(f"the prompt of {prompt_tokens} tokens plus {kwargs.get('max_new_tokens', 0)} new tokens "
+            raise MiraError(f"the prompt of {prompt_tokens} tokens plus {new_tokens} new tokens "
                             f"is longer than the context of {self.max_context} tokens; {fix}")
         kwargs.setdefault("disable_compile", True)
         if self.hybrid is not None or self.graph_share is not None:

@@ -103,6 +103,8 @@ def test_prompt_longer_than_the_context(stores):
     model = mira.load(stores["qwen3_moe", "int8-shared"], device="cpu", max_context=16, progress=False)
     with pytest.raises(MiraError, match="longer than the context of 16 tokens"):
         model.generate(torch.ones(1, 12, dtype=torch.long), max_new_tokens=8)
+    with pytest.raises(MiraError, match="12 tokens plus 8 new tokens is longer than the context of 16"):
+        model.generate(torch.ones(1, 12, dtype=torch.long), max_length=20)  # a total length, as transformers takes
 
 
 def test_cuda_requested_without_a_gpu(stores):

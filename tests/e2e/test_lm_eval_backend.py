@@ -13,6 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from mira.cli import main
+from mira.errors import MiraError
 from mira.eval.lm_eval_backend import MiraLM
 from mira.runtime.engine import BUNDLED_MODEL
 
@@ -95,6 +96,28 @@ def test_generate_until_is_transformers_greedy_cut_at_the_stop_string(tiny):
                                disable_tqdm=True)
     assert free == expected
     assert cut == expected.split(stop)[0] and len(cut) < len(expected)
+    (zero,) = lm.generate_until([_instance("generate_until", (context, {"max_gen_toks": 12, "until": [],
+                                                                         "do_sample": True, "temperature": 0.0}))],
+                                disable_tqdm=True)
+    assert zero == expected  # a temperature of 0 decodes greedily, sampling asked for or not
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"max_gen_toks": 4, "num_beams": 4}, "does not take the generation setting num_beams"),
+    ({"max_gen_toks": 10_000}, "asks for 10000 new tokens"),
+])
+def test_generate_until_refuses_what_it_would_not_carry_out(tiny, settings, says):
+    lm, _, _ = tiny
+    with pytest.raises(MiraError, match=says):
+        lm.generate_until([_instance("generate_until", ("the quick brown fox", settings))], disable_tqdm=True)
+
+
+def test_model_args_it_does_not_take_are_named_and_a_share_budget_is_taken(checkpoints):
+    with pytest.raises(MiraError, match="takes no --model_args bogus"):
+        MiraLM(pretrained=str(checkpoints["mixtral"]), device="cpu", bogus=1)
+    lm = MiraLM(pretrained=str(checkpoints["mixtral"]), quant="int8-row", device="cpu", vram_budget="50%",
+                policy="lru")
+    assert lm.model.stats()["slots"] == round(0.5 * lm.model.stats()["total_experts"])
 
 
 @pytest.fixture(scope="module")
