@@ -218,9 +218,9 @@ class MiraModel:
         if prompt_tokens == 0:
             raise MiraError("the prompt is empty (no tokens); pass a prompt")
         new_tokens = kwargs.get("max_new_tokens")
-        if new_tokens is None and kwargs.get("max_length") is not None:  # a total length, as transformers takes it
-            new_tokens = kwargs["max_length"] - prompt_tokens
-        total = prompt_tokens + (new_tokens or 0)
+        if new_tokens is None:  # max_length is a total length, as transformers takes it
+            new_tokens = kwargs["max_length"] - prompt_tokens if kwargs.get("max_length") is not None else 0
+        total = prompt_tokens + new_tokens
         if total > self.max_context:
             positions = getattr(self.hf_model.config, "max_position_embeddings", None)
             if positions is not None and positions <= self.max_context:

@@ -105,6 +105,8 @@ def test_prompt_longer_than_the_context(stores):
         model.generate(torch.ones(1, 12, dtype=torch.long), max_new_tokens=8)
     with pytest.raises(MiraError, match="12 tokens plus 8 new tokens is longer than the context of 16"):
         model.generate(torch.ones(1, 12, dtype=torch.long), max_length=20)  # a total length, as transformers takes
+    with pytest.raises(MiraError, match="20 tokens plus 0 new tokens is longer than the context of 16"):
+        model.generate(torch.ones(1, 20, dtype=torch.long))
 
 
 def test_cuda_requested_without_a_gpu(stores):
