@@ -103,11 +103,11 @@ def _ppl(args: argparse.Namespace) -> None:
                         "pass --model with the Hugging Face model directory it was converted from")
     data = Path(args.data) if args.data else HELDOUT_TEXT
     documents = read_documents(data)
-    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None) or DEFAULT_CONTEXT
-    if args.context is not None and args.context > positions:
+    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None)
+    if positions and args.context and args.context > positions:
         raise MiraError(f"--context {args.context} is beyond the {positions} positions this model was made for; "
                         f"pass --context {positions} or less")
-    context = args.context or min(DEFAULT_CONTEXT, positions)
+    context = args.context or min(DEFAULT_CONTEXT, positions or DEFAULT_CONTEXT)
     device = torch.device(args.device or default_device())
     budget = parse_size(args.vram_budget) if args.vram_budget else None
     if budget is None and device.type == "cuda" and torch.cuda.is_available():
