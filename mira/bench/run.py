@@ -42,7 +42,7 @@ from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
 from mira.bench.provenance import result_header
 from mira.bench.sources import Source
-from mira.cache.budget import format_size, parse_size, share_shortfall, share_slots
+from mira.cache.budget import BudgetTooSmall, format_size, parse_size, share_shortfall, share_slots
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
@@ -243,6 +243,9 @@ def _mira_row(source: Source, name: str, label: str, budget: int, prompts: list[
     row = {"config": name, "quant": source.scheme, "budget": label, "budget_bytes": budget, "num_beams": num_beams}
     try:
         model = config_model(source, name, budget, profile, max_context)
+    except BudgetTooSmall as error:
+        return {**row, "skipped": f"{error.shortfall}; --budgets of at least {format_size(error.needed, up=True)} "
+                                  f"runs it"}
     except MiraError as error:
         return {**row, "skipped": str(error)}
     row["prefetcher"] = _prefetcher(model)

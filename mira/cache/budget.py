@@ -16,6 +16,18 @@ from mira.errors import MiraError
 GiB = 1 << 30
 
 
+class BudgetTooSmall(MiraError):
+    """A budget below what one MoE layer needs; `shortfall` says why and `needed` what would run, so
+    that each front end names its own option (the message names `mira generate`'s)."""
+
+    def __init__(self, shortfall: str, needed: int, budget: int, smaller_context: bool):
+        self.shortfall, self.needed = shortfall, needed
+        super().__init__(
+            f"{shortfall}; pass --vram-budget of at least {format_size(needed, up=True)}"
+            + (" or a smaller --max-context" if smaller_context else "")
+            + ("; a size without a unit is bytes: write 12GiB, not 12" if budget < 1 << 20 else ""))
+
+
 @dataclass(frozen=True)
 class SlotPlan:
     budget_bytes: int
@@ -35,14 +47,11 @@ def plan_slots(budget: int, non_expert_bytes: int, kv_bytes: int, workspace_byte
     reserve = non_expert_bytes + kv_bytes + workspace_bytes
     needed = reserve + experts_per_layer * blob_bytes
     if budget < needed:
-        raise MiraError(
+        raise BudgetTooSmall(
             f"the budget of {format_size(budget)} is below the {format_size(needed)} needed "
             f"({format_size(non_expert_bytes)} non-expert weights, {format_size(kv_bytes)} KV cache for "
             f"{max_context} tokens, {format_size(workspace_bytes)} workspaces, {experts_per_layer} expert slots of "
-            f"{format_size(blob_bytes)}); pass --vram-budget of at least {format_size(needed, up=True)}"
-            + (" or a smaller --max-context" if kv_bytes else "")
-            + ("; a size without a unit is bytes: write 12GiB, not 12" if budget < 1 << 20 else "")
-        )
+            f"{format_size(blob_bytes)})", needed, budget, smaller_context=kv_bytes > 0)
     slots = min((budget - reserve) // blob_bytes, total_experts)
     return SlotPlan(budget, reserve, blob_bytes, int(slots))
 

@@ -4,6 +4,7 @@ weights, and a whole bench run writes every configuration's row, the comparison 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -89,7 +90,7 @@ def test_every_preset_builds_its_config_with_the_published_expert_counts():
 def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "mira.cli", "bench", "--budgets", "5%,25%,all", "--configs",
+        [sys.executable, "-m", "mira.cli", "bench", "--budgets", "5%,25%,all,1MiB", "--configs",
          "mira+p,mira,mira-cpu-all,static,hf-gpu,hf-offload", "--fixed", "8x4", "--repeats", "2", "--out", str(out),
          "--quiet", "--beams", "2", "--beam-budget", "5%", "--cpu-threads", "2"],  # on 2 cores the default is 1
         capture_output=True, text=True, timeout=600)
@@ -98,7 +99,7 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
     rows = {(row["config"], row["budget"]): row for row in result["runs"] if not row.get("beam_search")}
     mira_configs = ("mira+p", "mira", "mira-cpu-all", "static")
     (beam,) = [row for row in result["runs"] if row.get("beam_search")]
-    assert set(rows) == {(c, b) for c in mira_configs for b in ("5%", "25%", "all")} | {
+    assert set(rows) == {(c, b) for c in mira_configs for b in ("5%", "25%", "all", "1MiB")} | {
         ("hf-gpu", "all"), ("hf-offload", "all")}
     assert "needs a CUDA device" in rows["hf-offload", "all"]["skipped"]
     assert f"skipped hf-offload at all: {rows['hf-offload', 'all']['skipped']}\n" in run.stderr  # whole, not cut
@@ -106,9 +107,12 @@ def test_a_bench_run_reports_every_configuration_the_comparison_and_a_chart(tmp_
         assert rows[config, "5%"]["skipped"] == ("5% gives slots for 5 of the model's 96 experts, fewer than the 8 of "
                                                  "one MoE layer, which must all fit while it computes; a share of 8% "
                                                  "or more fits")
+        # a size below one layer's needs names the bench's option, not generate's --vram-budget
+        assert re.fullmatch(r"the budget of 1.00 MiB is below the [0-9.]+ MiB needed \(.*\); --budgets of at least "
+                            r"[0-9.]+ MiB runs it", rows[config, "1MiB"]["skipped"])
     assert beam["num_beams"] == 2 and beam["skipped"] == rows["mira", "5%"]["skipped"]  # the beams' budget too
     for (config, budget), row in rows.items():
-        if (config.startswith("mira") or config == "static") and budget != "5%":
+        if (config.startswith("mira") or config == "static") and budget not in ("5%", "1MiB"):
             assert row["new_tokens"] == 4 and row["prompt_tokens"] == 8
             served = row["tokens_served"]
             assert sum(served.values()) == row["prompts"] * (8 + 4 - 1) * 12 * 2  # every routed token, every layer
