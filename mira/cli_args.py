@@ -44,6 +44,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """A positive number of threads, at most the CPUs this process may run on: more would only
+    wait for each other's time slices."""
+    from mira.runtime.threads import usable_cpus
+
+    value, cpus = positive_int(text), len(usable_cpus())
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"{value} threads would share {cpus} CPUs and wait on each other; pass at "
+                                         f"most {cpus}")
+    return value
+
+
 def nonnegative_int(text: str) -> int:
     value = _number(text, int, "a whole number")
     if value < 0:
@@ -263,7 +275,7 @@ def add_model_options(parser: argparse.ArgumentParser, raw: bool = True) -> None
                              "experiment: decode steps stay lagged and replay from CUDA graphs, the device chooses "
                              "each layer's share for CPU lanes, --cpu-lanes) or off. On, but for graph, MoE layers "
                              "run inline (--residency)")
-    parser.add_argument("--cpu-threads", type=positive_int, dest="cpu_expert_threads", metavar="N",
+    parser.add_argument("--cpu-threads", type=thread_count, dest="cpu_expert_threads", metavar="N",
                         help="compute threads of the CPU that computes missed experts (default: --threads less one); "
                              "each job waits for its slowest thread, so use fewer where other work shares the cores")
     parser.add_argument("--cpu-lanes", type=positive_int, metavar="N",
@@ -280,7 +292,7 @@ def add_model_options(parser: argparse.ArgumentParser, raw: bool = True) -> None
 
 
 def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=positive_int,
+    parser.add_argument("--threads", type=thread_count,
                         help="CPU threads to compute with (default: OMP_NUM_THREADS if set, else the physical cores "
                              "less those other processes keep busy)")
 

@@ -16,7 +16,7 @@ DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mi
 
 def add_command(subparsers) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS
-    from mira.cli_args import output_file, positive_int
+    from mira.cli_args import output_file, positive_int, thread_count
 
     bench = subparsers.add_parser(
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
@@ -105,7 +105,7 @@ def add_command(subparsers) -> None:
                        help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
-    bench.add_argument("--cpu-threads", type=positive_int, metavar="N", dest="cpu_expert_threads",
+    bench.add_argument("--cpu-threads", type=thread_count, metavar="N", dest="cpu_expert_threads",
                        help="compute threads of the CPU that computes missed experts, in the configurations where "
                             "it does (mira where the calibration has it pay, mira-cpu-all, mira-cpu-graph's lanes); "
                             "default: the torch threads less one")

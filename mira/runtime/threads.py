@@ -72,7 +72,7 @@ def libgomp_path(maps: str) -> str | None:
 
 def choose_threads() -> int:
     """Physical cores available to this process less the cores busy with other work (at least 1)."""
-    cpus = _usable_cpus()
+    cpus = usable_cpus()
     return threads_for(physical_cores(cpus), len(cpus), busy_cpus(cpus))
 
 
@@ -118,7 +118,8 @@ def _cpu_times(cpus: list[int]) -> dict[int, tuple[int, int]]:
             if (line := lines.get(f"cpu{cpu}")) is not None}
 
 
-def _usable_cpus() -> list[int]:
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity on Linux)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

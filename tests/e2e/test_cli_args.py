@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mira.cli import main
 from mira.errors import MiraError
+from mira.runtime.threads import usable_cpus
 from mira.store.cache import cache_dir
 from tiny_models import make_checkpoint
 
@@ -64,6 +65,7 @@ def fresh_cache(tmp_path, monkeypatch) -> Path:
 
 
 GENERATE = ("generate", "--prompt", "hi", "--device", "cpu", "--quiet")
+CPUS = len(usable_cpus())
 HELDOUT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "traces" / "heldout.npz"
 
 
@@ -82,6 +84,8 @@ HELDOUT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" /
     (("--threads", "0"), ("--threads", "not positive")),
     (("--cpu-threads", "0"), ("--cpu-threads", "not positive")),
     (("--cpu-threads=-1",), ("--cpu-threads", "not positive")),
+    (("--threads", str(CPUS + 1)), ("--threads", f"{CPUS + 1} threads would share {CPUS} CPUs", f"at most {CPUS}")),
+    (("--cpu-threads", str(CPUS * 8)), ("--cpu-threads", f"at most {CPUS}")),
     (("--cpu-experts", "some"), ("--cpu-experts", "invalid choice: 'some'")),
     (("--stats-json", "/no/such/dir/stats.json"), ("--stats-json", "does not exist")),
     (("--budget", "1GiB"), ("unrecognized arguments: --budget 1GiB",)),
