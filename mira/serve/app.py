@@ -147,7 +147,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             raise ApiError(400, str(error), param="tools") from None
         prompt = input_ids[0].tolist()
         return await respond(request, "chat", body, input_ids, read_tools=lambda report: read_reply(
-            model.tokenizer, prompt, list(report.new_ids), tools, ends))
+            model.tokenizer, prompt, list(report.new_ids), tools, ends, body.stop))
 
     @api.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):

@@ -46,19 +46,27 @@ def check_tools(tokenizer, messages: Sequence[dict], tools: list[dict]) -> None:
 
 
 def read_reply(tokenizer, prompt_ids: list[int], new_ids: list[int], tools: list[dict],
-               end_ids: set[int]) -> ToolReply:
+               end_ids: set[int], stops: Sequence[str] = ()) -> ToolReply:
     """The tool calls and text of `new_ids`, the tokens generated after `prompt_ids`, by the tokenizer's
-    response template; a last token in `end_ids` (the end of sequence) is not part of the answer. An
-    answer the template cannot read (a call that is not valid JSON, or has no name) comes back whole as
-    text, with no calls."""
+    response template; a last token in `end_ids` (the end of sequence) is not part of the answer, nor is
+    the text from a stop string on (the last token may hold one, and more). An answer the template
+    cannot read (a call that is not valid JSON, or has no name) comes back whole as text, with no calls."""
     if new_ids and new_ids[-1] in end_ids:
         new_ids = new_ids[:-1]
     try:
         message = tokenizer.parse_response(new_ids, prefix=prompt_ids, tools=tools)
         calls = [_openai_call(call) for call in message.get("tool_calls") or []]
     except (ValueError, KeyError, TypeError):  # not valid JSON, or a call without a name
-        return ToolReply(tokenizer.decode(new_ids, skip_special_tokens=True), [])
-    return ToolReply(message.get("content") or (None if calls else ""), calls)
+        return ToolReply(_before_stop(tokenizer.decode(new_ids, skip_special_tokens=True), stops), [])
+    content = message.get("content")
+    if content and (cut := _before_stop(content, stops)) != content:
+        content = cut.rstrip()  # as the template's text fields strip what they read
+    return ToolReply(content or (None if calls else ""), calls)
+
+
+def _before_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` up to the first of the stop strings in it (all of it where none is)."""
+    return text[:min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=len(text))]
 
 
 def _openai_call(call: dict) -> dict:

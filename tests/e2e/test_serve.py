@@ -343,6 +343,22 @@ def test_tools_and_earlier_calls_reach_the_model_through_its_chat_template(model
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
+def test_an_answer_read_for_tools_ends_before_its_stop_string(model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tooled = _tool_model(model, "<call>", "</call>")  # no call in the answer: it is all text
+    ids = encode_messages(tooled, messages, tools=[WEATHER])
+    text = stream_generate(tooled, ids, SamplingConfig(max_new_tokens=16, temperature=0), lambda t: None).text
+    stop = text.split(" ")[3]
+    assert stop and text.find(stop) > 0, text
+    with serving(create_app(tooled, NAME)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        settings = dict(model=NAME, messages=messages, tools=[WEATHER], max_tokens=16, temperature=0, stop=[stop])
+        whole = client.chat.completions.create(**settings).choices[0]
+        chunks = list(client.chat.completions.create(**settings, stream=True))
+    assert whole.message.content == text[:text.find(stop)].strip() and whole.finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+
+
 def test_a_call_in_the_answer_comes_back_as_a_tool_call_whole_and_streamed(model):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     tooled = _tool_model(model, "<call>", "</call>")
