@@ -148,6 +148,15 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def harness_argv(argv: list[str], cuda: bool) -> list[str]:
+    """The harness's command line for `argv`: a run that names no --device gets the device Mira would
+    pick (the harness's own default is cuda:0, even on a machine without one)."""
+    if not argv or argv[:1] in (["ls"], ["validate"]) or any(a == "--device" or a.startswith("--device=") for a in argv) \
+            or "-h" in argv or "--help" in argv:
+        return argv
+    return [*argv, "--device", "cuda" if cuda else "cpu"]
+
+
 def _lm_eval(args: argparse.Namespace) -> None:
     from mira.errors import MiraError
 
@@ -157,8 +166,10 @@ def _lm_eval(args: argparse.Namespace) -> None:
         import mira.eval.lm_eval_backend  # noqa: F401  (registers the model `mira`)
     except ImportError as error:
         raise MiraError(f"lm-evaluation-harness is not installed ({error}); pip install 'mira[eval]'") from None
+    import torch
+
     saved = sys.argv
-    sys.argv = ["lm-eval", *args.harness_args]  # HarnessCLI parses sys.argv; restored below
+    sys.argv = ["lm-eval", *harness_argv(args.harness_args, torch.cuda.is_available())]  # restored below
     try:
         cli = HarnessCLI()
         cli.execute(cli.parse_args())

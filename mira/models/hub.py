@@ -13,6 +13,7 @@ from mira.errors import MiraError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 REPO_FOLDER_PREFIX = "models--"
+MODEL_OPTION = "--model (mira.load's path, lm-eval's pretrained=)"  # where each front end takes the model
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ def _snapshot_of(repo_folder: Path) -> Path:
     snapshots = sorted(p for p in (repo_folder / "snapshots").iterdir() if p.is_dir())
     if len(snapshots) != 1:
         listed = ", ".join(p.name for p in snapshots) or "none"
-        raise MiraError(f"{repo_folder} has no refs/main and {len(snapshots)} snapshots ({listed}); pass --model "
-                        "with the snapshot folder to use")
+        raise MiraError(f"{repo_folder} has no refs/main and {len(snapshots)} snapshots ({listed}); "
+                        f"pass {MODEL_OPTION} with the snapshot folder to use")
     return snapshots[0]
 
 
@@ -82,4 +83,4 @@ def _download_cached(repo_id: str) -> Path:
     except LocalEntryNotFoundError as error:
         raise MiraError(f"{repo_id} is not complete in the Hugging Face cache at {cache} ({error.__class__.__name__}); "
                         f"download it first (`hf download {repo_id}`), set HF_HOME to the cache that holds it, or "
-                        "pass --model with a local directory") from None
+                        f"pass {MODEL_OPTION} with a local directory") from None

@@ -25,7 +25,7 @@ from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, CpuMoEFFN, make_moe_ffn
-from mira.models.hub import locate
+from mira.models.hub import MODEL_OPTION, locate
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
@@ -342,6 +342,13 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         raise MiraError(f"the model must be a path or a hub id (str or Path), not {type(path).__name__} {path!r}")
     config = (config or RuntimeConfig()).with_overrides(**overrides)
     torch_device = parse_device(config.device)
+    if torch_device.type == "cpu" and config.vram_budget is None:
+        defaults = RuntimeConfig()
+        for name, value, default in (("policy", config.cache.policy, defaults.cache.policy),
+                                     ("prefetch", config.prefetch.mode, defaults.prefetch.mode)):
+            if value != default:  # no slots to manage or stage into (residency still picks the decode loop)
+                raise MiraError(f"{name}={value!r} has no effect on the CPU without vram_budget (every expert is "
+                                f"read in place from host memory); pass vram_budget (e.g. '25%') or leave out {name}")
     for flag, file in (("--profile", config.profile), ("--heads", config.prefetch.heads)):
         if file is not None and not Path(file).is_file():
             raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
@@ -505,11 +512,11 @@ def _check_model_path(path: Path) -> None:
     """
     if not path.exists():
         hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
-        raise MiraError(f"model path {path} does not exist{hint}; pass --model with a local Hugging Face "
+        raise MiraError(f"model path {path} does not exist{hint}; pass {MODEL_OPTION} with a local Hugging Face "
                         "model directory, a hub id (org/name) in the local Hugging Face cache, or a Mira store")
     if not path.is_dir():
-        raise MiraError(f"model path {path} is a file, not a directory; pass --model with a local Hugging Face "
-                        "model directory or a Mira store")
+        raise MiraError(f"model path {path} is a file, not a directory; pass {MODEL_OPTION} with a local "
+                        "Hugging Face model directory or a Mira store")
     if looks_like_store(path) and not is_store(path):
         raise MiraError(f"{path} is a Mira store whose manifest.json is missing; repair it with `mira convert "
                         f"MODEL_DIR --out {path}`, MODEL_DIR being the model it was converted from")

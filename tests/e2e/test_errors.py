@@ -14,7 +14,7 @@ from mira.store.convert import convert
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(MiraError, match="does not exist.*pass --model"):
+    with pytest.raises(MiraError, match=r"does not exist; pass --model \(mira.load's path, lm-eval's pretrained=\)"):
         mira.load(tmp_path / "nowhere", device="cpu")
 
 
@@ -97,6 +97,17 @@ def test_only_a_budget_under_a_mebibyte_is_taken_for_a_missing_unit():
         plan_slots(2 << 20, **plan)
     with pytest.raises(MiraError, match=r"budget of 12 B .*; a size without a unit is bytes: write 12GiB, not 12$"):
         plan_slots(12, **plan)
+
+
+def test_a_policy_or_prefetch_with_no_slots_to_act_on_is_refused(stores):
+    """The API's counterpart of the CLI's refusal (tests/e2e/test_cli_args.py): on the CPU without a
+    budget every expert is read in place, so a policy or prefetch mode would be silently ignored."""
+    for setting, value in (("policy", "lru"), ("prefetch", "gate")):
+        with pytest.raises(MiraError, match=rf"^{setting}='{value}' has no effect on the CPU without vram_budget .*; "
+                                            rf"pass vram_budget \(e.g. '25%'\) or leave out {setting}$"):
+            mira.load(stores["mixtral", "int8-shared"], device="cpu", progress=False, **{setting: value})
+    model = mira.load(stores["mixtral", "int8-shared"], device="cpu", progress=False, policy="mira", prefetch="auto")
+    assert model.plan is None  # the defaults, named, still load: no slots
 
 
 def test_prompt_longer_than_the_context(stores):

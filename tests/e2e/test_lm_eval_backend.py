@@ -14,6 +14,7 @@ from lm_eval.tasks import TaskManager
 
 from mira.cli import main
 from mira.errors import MiraError
+from mira.eval.command import harness_argv
 from mira.eval.lm_eval_backend import MiraLM
 from mira.runtime.engine import BUNDLED_MODEL
 
@@ -115,6 +116,10 @@ def test_generate_until_refuses_what_it_would_not_carry_out(tiny, settings, says
 def test_model_args_it_does_not_take_are_named_and_a_share_budget_is_taken(checkpoints):
     with pytest.raises(MiraError, match="takes no --model_args bogus"):
         MiraLM(pretrained=str(checkpoints["mixtral"]), device="cpu", bogus=1)
+    with pytest.raises(MiraError, match=r"/no/such/model does not exist; pass .*lm-eval's pretrained=\) with"):
+        MiraLM(pretrained="/no/such/model", device="cpu")
+    with pytest.raises(MiraError, match=r"^policy='lru' has no effect on the CPU without vram_budget"):
+        MiraLM(pretrained=str(checkpoints["mixtral"]), device="cpu", policy="lru")
     lm = MiraLM(pretrained=str(checkpoints["mixtral"]), quant="int8-row", device="cpu", vram_budget="50%",
                 policy="lru")
     assert lm.model.stats()["slots"] == round(0.5 * lm.model.stats()["total_experts"])
@@ -158,12 +163,22 @@ def test_local_bigbench_tasks_per_scheme_match_transformers(bundled_tokenizer):
 
 def test_mira_eval_lm_eval_hands_its_arguments_to_the_harness_command_line(capsys):
     argv = sys.argv
-    assert main(["eval", "lm-eval", "--model", "mira", "--model_args", "quant=int8-row", "--device", "cpu",
+    assert main(["eval", "lm-eval", "--model", "mira", "--model_args", "quant=int8-row",  # the device Mira picks
                  "--include_path", str(TASKS), "--tasks", "mira_bigbench_cause_and_effect_one_sentence",
                  "--limit", "3"]) == 0
     assert sys.argv is argv
     table = capsys.readouterr().out
     assert "mira_bigbench_cause_and_effect_one_sentence" in table and "acc" in table and "mira ({'quant': 'int8-row'})" in table
+
+
+def test_a_run_that_names_no_device_gets_the_one_mira_picks_not_the_harness_cuda_0():
+    run = ["--model", "mira", "--tasks", "hellaswag"]
+    assert harness_argv(run, cuda=False) == [*run, "--device", "cpu"]
+    assert harness_argv(["run", *run], cuda=True) == ["run", *run, "--device", "cuda"]
+    for named in (["--device", "cuda:1"], ["--device=cpu"]):
+        assert harness_argv([*run, *named], cuda=False) == [*run, *named]
+    for other in ([], ["ls", "tasks"], ["validate", "--tasks", "hellaswag"], ["run", "--help"]):
+        assert harness_argv(other, cuda=False) == other  # no run, or one that only shows its help
 
 
 def test_mira_eval_lm_eval_names_a_task_the_harness_does_not_know(capsys):
