@@ -6,10 +6,10 @@
    policy with prefetch off, and with the predictions `mira simulate --predictions` replays: gate
    speculation, the trained MixtureHeads (benchmarks/results/predictor-tiny-heads.safetensors),
    the previous step, popularity (ranked by the committed training-split trace) and perfect
-   predictions (the ceiling); one expert staged per target layer and step, as at run time. Misses,
-   prefetch copies and all PCIe copies (misses + prefetches) per token, and the issue's goal,
-   (LFU - misses) / (LFU - Belady) >= 0.5. The simulator counts one access per token, layer and
-   expert, prompt tokens one by one (DESIGN.md 5).
+   predictions (whose best may already be resident: not the best staging); one expert staged per
+   target layer and step, as at run time. Misses, prefetch copies and all PCIe copies (misses +
+   prefetches) per token, and the issue's goal, (LFU - misses) / (LFU - Belady) >= 0.5. The
+   simulator counts one access per token, layer and expert, prompt tokens one by one (DESIGN.md 5).
 2. Runtime (CPU, greedy, every expert from the store through the slot pool): the first 16 of the
    same prompts at the same budgets with prefetch off, gate and trained. Its counts are per layer
    call: a prompt's tokens share one lookup per expert.

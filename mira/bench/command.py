@@ -16,7 +16,7 @@ DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mi
 
 def add_command(subparsers) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS
-    from mira.cli_args import output_file, positive_int, thread_count
+    from mira.cli_args import existing_file, output_file, positive_int, thread_count
 
     bench = subparsers.add_parser(
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
@@ -82,10 +82,10 @@ def add_command(subparsers) -> None:
                        help=f"comma-separated configurations out of {', '.join([*MIRA_CONFIGS, *BASELINES])} "
                             f"(default: {DEFAULT_CONFIGS}: mira as `mira generate` runs it, and the baselines; "
                             f"the other mira variants are for experiments)")
-    bench.add_argument("--heads", metavar="FILE",
+    bench.add_argument("--heads", metavar="FILE", type=existing_file,
                        help="trained predictor heads (`mira train-predictor`) for mira+p (default: the store's own, "
                             "else gate speculation)")
-    bench.add_argument("--profile", metavar="TRACE",
+    bench.add_argument("--profile", metavar="TRACE", type=existing_file,
                        help="routing trace placing the static policy's experts (default: routing counts of "
                             "calibration prompts run first)")
     bench.add_argument("--repeats", type=int, default=3,

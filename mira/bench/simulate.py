@@ -104,11 +104,8 @@ def simulate(
         counts = _belady_counts(trace, slots)
         extra = {}
     else:
-        if profile is not None and profile.num_uids != trace.num_uids:
-            raise ValueError(
-                f"the profile trace {profile.source} has {profile.num_layers} x {profile.num_experts} experts but "
-                f"{trace.source} has {trace.num_layers} x {trace.num_experts}; profile the same model"
-            )
+        if profile is not None:
+            profile.check_profile_of(trace.num_layers, trace.num_experts, f"the trace {trace.source}")
         popularity = Popularity.of_trace(profile if profile is not None else trace)
         instance = make_policy(policy, slots, trace.num_uids, config, popularity, stage_slots)
         counts = replay(trace, instance, check=check, predictions=predictions)
@@ -155,7 +152,8 @@ def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike 
     of a prompt step carrying its step's offer):
     gate (layer i+2's router on layer i's input, recorded while tracing), trained (the MixtureHeads
     in `heads`), previous (layer i+2's routing at the previous step), popularity (routed tokens
-    per expert in `profile`), oracle (the routing that layer i+2 then had: the ceiling).
+    per expert in `profile`), oracle (the routing that layer i+2 then had, heaviest first: a perfect
+    predictor, yet not the best staging, since its first expert may be resident already).
 
     Args:
         source: one of `PREDICTORS`, or an .npz file holding `predictions`, int [T, L, P]: experts
@@ -175,13 +173,21 @@ def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike 
 
     if source not in PREDICTORS:
         try:
-            predictions = np.load(source)["predictions"]
+            archive = np.load(source, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError("a single .npy array, not an .npz archive")
+            with archive:
+                predictions = archive["predictions"]
         except (OSError, KeyError, ValueError) as error:
             raise MiraError(f"cannot read predictions from {source} ({error}); pass one of {', '.join(PREDICTORS)} "
                             "or an .npz with an int array 'predictions' [tokens, layers, P] (-1 for none)") from None
-        if predictions.dtype.kind not in "iu" or predictions.shape[:2] != trace.topk_ids.shape[:2]:
-            raise MiraError(f"predictions in {source} are {predictions.dtype} {predictions.shape}; the trace "
-                            f"{trace.source} needs integers [{trace.num_tokens}, {trace.num_layers}, P]")
+        needs = (f"the trace {trace.source} needs integers [{trace.num_tokens}, {trace.num_layers}, P] with P >= 1, "
+                 f"each an expert id below {trace.num_experts} or -1 for none")
+        if predictions.dtype.kind not in "iu" or predictions.ndim != 3 or predictions.shape[2] < 1 \
+                or predictions.shape[:2] != trace.topk_ids.shape[:2]:
+            raise MiraError(f"predictions in {source} are {predictions.dtype} {predictions.shape}; {needs}")
+        if predictions.size and (predictions.min() < -1 or predictions.max() >= trace.num_experts):
+            raise MiraError(f"predictions in {source} hold ids from {predictions.min()} to {predictions.max()}; {needs}")
         return predictions.astype(np.int64)
 
     from mira.predict.coverage import predictor_scores
@@ -199,6 +205,7 @@ def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike 
     if source == "popularity":
         if profile is None:
             raise MiraError("--predictions popularity ranks experts by a profile: pass --profile TRACE")
+        profile.check_profile_of(trace.num_layers, trace.num_experts, f"the trace {trace.source}")
         popularity = profile.expert_counts().reshape(trace.num_layers, trace.num_experts)
     scores = predictor_scores(features, trained, popularity)["mixture" if source == "trained" else source]
     ranked = np.argsort(-scores, axis=-1, kind="stable")  # [S, L-2, E], ties to the lower id

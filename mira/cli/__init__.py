@@ -38,14 +38,22 @@ def _trace(args: argparse.Namespace) -> None:
 
     prompts = read_prompts(Path(args.prompts))
     if args.features:
+        from mira.predict.features import features_path
+
+        beside = features_path(args.out)
+        try:  # checked before generating, as --out is
+            output_file(str(beside))
+        except argparse.ArgumentTypeError as error:
+            raise MiraError(f"--features writes {beside} beside the trace, which cannot be ({str(error).split(';')[0]}); "
+                            "pass another --out") from None
         trace, _ = record_with_features(load_model(args), prompts, args.max_new_tokens, Path(args.out), raw=args.raw,
                                         progress=not args.quiet)
     else:
         trace = record_trace(load_model(args), prompts, args.max_new_tokens, raw=args.raw, progress=not args.quiet)
         trace.save(args.out)
-    print(f"trace {args.out}: {trace.num_tokens} tokens ({int(trace.is_prefill.sum())} prompt, "
-          f"{int((~trace.is_prefill).sum())} generated) from {len(prompts)} prompts, {trace.num_layers} MoE layers, "
-          f"top-{trace.top_k} of {trace.num_experts}")
+    print(f"trace {args.out}: {trace.num_tokens} tokens ({int(trace.is_prefill.sum())} of prompts, "
+          f"{int((~trace.is_prefill).sum())} of decode steps: a last new token is never routed) from {len(prompts)} "
+          f"prompts, {trace.num_layers} MoE layers, top-{trace.top_k} of {trace.num_experts}")
 
 
 def _simulate(args: argparse.Namespace) -> None:
@@ -54,23 +62,30 @@ def _simulate(args: argparse.Namespace) -> None:
     from mira.bench.simulate import format_table, load_predictions, plot_sweep, simulate
     from mira.store.trace import RoutingTrace
 
-    trace = RoutingTrace.load(args.trace)
+    recorded = trace = RoutingTrace.load(args.trace)
     profile = RoutingTrace.load(args.profile) if args.profile else None
+    start = args.calibrate or 0
     if args.calibrate:
         if args.profile or not 0 < args.calibrate < trace.num_tokens:
             raise MiraError(f"--calibrate takes a token count between 1 and {trace.num_tokens - 1} (the trace has "
                             f"{trace.num_tokens}), and no --profile")
-        profile, trace = trace.tokens(0, args.calibrate), trace.tokens(args.calibrate, trace.num_tokens)
+        profile, trace = trace.tokens(0, start), trace.tokens(start, trace.num_tokens)
+    if args.heads and args.predictions != "trained":
+        raise MiraError("--heads is read by --predictions trained alone; pass --predictions trained, or leave out "
+                        "--heads")
     slot_counts = args.sweep or [args.slots]
     if args.stage_slots is not None and args.stage_slots > min(slot_counts):
         raise MiraError(f"--stage-slots {args.stage_slots} is more than the {min(slot_counts)} slots simulated; "
                         "pass at most that many (STAGE rows are part of the slots)")
     policies = args.policy or SIMULATED_POLICIES
-    predictions = load_predictions(args.predictions, trace, args.heads, profile) if args.predictions else None
+    # predictions come from the whole recording (its features, or a file made for it), then lose the profile's part
+    predictions = load_predictions(args.predictions, recorded, args.heads, profile)[start:] if args.predictions \
+        else None
     options = dict(stage_slots=args.stage_slots, expert_bytes=args.expert_bytes, bandwidth_gbps=args.bandwidth,
-                   profile=profile, predictions=predictions, residency=args.residency)
-    try:
-        results = [simulate(trace, policy, slots, **options) for slots in slot_counts for policy in policies]
+                   profile=profile, residency=args.residency)
+    try:  # prefetching stages through the mira policy's STAGE rows: the other policies replay without it
+        results = [simulate(trace, policy, slots, predictions=predictions if policy == "mira" else None, **options)
+                   for slots in slot_counts for policy in policies]
     except ValueError as error:
         raise MiraError(str(error)) from error
     if args.json:
@@ -237,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", required=True, metavar="T.npz", type=existing_file, help="the routing trace to replay")
     sim.add_argument("--policy", action="append", choices=SIMULATED_POLICIES,
                      help="a policy to replay (repeatable; default: all of them and belady)")
-    sim.add_argument("--slots", type=positive_int, default=64, help="expert slots shared by all layers (default 64)")
-    sim.add_argument("--sweep", type=_slot_list, metavar="N,N,...", help="replay at each of these slot counts")
+    slots = sim.add_mutually_exclusive_group()
+    slots.add_argument("--slots", type=positive_int, default=64, help="expert slots shared by all layers (default 64)")
+    slots.add_argument("--sweep", type=_slot_list, metavar="N,N,...", help="replay at each of these slot counts")
     sim.add_argument("--stage-slots", type=nonnegative_int,
                      help="STAGE slots of the mira policy (default: from the cache config)")
     sim.add_argument("--expert-bytes", type=positive_int, default=MIXTRAL_EXPERT_BYTES,
@@ -259,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--predictions", metavar="PREDICTOR|FILE.npz",
                      help="replay prefetching into STAGE (mira policy; the best prediction per target layer is "
                           "staged, as at run time): gate, trained (needs --heads), previous, popularity (needs "
-                          "--profile) or oracle (layer i+2's actual routing: the ceiling), computed per step from "
+                          "--profile) or oracle (layer i+2's actual routing, heaviest first: a perfect predictor, not "
+                          "the best staging, since its first expert may be resident already), computed per step from "
                           "the features beside the trace (`mira trace --features`); or an .npz with 'predictions', "
                           "int [tokens, layers, P], experts best first, -1 for none. PCIe bytes then count the "
                           "prefetch copies too")
@@ -267,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(<store>/predictor/heads.safetensors)")
     sim.add_argument("--json", action="store_true", help="one JSON object per policy and slot count")
     sim.add_argument("--plot", metavar="FILE.png", type=output_file,
-                     help="with --sweep: write miss rate against slots as a PNG")
+                     help="write miss rate against slots as a PNG (a line per policy over the --sweep counts)")
     sim.set_defaults(run=_simulate)
 
     add_predictor_commands(commands)
@@ -305,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         if isinstance(error, OSError) and error.filename is not None:  # the file system refused a path
-            print(f"mira: error: {error.strerror or error}: {error.filename}; check the path and its permissions",
+            path = error.filename2 or error.filename  # a rename's target, not the hidden file written first
+            print(f"mira: error: {error.strerror or error}: {path}; check the path and its permissions",
                   file=sys.stderr)
             return 1
         what = " ".join(str(error).split())

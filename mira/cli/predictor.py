@@ -43,10 +43,10 @@ def record_with_features(model, prompts: list[str], max_new_tokens: int, out: Pa
     return trace, features
 
 
-def _store(model: str | None) -> Path:
+def _store(model: str | None, quant: str | None) -> Path:
     from mira.runtime.engine import BUNDLED_MODEL, resolve_store
 
-    return resolve_store(Path(model) if model else BUNDLED_MODEL, None, progress=True)
+    return resolve_store(Path(model) if model else BUNDLED_MODEL, quant, progress=True)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> None:
     from mira.predict.train import TrainConfig, load_training_data, train_heads
     from mira.store.manifest import Manifest
 
-    store = _store(args.model)
+    store = _store(args.model, args.quant)
     fingerprint = Manifest.read(store).source_fingerprint
     data = load_training_data(args.traces, fingerprint, args.history_window)
     _, sources, experts = data.targets.shape
@@ -81,7 +81,7 @@ def _eval(args: argparse.Namespace) -> None:
     from mira.store.trace import RoutingTrace
     from mira.store.manifest import Manifest
 
-    store = _store(args.model)
+    store = _store(args.model, args.quant)
     fingerprint = Manifest.read(store).source_fingerprint
     heads_path = Path(args.heads) if args.heads else predictor_file(store)
     if args.heads and not heads_path.is_file():
@@ -90,7 +90,9 @@ def _eval(args: argparse.Namespace) -> None:
     feature_sets = [load_features(path, fingerprint)[1] for path in args.traces]
     layers, experts = feature_sets[0].num_layers, feature_sets[0].num_experts
     if args.profile:
-        popularity = RoutingTrace.load(args.profile).expert_counts().reshape(layers, experts)
+        profile = RoutingTrace.load(args.profile)
+        profile.check_profile_of(layers, experts, f"the traces' model ({args.traces[0]})")
+        popularity = profile.expert_counts().reshape(layers, experts)
     else:
         popularity = np.asarray(metadata["training"]["popularity"]) if metadata else None
     result = evaluate(feature_sets, heads, popularity)
@@ -113,12 +115,15 @@ def add_commands(subparsers) -> None:
     Args:
         subparsers: what `ArgumentParser.add_subparsers` returned; each command sets `run`.
     """
-    from mira.cli_args import existing_file, output_dir, positive_int
+    from mira.cli_args import existing_file, output_dir, output_file, positive_int
     from mira.predict.features import HISTORY_WINDOW
     from mira.predict.heads import HeadConfig
     from mira.predict.train import TrainConfig
+    from mira.store.layout import SCHEMES
 
     model_help = "the Mira store or Hugging Face directory the traces were recorded on (default: the bundled model)"
+    quant_help = ("with a Hugging Face directory: the scheme of its store, whose heads these are, as `mira generate "
+                  "--quant` picks it (default int8-shared)")
     train = subparsers.add_parser(
         "train-predictor", help="train the i -> i+2 expert predictor heads from traces",
         description="Train one MixtureHead per MoE layer (but the last two) to predict the routed token mass of "
@@ -126,6 +131,7 @@ def add_commands(subparsers) -> None:
                     "whole sequences are held out for validation and each head stops early. The heads are saved "
                     "with their metadata in the store's predictor/ folder, where the runtime finds them.")
     train.add_argument("--model", help=model_help)
+    train.add_argument("--quant", choices=SCHEMES, help=quant_help)
     train.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                        help="traces recorded with `mira trace --features` (T.features.npz beside each)")
     train.add_argument("--out", metavar="DIR", type=output_dir,
@@ -147,6 +153,7 @@ def add_commands(subparsers) -> None:
                     "for the trained MixtureHead, its ActHead and HistHead alone, gate speculation, the previous "
                     "step's routing and popularity; decode steps, prompt steps and all steps apart.")
     evaluate.add_argument("--model", help=model_help)
+    evaluate.add_argument("--quant", choices=SCHEMES, help=quant_help)
     evaluate.add_argument("--traces", nargs="+", required=True, type=existing_file, metavar="T.npz",
                           help="held-out traces recorded with `mira trace --features`")
     evaluate.add_argument("--heads", type=existing_file, metavar="FILE",
@@ -155,5 +162,5 @@ def add_commands(subparsers) -> None:
                           help="trace whose routing ranks the popularity baseline (default: the heads' training "
                                "traces)")
     evaluate.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    evaluate.add_argument("--plot", metavar="FILE.png", help="write Coverage@k per layer as a PNG")
+    evaluate.add_argument("--plot", metavar="FILE.png", type=output_file, help="write Coverage@k per layer as a PNG")
     evaluate.set_defaults(run=_eval)

@@ -322,7 +322,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
                             "routers; pass --prefetch off (or auto)")
         stages = False
     if stages and prefetch == "trained" and not facts.has_heads:
-        raise MiraError("the store has no trained predictor heads; run `mira train-predictor`, or pass --prefetch gate")
+        raise MiraError("the store has no trained predictor heads; run `mira train-predictor` with this --model and "
+                        "--quant, or pass --heads FILE or --prefetch gate")
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
         if stages else None
     slots = facts.capacity - STAGING_ROWS if stages else facts.capacity

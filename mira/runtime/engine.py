@@ -362,8 +362,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
     store = ExpertStore.open(store_path, pin=torch_device.type == "cuda", progress=config.progress)
     dtype = config.dtype or default_dtype(setup.device, store.layout.weights)
     hf_model, sites = build_model(store_path, getattr(torch, dtype), torch_device)
-    total_experts = store.num_layers * store.num_experts
-    popularity = _popularity(config.profile, total_experts) if config.profile is not None else None
+    popularity = _popularity(config.profile, store) if config.profile is not None else None
     budget = config.vram_budget
     if isinstance(budget, str):
         budget = share_budget(budget, hf_model, store, setup.max_context)
@@ -570,14 +569,12 @@ def _predictor(kind: str, routers: list, store: ExpertStore, device: torch.devic
     return load_predictor(store.path, routers, device)
 
 
-def _popularity(path: str | os.PathLike, total_experts: int) -> Popularity:
+def _popularity(path: str | os.PathLike, store: ExpertStore) -> Popularity:
     from mira.store.trace import RoutingTrace
 
-    popularity = Popularity.of_trace(RoutingTrace.load(path))
-    if len(popularity.counts) != total_experts:
-        raise MiraError(f"the profile {path} routes over {len(popularity.counts)} experts but this model has "
-                        f"{total_experts}; record the profile with `mira trace` on the same model")
-    return popularity
+    trace = RoutingTrace.load(path)
+    trace.check_profile_of(store.num_layers, store.num_experts, "this model")
+    return Popularity.of_trace(trace)
 
 
 def store_tokenizer(store_path: Path) -> PreTrainedTokenizerBase | None:

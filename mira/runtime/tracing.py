@@ -99,11 +99,15 @@ def read_prompts(path: Path) -> list[str]:
             continue
         if line.lstrip().startswith("{"):
             try:
-                prompts.append(str(json.loads(line)["prompt"]))
+                prompt = json.loads(line)["prompt"]
             except json.JSONDecodeError as error:
                 raise MiraError(f"{path}:{number}: the line is not valid JSON ({error})") from None
             except (KeyError, TypeError):
                 raise MiraError(f"{path}:{number}: a JSON line needs a \"prompt\" field") from None
+            if not isinstance(prompt, str):
+                raise MiraError(f"{path}:{number}: the \"prompt\" field is {json.dumps(prompt)}; give the prompt's "
+                                "text as a JSON string")
+            prompts.append(prompt)
         else:
             prompts.append(line)
     if not prompts:

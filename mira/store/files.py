@@ -24,13 +24,14 @@ def sha256_file(path: Path) -> str:
 
 
 def read_text(path: Path, what: str) -> str:
-    """The UTF-8 text of `path`, the `what` a command was given (e.g. "prompt file").
+    """The UTF-8 text of `path`, the `what` a command was given (e.g. "prompt file"), less a byte-order
+    mark that some editors write first.
 
     Raises:
         MiraError: the file is unreadable or not UTF-8 text.
     """
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as error:
         raise MiraError(f"cannot read {what} {path} as UTF-8 text ({error}); pass a text file") from None
 

@@ -84,6 +84,18 @@ class RoutingTrace:
         """Experts over all MoE layers (L * E), the size of the uid space."""
         return self.num_layers * self.num_experts
 
+    def check_profile_of(self, num_layers: int, num_experts: int, model: str) -> None:
+        """This trace as a profile (routed-token counts per expert) of a model of `num_layers` MoE
+        layers of `num_experts` experts, `model` naming it in the message.
+
+        Raises:
+            TraceError: the layers or the experts per layer differ (the same total is not enough).
+        """
+        if (self.num_layers, self.num_experts) != (num_layers, num_experts):
+            raise TraceError(f"the profile {self.source} routes over {self.num_layers} layers x {self.num_experts} "
+                             f"experts but {model} has {num_layers} x {num_experts}; record the profile with "
+                             "`mira trace` on the same model")
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace to `path` atomically (a temporary file in the same folder, then renamed).
 

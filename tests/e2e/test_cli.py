@@ -163,6 +163,16 @@ def test_simulate_replays_recorded_predictions_hand_worked(tmp_path):
     assert (previous["misses"], previous["prefetch_issued"], previous["prefetch_wasted"]) == (2, 2, 2)
     assert (previous["admissions"], previous["copies"]) == (0, 4)
     assert previous["copies"] >= off["belady"]["misses"]
+    # --calibrate 2: tokens 0 and 1 are the profile (uids 0 and 4 twice, 10 and 11 once: 0, 4 and 10
+    # placed) and 2 and 3 are replayed, with the predictions computed on the whole recording: 10 at
+    # token 2 is resident, 11 at token 3 is staged and read from its stage row
+    # only mira stages: the other policies replay as without predictions
+    both = run("--policy", "mira", "--policy", "lru", "--predictions", "gate")
+    assert both["mira"]["prefetch_issued"] == 2 and "prefetch_issued" not in both["lru"]
+    assert both["lru"]["misses"] == run("--policy", "lru")["lru"]["misses"]
+    calibrated = run("--policy", "mira", "--calibrate", "2", "--predictions", "gate")["mira"]
+    assert (calibrated["tokens"], calibrated["preloaded"], calibrated["misses"]) == (2, 3, 0)
+    assert (calibrated["prefetch_issued"], calibrated["prefetch_used"], calibrated["copies"]) == (1, 1, 1)
 
 
 def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(tmp_path):
@@ -184,3 +194,13 @@ def test_simulate_reads_predictions_from_a_file_and_names_the_fix_for_bad_ones(t
     np.savez(tmp_path / "short.npz", predictions=oracle[:2])
     short = _mira(*base, "--predictions", str(tmp_path / "short.npz"))
     assert short.returncode == 1 and "needs integers [4, 3, P]" in short.stderr
+    bad = {"flat": (oracle[:, :, 0], "are int64 (4, 3);"), "empty": (oracle[:, :, :0], "are int64 (4, 3, 0);"),
+           "beyond": (oracle + 3, "hold ids from 2 to 6;"), "below": (oracle - 1, "hold ids from -2 to 2;")}
+    for name, (predictions, says) in bad.items():
+        np.savez(tmp_path / f"{name}.npz", predictions=predictions)
+        refused = _mira(*base, "--predictions", str(tmp_path / f"{name}.npz"))
+        assert refused.returncode == 1 and says in refused.stderr and "each an expert id below 4 or -1" in \
+            refused.stderr, refused.stderr
+    np.save(tmp_path / "array.npy", oracle)
+    npy = _mira(*base, "--predictions", str(tmp_path / "array.npy"))
+    assert npy.returncode == 1 and "a single .npy array, not an .npz archive" in npy.stderr, npy.stderr

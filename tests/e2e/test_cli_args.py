@@ -154,10 +154,17 @@ def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv,
     (("bench", "--configs", "", "--fixed", "8x8"), 1, ("--configs and --budgets each need at least one name",)),
     (("bench", "--budgets", ",", "--fixed", "8x8"), 1, ("--configs and --budgets each need at least one name",)),
     (("bench", "--num-prompts", "0"), 2, ("--num-prompts", "not positive")),
+    (("bench", "--heads", "/no/such/heads.safetensors"), 2, ("--heads", "heads.safetensors does not exist")),
+    (("bench", "--profile", "/no/such/t.npz"), 2, ("--profile", "t.npz does not exist")),
+    (("train-predictor", "--traces", str(HELDOUT_TRACE), "--quant", "int5"), 2, ("--quant", "invalid choice: 'int5'")),
     (("chat", "--raw"), 2, ("unrecognized arguments: --raw",)),
     (("serve", "--raw"), 2, ("unrecognized arguments: --raw",)),
     (("simulate", "--trace", str(HELDOUT_TRACE), "--slots", "4", "--stage-slots", "10"), 1,
      ("--stage-slots 10 is more than the 4 slots",)),
+    (("simulate", "--trace", str(HELDOUT_TRACE), "--slots", "4", "--sweep", "8,16"), 2,
+     ("--sweep: not allowed with argument --slots",)),
+    (("simulate", "--trace", str(HELDOUT_TRACE), "--heads", str(HELDOUT_TRACE)), 1,
+     ("--heads is read by --predictions trained alone",)),
     (("generate", "--prompt", "hi", "--stats-json", "/proc/mira-stats.json"), 2, ("cannot be written",)),
     (("generate", "--prompt", "hi", "--stats-json", ""), 2, ("the path is empty",)),
     (("generate", "--prompt", "hi", "--stats-json", f"{HELDOUT_TRACE}/stats.json"), 2,
@@ -175,6 +182,8 @@ def test_the_other_commands_refuse_bad_values_before_any_work(argv, status, phra
     (b"\xff\xfe not text\n", ("cannot read prompt file", "as UTF-8 text")),
     (b'{"prompt": "a"\n', ("the line is not valid JSON",)),
     (b'{"text": "a"}\n', ('a JSON line needs a "prompt" field',)),
+    (b'{"prompt": null}\n', (':1: the "prompt" field is null; give the prompt\'s text as a JSON string',)),
+    (b'hi\n{"prompt": 5}\n', (':2: the "prompt" field is 5',)),
 ])
 def test_a_prompt_file_that_cannot_be_read_is_named_before_any_work(tmp_path, fresh_cache, content, phrases):
     prompts = tmp_path / "prompts.txt"
@@ -182,6 +191,15 @@ def test_a_prompt_file_that_cannot_be_read_is_named_before_any_work(tmp_path, fr
     code, _, err = cli("trace", "--prompts", str(prompts), "--out", str(tmp_path / "t.npz"))
     refused(code, err, 1, f"{prompts}", *phrases)
     assert nothing_converted() and not (tmp_path / "t.npz").exists()
+
+
+def test_a_prompt_file_may_begin_with_a_byte_order_mark(tmp_path):
+    from mira.runtime.tracing import read_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\nthere\n', encoding="utf-8-sig")  # as some editors save UTF-8
+    assert prompts.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert read_prompts(prompts) == ["hi", "there"]
 
 
 def test_a_file_system_error_is_one_line_naming_the_path(monkeypatch, tmp_path, fresh_cache):
@@ -369,3 +387,27 @@ def test_any_generate_arguments_run_or_end_in_one_line_never_a_traceback(stores,
         last = err.strip().splitlines()[-1] if err.strip() else ""
         assert code in (1, 2) and last.startswith("mira: error: ") and "internal error" not in last, (argv, err)
         assert err.count("mira: error:") == 1 and err.endswith("\n") and len(err.strip().splitlines()) <= 2, err
+
+
+def test_paths_written_after_the_work_are_checked_before_it(tmp_path, fresh_cache):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    (tmp_path / "x.features.npz").mkdir()  # where --features would write beside --out x.npz
+    code, _, err = cli("trace", "--prompts", str(prompts), "--out", str(tmp_path / "x.npz"), "--features", "--quiet")
+    refused(code, err, 1, f"--features writes {tmp_path / 'x.features.npz'} beside the trace",
+            "is a directory", "pass another --out")
+    assert nothing_converted() and not (tmp_path / "x.npz").exists()
+    code, _, err = cli("eval-predictor", "--traces", str(HELDOUT_TRACE), "--plot", str(tmp_path))
+    refused(code, err, 2, "--plot", "is a directory; pass a file name")
+
+
+def test_a_refused_rename_names_its_target_not_the_hidden_file_written_first(monkeypatch, fresh_cache):
+    import mira.cli
+
+    def busy(args):
+        raise OSError(16, "Device or resource busy", "/out/.x.png.k3j.tmp", None, "/out/x.png")
+
+    monkeypatch.setattr(mira.cli, "_simulate", busy)
+    code, _, err = cli("simulate", "--trace", str(HELDOUT_TRACE))
+    refused(code, err, 1, "Device or resource busy: /out/x.png; check the path")
+    assert ".tmp" not in err

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -108,6 +109,21 @@ def test_a_policy_or_prefetch_with_no_slots_to_act_on_is_refused(stores):
             mira.load(stores["mixtral", "int8-shared"], device="cpu", progress=False, **{setting: value})
     model = mira.load(stores["mixtral", "int8-shared"], device="cpu", progress=False, policy="mira", prefetch="auto")
     assert model.plan is None  # the defaults, named, still load: no slots
+
+
+def test_a_profile_of_another_shape_with_as_many_experts_is_refused(stores, tmp_path):
+    from mira.store.store import ExpertStore
+    from mira.store.trace import RoutingTrace
+
+    store = ExpertStore.open(stores["mixtral", "int8-shared"])
+    layers, experts = store.num_layers, store.num_experts
+    assert experts % 2 == 0  # the profile splits each layer into two of half the experts
+    ids = np.zeros((1, layers * 2, 1), dtype=np.int16)
+    RoutingTrace(ids, experts // 2).save(tmp_path / "folded.npz")
+    with pytest.raises(MiraError, match=rf"routes over {layers * 2} layers x {experts // 2} experts but this model "
+                                        rf"has {layers} x {experts}; record the profile with `mira trace`"):
+        mira.load(stores["mixtral", "int8-shared"], device="cpu", vram_budget="50%", policy="static",
+                  profile=str(tmp_path / "folded.npz"), progress=False)
 
 
 def test_prompt_longer_than_the_context(stores):

@@ -136,6 +136,20 @@ def test_train_predictor_then_eval_predictor_from_recorded_traces(store, tmp_pat
     assert "MixtureHead" in table and "gate speculation" in table and "L2 @2" in table
 
 
+def test_heads_go_to_the_store_of_the_scheme_asked_for(store, tmp_path, capsys):
+    """Heads fit every store of one checkpoint (one fingerprint); --quant picks the store they go to."""
+    checkpoint = store.parent / "checkpoint"
+    record_with_features(_load(store), PROMPTS[:2], 4, tmp_path / "t.npz", raw=True, progress=False)
+    _cli("train-predictor", "--model", checkpoint, "--quant", "int8-row", "--traces", tmp_path / "t.npz",
+         "--epochs", 1, "--quiet")
+    row = mira.load(checkpoint, device="cpu", quant="int8-row", progress=False)
+    assert f"predictor heads {predictor_file(row.store.path)}:" in capsys.readouterr().out
+    assert row.store.path != store and predictor_file(row.store.path).is_file()
+    assert isinstance(load_predictor(row.store.path, model_routers(row.hf_model), "cpu"), TrainedPredictor)
+    with pytest.raises(MiraError, match="holds int8-shared experts, not int4"):
+        _cli("train-predictor", "--model", store, "--quant", "int4", "--traces", tmp_path / "t.npz", "--quiet")
+
+
 def test_heads_or_features_of_another_model_are_refused(store, checkpoints, tmp_path):
     model = _load(store)
     other = _load(checkpoints["mixtral"])  # 3 MoE layers, another fingerprint

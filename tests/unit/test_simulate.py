@@ -217,8 +217,11 @@ def test_bad_arguments_are_refused():
         simulate(trace, "lru", -1)
     with pytest.raises(ValueError, match="needs a profile"):
         make_policy("static", 1, 2)
-    with pytest.raises(ValueError, match="has 1 x 3 experts but <memory> has 1 x 2; profile the same model"):
+    with pytest.raises(ValueError, match=r"routes over 1 layers x 3 experts but the trace <memory> has 1 x 2; record"):
         simulate(trace, "static", 1, profile=_trace([[[0]]], 3))
+    four = _trace([[[0]]], 4)  # 1 layer of 4 experts: as many as 2 layers of 2, yet another model
+    with pytest.raises(ValueError, match=r"routes over 2 layers x 2 experts but the trace <memory> has 1 x 4"):
+        simulate(four, "mira", 1, profile=_trace([[[0], [1]]], 2))
 
 
 def _small_sweep() -> list[dict]:
