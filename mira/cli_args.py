@@ -159,8 +159,11 @@ def output_dir(text: str) -> str:
     existing = path.parent if str(path.parent) else Path(".")
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not _takes_files(existing):
-        raise argparse.ArgumentTypeError(f"cannot write in {existing} (permission denied); pass another path")
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, not a directory; pass another path")
+    if not _takes_files(existing):
+        raise argparse.ArgumentTypeError(f"cannot write in {existing} (permission denied or a read-only file "
+                                         "system); pass another path")
     return text
 
 

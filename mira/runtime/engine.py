@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from mira.runtime.run_ahead import applies, decode_ahead
 from mira.runtime.threads import free_idle_team
 from mira.cache.transfer import Transfer
 from mira.store.cache import cache_store
-from mira.store.manifest import Manifest, is_store, looks_like_store
+from mira.store.manifest import Manifest, is_store, looks_like_store, stopped_conversion
 from mira.store.store import ExpertStore
 from mira.store.verify import corrupt
 
@@ -510,6 +511,10 @@ def _check_model_path(path: Path) -> None:
         MiraError: it does not exist, is a file, or is a store without a readable manifest.
     """
     if not path.exists():
+        if (partial := stopped_conversion(path)) is not None:
+            raise MiraError(f"model path {path} does not exist: a conversion into it stopped before it finished "
+                            f"({partial} holds what it wrote); finish it with `mira convert MODEL_DIR --out "
+                            f"{shlex.quote(str(path))}`, MODEL_DIR being the model it converts")
         hint = " (the bundled model is missing from this installation)" if path == BUNDLED_MODEL else ""
         raise MiraError(f"model path {path} does not exist{hint}; pass {MODEL_OPTION} with a local Hugging Face "
                         "model directory, a hub id (org/name) in the local Hugging Face cache, or a Mira store")

@@ -15,6 +15,7 @@ weights changed since is converted again.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,10 +36,10 @@ from mira.models.loader import read_config, routed_per_token, skeleton
 from mira.models.registry import adapter_for
 from mira.store.dequant import checkpoint_quant_method, dequantize_fp8
 from mira.store.expert_reader import ExpertReader
-from mira.store.files import fsync_path, sha256_file, write_json_atomic
+from mira.store.files import FILE_MODE, fsync_path, sha256_file, write_json_atomic
 from mira.store.layout import SCHEMES, ExpertLayout
 from mira.store.lock import store_lock
-from mira.store.manifest import MANIFEST, Manifest, format_version, looks_like_store
+from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX, Manifest, format_version, looks_like_store
 from mira.store.quant import quantize_expert
 from mira.store.sources import SAFETENSORS_INDEX, copied_files, record_sources
 from mira.store.verify import file_problems
@@ -169,20 +170,32 @@ def check_source(model_dir: Path, scheme: str) -> Source:
 
 def write_store(source: Source, out_dir: Path, progress: bool = True, force: bool = False) -> Manifest:
     """Convert a checked checkpoint (`check_source`) into `out_dir`, or check and repair the store there:
-    as `convert`."""
+    as `convert`. A link is followed: the store it names is the one replaced or repaired."""
+    out_dir = Path(os.path.realpath(out_dir))  # named by its parent and name, even as "." or through a link
     with store_lock(out_dir):
         for leftover in out_dir.parent.glob(f".{out_dir.name}.trash-*"):  # of a killed replacement
             shutil.rmtree(leftover, ignore_errors=True)
-        if out_dir.exists() or out_dir.is_symlink():
-            manifest = _check_existing(out_dir, source, force)
-            if manifest is not None:
-                return manifest
-        return _write_store(out_dir, source, progress)
+        try:
+            if out_dir.exists():
+                manifest = _check_existing(out_dir, source, force)
+                if manifest is not None:
+                    return manifest
+            return _write_store(out_dir, source, progress)
+        except (SafetensorError, OSError) as error:  # a full disk, mostly; what was written is kept to resume
+            if isinstance(error, OSError) and error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                raise
+            raise MiraError(f"cannot write the store {out_dir} ({error}); free space there, or pass another --out "
+                            "(MIRA_CACHE for a store made on first use), then run the same command again") from None
 
 
 def _check_existing(out_dir: Path, source: Source, force: bool) -> Manifest | None:
     """The manifest of `out_dir` if it is a sound store of `source`; else None, with `out_dir` moved
     to `<out>.partial` (its sound files kept, to be completed) or discarded (to be converted anew)."""
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        if out_dir == Path.cwd().resolve():
+            raise MiraError(f"--out names the working directory {out_dir}, which the finished store would replace "
+                            f"under your shell; pass --out ../{out_dir.name} from there, or another --out")
+        return None  # empty: the finished store takes its place
     if not out_dir.is_dir() or not looks_like_store(out_dir):
         raise MiraError(f"{out_dir} exists and is not a Mira store; choose another --out or remove it")
     partial = _partial(out_dir)
@@ -211,8 +224,9 @@ def _check_existing(out_dir: Path, source: Source, force: bool) -> Manifest | No
         return None
     problems = file_problems(out_dir, manifest)
     if not problems:
-        if manifest.sources != source.records:  # same content, newer times: record them
-            manifest = Manifest(**{**manifest.__dict__, "sources": source.records})
+        here = str(source.model_dir.resolve())
+        if manifest.sources != source.records or manifest.source != here:  # same content: newer times, a new place
+            manifest = Manifest(**{**manifest.__dict__, "sources": source.records, "source": here})
             manifest.write(out_dir)
         return manifest
     print(f"mira: repairing {out_dir}: " + "; ".join(f"{rel} {what}" for rel, what in problems.items()),
@@ -230,7 +244,7 @@ def _discard(path: Path) -> None:
 
 
 def _partial(out_dir: Path) -> Path:
-    return out_dir.with_name(out_dir.name + ".partial")
+    return out_dir.with_name(out_dir.name + PARTIAL_SUFFIX)
 
 
 def _write_store(out_dir: Path, source: Source, progress: bool) -> Manifest:
@@ -365,6 +379,7 @@ def _save_progress(partial: Path, key: dict, done: dict[str, str]) -> None:
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, FILE_MODE)  # as open() would make it: safetensors writes it for its owner alone
     fsync_path(tmp)  # on disk before it is named a finished file
     digest = sha256_file(tmp)
     tmp.replace(path)

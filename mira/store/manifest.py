@@ -25,6 +25,7 @@ EXTENDED_FORMAT_VERSION = 2  # blob layouts with biases or ungated experts (mira
 INT4_FORMAT_VERSION = 3  # int4 blobs with tiled codes (mira.store.int4); int4 stores of before are not read
 READABLE_VERSIONS = (FORMAT_VERSION, EXTENDED_FORMAT_VERSION, INT4_FORMAT_VERSION)
 MANIFEST = "manifest.json"
+PARTIAL_SUFFIX = ".partial"  # a conversion in progress writes <store>.partial, renamed to <store> when done
 
 
 def format_version(layout: ExpertLayout) -> int:
@@ -59,8 +60,11 @@ class Manifest:
         return f"experts/layer-{layer:03d}.safetensors"
 
     def repair_command(self, store_dir: Path) -> str:
-        """The command that checks this store and rewrites what is missing or corrupt."""
-        return f"mira convert {shlex.quote(self.source)} --out {shlex.quote(str(store_dir))} --quant {self.scheme}"
+        """The command that checks this store and rewrites what is missing or corrupt (for what a stopped
+        conversion or repair left, the store it was writing)."""
+        store = store_dir.with_name(store_dir.name.removesuffix(PARTIAL_SUFFIX)) if store_dir.name.endswith(
+            PARTIAL_SUFFIX) else store_dir
+        return f"mira convert {shlex.quote(self.source)} --out {shlex.quote(str(store))} --quant {self.scheme}"
 
     def write(self, store_dir: Path) -> None:
         write_json_atomic(store_dir / MANIFEST, asdict(self))
@@ -101,7 +105,17 @@ class Manifest:
 
 def _again(store_dir: Path, source: object) -> str:
     model = shlex.quote(source) if isinstance(source, str) else "MODEL_DIR"
+    if store_dir.name.endswith(PARTIAL_SUFFIX):  # a stopped conversion, finished under the store's own name
+        store = store_dir.with_name(store_dir.name.removesuffix(PARTIAL_SUFFIX))
+        return (f"it is what a stopped conversion into {store} left; finish that with `mira convert {model} --out "
+                f"{shlex.quote(str(store))}`")
     return f"convert the model again with `mira convert {model} --out {shlex.quote(str(store_dir))}`"
+
+
+def stopped_conversion(store_dir: Path) -> Path | None:
+    """Where a conversion into `store_dir` that stopped before it finished left its part, if it did."""
+    partial = store_dir.with_name(store_dir.name + PARTIAL_SUFFIX)
+    return partial if store_dir.name and partial.is_dir() else None
 
 
 def is_store(path: Path) -> bool:

@@ -16,6 +16,10 @@ from mira.store.files import sha256_file
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 COPIED_SUFFIXES = {".json", ".jinja", ".txt", ".model", ".tiktoken"}  # config and tokenizer files
 HASH_WORKERS = 4
+READ_SUFFIXES = {".safetensors", ".jinja", ".model", ".tiktoken"}  # weights, chat templates, tokenizer models
+READ_NAMES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "chat_template.json", "vocab.json", "vocab.txt",
+              "merges.txt", "preprocessor_config.json", "tekken.json"}
 
 
 def source_files(model_dir: Path) -> list[str]:
@@ -39,8 +43,11 @@ def record_sources(model_dir: Path) -> dict[str, dict]:
 
 def sources_match(model_dir: Path, recorded: dict[str, dict]) -> tuple[bool, dict[str, dict]]:
     """Whether `model_dir` still holds the files `recorded`, and the records refreshed with the times
-    of files found unchanged by hash (so the next check need not hash them again)."""
-    if not recorded or source_files(model_dir) != sorted(recorded):
+    of files found unchanged by hash (so the next check need not hash them again). A file added since
+    counts only if the store would take it in: weights, or a file transformers reads by name (a notes
+    .txt or a stats .json beside the model does not make it another model)."""
+    names = source_files(model_dir)
+    if not recorded or not set(recorded) <= set(names) or any(_read_by_name(n) for n in set(names) - set(recorded)):
         return False, recorded
     refreshed = {}
     for name, record in recorded.items():
@@ -50,6 +57,11 @@ def sources_match(model_dir: Path, recorded: dict[str, dict]) -> tuple[bool, dic
                 return False, recorded
         refreshed[name] = {**record, **now}
     return True, refreshed
+
+
+def _read_by_name(name: str) -> bool:
+    """A weights, config or tokenizer file that loading the model reads whenever it is there."""
+    return Path(name).suffix in READ_SUFFIXES or name in READ_NAMES
 
 
 def _stat(path: Path) -> dict[str, int]:

@@ -171,6 +171,10 @@ def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv,
      ("is a file, not a directory",)),
     (("train-predictor", "--traces", str(HELDOUT_TRACE), "--out", str(HELDOUT_TRACE)), 2,
      ("--out", "is a file; pass a directory")),
+    (("convert", str(HELDOUT_TRACE.parent), "--out", f"{HELDOUT_TRACE}/store"), 2,
+     ("--out", f"{HELDOUT_TRACE} is a file, not a directory")),
+    (("convert", str(HELDOUT_TRACE.parent), "--out", "/proc/mira-store"), 2,
+     ("--out", "cannot write in /proc (permission denied or a read-only file system)")),
 ])
 def test_the_other_commands_refuse_bad_values_before_any_work(argv, status, phrases, fresh_cache):
     code, _, err = cli(*argv)

@@ -84,3 +84,68 @@ def test_store_blobs_read_back_and_non_expert_weights_are_kept(checkpoints, stor
         names = set(f.keys())
     assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense layer's MLP stays in the model
     assert not any(".mlp.experts." in n for n in names)
+
+
+def test_an_output_named_from_inside_or_through_a_link_is_written_where_it_leads(tmp_path, checkpoints,
+                                                                                   monkeypatch):
+    from mira.errors import MiraError
+    from mira.store.files import FILE_MODE
+    from mira.store.manifest import Manifest
+
+    checkpoint = checkpoints["mixtral"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    with pytest.raises(MiraError, match=r"--out names the working directory .*; pass --out \.\./empty from there"):
+        convert(checkpoint, Path("."), progress=False)
+    monkeypatch.chdir(tmp_path)
+    manifest = convert(checkpoint, Path("empty"), progress=False)  # an empty folder takes the store
+    assert Manifest.read(empty) == manifest
+    modes = {rel: (empty / rel).stat().st_mode & 0o777 for rel in manifest.files}
+    assert set(modes.values()) == {FILE_MODE}, modes  # the weights as readable as the copied files
+
+    (tmp_path / "link").symlink_to(empty)
+    replaced = convert(checkpoint, tmp_path / "link", "int8-row", progress=False, force=True)
+    assert (tmp_path / "link").is_symlink() and Manifest.read(empty) == replaced and replaced.scheme == "int8-row"
+    assert not list(tmp_path.glob(".*trash*"))
+
+
+def test_a_moved_source_is_recorded_and_a_full_disk_is_named_with_its_fix(tmp_path, checkpoints, monkeypatch):
+    import shutil
+
+    from safetensors import SafetensorError
+
+    from mira.errors import MiraError
+    from mira.store.manifest import Manifest
+
+    source = tmp_path / "model"
+    shutil.copytree(checkpoints["olmoe"], source)
+    convert(source, tmp_path / "store", progress=False)
+    source.rename(tmp_path / "moved")
+    manifest = convert(tmp_path / "moved", tmp_path / "store", progress=False)  # the same files: nothing rewritten
+    assert manifest.source == str((tmp_path / "moved").resolve()) == Manifest.read(tmp_path / "store").source
+    assert f"mira convert {tmp_path / 'moved'} --out" in manifest.repair_command(tmp_path / "store")
+
+    def full(tensors, path, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(convert_module, "save_file", full)
+    with pytest.raises(MiraError, match=r"cannot write the store .*other.* \(Error while serializing: .*No space left"
+                                        r".*\); free space there, or pass another --out"):
+        convert(tmp_path / "moved", tmp_path / "other", progress=False)
+
+
+def test_what_a_stopped_conversion_left_points_to_the_store_it_was_writing(tmp_path, stores, monkeypatch):
+    import mira
+    from mira.errors import MiraError
+    from mira.store.manifest import Manifest
+
+    (tmp_path / "runs" / "s.partial").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for named in (tmp_path / "runs" / "s", "runs/s"):  # runs/s reads as a hub id (org/name) too
+        with pytest.raises(MiraError, match=r"model path \S*runs/s does not exist: a conversion into it stopped before "
+                                            r"it finished \(\S*runs/s.partial holds what it wrote\); finish it with "
+                                            r"`mira convert MODEL_DIR --out \S*runs/s`"):
+            mira.load(named, device="cpu", progress=False)
+    manifest = Manifest.read(stores["mixtral", "int8-shared"])
+    assert manifest.repair_command(tmp_path / "store.partial").endswith(f"--out {tmp_path / 'store'} --quant int8-shared")

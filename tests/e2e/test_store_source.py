@@ -70,6 +70,22 @@ def test_a_touched_checkpoint_is_hashed_once_and_not_converted_again(tmp_path, c
     assert mira.store.manifest.Manifest.read(store).sources["model.safetensors"]["mtime_ns"] == shard.stat().st_mtime_ns
 
 
+def test_a_file_loading_never_reads_added_beside_the_weights_keeps_the_store(tmp_path, capfd):
+    checkpoint = make_checkpoint("olmoe", tmp_path / "ckpt")
+    greedy(checkpoint)
+    layer = cache_store_path(checkpoint, "int8-shared") / "experts" / "layer-000.safetensors"
+    written = layer.stat().st_mtime_ns
+    (checkpoint / "stats.json").write_text("{}")  # e.g. `mira generate --stats-json` into the model's folder
+    (checkpoint / "notes.txt").write_text("tried at 12GiB")
+    capfd.readouterr()
+    greedy(checkpoint)
+    assert "convert" not in capfd.readouterr().err and layer.stat().st_mtime_ns == written
+    (checkpoint / "chat_template.jinja").write_text("{{ messages[0].content }}")  # read whenever it is there
+    greedy(checkpoint)
+    assert "changed since" in capfd.readouterr().err
+    assert (cache_store_path(checkpoint, "int8-shared") / "chat_template.jinja").is_file()
+
+
 def test_two_checkpoints_of_one_name_get_two_stores_named_for_where_they_came_from(tmp_path):
     first = make_checkpoint("qwen3_moe", tmp_path / "run-a" / "checkpoint-final", seed=0)
     second = make_checkpoint("qwen3_moe", tmp_path / "run-b" / "checkpoint-final", seed=1)
