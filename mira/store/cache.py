@@ -70,6 +70,14 @@ def _current(store: Path, model_dir: Path) -> bool:
 
 
 def cached_stores() -> list[Path]:
-    """Every store in the cache directory, by name."""
+    """Every store in the cache directory, by name, with what conversions left unfinished (`<store>.partial`)
+    and stores whose manifest is gone: all that takes space there."""
     root = cache_dir()
-    return sorted(path for path in root.iterdir() if is_store(path)) if root.is_dir() else []
+    return sorted(path for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")) \
+        if root.is_dir() else []
+
+
+def cache_leftovers() -> list[Path]:
+    """What a replacement killed between its rename and its deletion left in the cache (hidden)."""
+    root = cache_dir()
+    return sorted(root.glob(".*.trash-*")) if root.is_dir() else []

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mira.errors import MiraError
+from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX
 
 
 def add_command(subparsers) -> None:
@@ -41,10 +42,15 @@ def _ls(args: argparse.Namespace) -> None:
     stores = cached_stores()
     print(f"{cache_dir()}: {len(stores)} stores")
     for path in stores:
+        size = f"{_size(path) / 2**20:.1f} MiB"
+        if path.name.endswith(PARTIAL_SUFFIX):
+            print(f"{path.name}\t{size}\tan unfinished conversion: running, or stopped (the model's next use "
+                  "resumes it)")
+            continue
         try:
             manifest = Manifest.read(path)
         except MiraError:
-            print(f"{path.name}\tunreadable manifest")
+            print(f"{path.name}\t{size}\tunreadable manifest (the model's next use converts it again)")
             continue
         source = Path(manifest.source)
         if not manifest.sources:
@@ -53,8 +59,11 @@ def _ls(args: argparse.Namespace) -> None:
             state = "source gone"
         else:
             state = "current" if sources_match(source, manifest.sources)[0] else "source changed"
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        print(f"{path.name}\t{size / 2**20:.1f} MiB\t{manifest.scheme}\t{state}\t{manifest.source}")
+        print(f"{path.name}\t{size}\t{manifest.scheme}\t{state}\t{manifest.source}")
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _verify(args: argparse.Namespace) -> None:
@@ -65,6 +74,10 @@ def _verify(args: argparse.Namespace) -> None:
     paths = [_store_path(name, must_be_cached=False) for name in args.stores] or cached_stores()
     bad = 0
     for path in paths:
+        if path.name.endswith(PARTIAL_SUFFIX) and not (path / MANIFEST).is_file():
+            print(f"{path}: an unfinished conversion, not a store: the model's next use resumes it, `mira store rm "
+                  f"{path.name}` removes it")
+            continue
         try:
             manifest = Manifest.read(path)
         except MiraError as error:
@@ -83,25 +96,27 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 def _rm(args: argparse.Namespace) -> None:
-    from mira.store.cache import cached_stores
+    from mira.store.cache import cache_leftovers, cached_stores
     from mira.store.lock import store_lock
 
     if args.all == bool(args.stores):
         raise MiraError("name the cached stores to remove (see `mira store ls`), or pass --all")
     paths = cached_stores() if args.all else [_store_path(name, must_be_cached=True) for name in args.stores]
     for path in paths:
-        with store_lock(path):
+        with store_lock(path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))):  # as the conversion writing it
             shutil.rmtree(path)
         print(f"removed {path}", file=sys.stderr)
+    for leftover in cache_leftovers() if args.all else []:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _store_path(name: str, must_be_cached: bool) -> Path:
     """A cached store's name, or (unless `must_be_cached`) any store directory, as a path to a store."""
-    from mira.store.cache import cache_dir
+    from mira.store.cache import cache_dir, cached_stores
     from mira.store.manifest import looks_like_store
 
     cached = cache_dir() / name
-    if "/" not in name and looks_like_store(cached):
+    if "/" not in name and cached.is_dir() and cached in cached_stores():
         return cached
     path = Path(name)
     if not must_be_cached and looks_like_store(path):

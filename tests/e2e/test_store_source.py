@@ -177,3 +177,27 @@ def test_mira_store_lists_verifies_and_removes_the_cached_stores(tmp_path, monke
     assert main(["store", "rm", "nonesuch"]) == 1 and "see `mira store ls`" in capsys.readouterr().err
     assert main(["store", "remove", cached.name]) == 0
     assert not cached.exists() and os.listdir(cache_dir()) == []
+
+
+def test_mira_store_shows_and_removes_what_unfinished_conversions_left(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "cache"))
+    checkpoint = make_checkpoint("olmoe", tmp_path / "ckpt")
+    greedy(checkpoint)
+    cached = cache_store_path(checkpoint, "int8-shared")
+    stopped = cache_dir() / "other-0123456789ab-int8-shared.partial"  # a first use killed mid-conversion
+    (stopped / "experts").mkdir(parents=True)
+    (stopped / "experts" / "layer-000.safetensors").write_bytes(bytes(3 << 20))
+    headless = cache_dir() / "third-0123456789ab-int4"  # a store whose manifest is gone
+    shutil.copytree(cached / "experts", headless / "experts")
+    trash = cache_dir() / f".{cached.name}.trash-99"  # a replacement killed before its deletion
+    trash.mkdir()
+    capsys.readouterr()
+    assert main(["store", "ls"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith(f"{cache_dir()}: 3 stores\n") and ".trash" not in listing
+    assert f"{stopped.name}\t3.0 MiB\tan unfinished conversion" in listing
+    assert f"{headless.name}\t" in listing and "unreadable manifest (the model's next use converts it again)" in listing
+    assert main(["store", "verify", stopped.name]) == 0
+    assert "an unfinished conversion, not a store" in capsys.readouterr().out
+    assert main(["store", "rm", "--all"]) == 0
+    assert os.listdir(cache_dir()) == []
