@@ -16,7 +16,7 @@ DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mi
 
 def add_command(subparsers) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS
-    from mira.cli_args import existing_file, output_file, positive_int, thread_count
+    from mira.cli_args import existing_file, positive_int, thread_count
 
     bench = subparsers.add_parser(
         "bench", help="TTFT and tokens/s at several VRAM budgets, against baselines and the physical bound",
@@ -74,7 +74,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--num-prompts", type=positive_int, help="use the first N prompts of --prompts (default all)")
     bench.add_argument("--fixed", default="64x256", metavar="INxOUT",
                        help="the fixed setting without --prompts: INxOUT tokens, random ids (default 64x256)")
-    bench.add_argument("--fixed-count", type=int, default=1, help="prompts in the fixed setting (default 1)")
+    bench.add_argument("--fixed-count", type=positive_int, default=1, help="prompts in the fixed setting (default 1)")
     bench.add_argument("--budgets", default=DEFAULT_BUDGETS,
                        help=f"comma-separated VRAM budgets: sizes (24GiB), shares of the experts beyond the "
                             f"reserve (25%%), or 'all' (every expert resident); default {DEFAULT_BUDGETS}")
@@ -88,7 +88,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--profile", metavar="TRACE", type=existing_file,
                        help="routing trace placing the static policy's experts (default: routing counts of "
                             "calibration prompts run first)")
-    bench.add_argument("--repeats", type=int, default=3,
+    bench.add_argument("--repeats", type=positive_int, default=3,
                        help="timed runs of every configuration after one untimed warm-up run; figures are their "
                             "median and range (default 3)")
     bench.add_argument("--interleave", action="store_true",
@@ -96,12 +96,15 @@ def add_command(subparsers) -> None:
                             "fresh model's untimed run and one timed run, so that a host whose speed drifts weighs "
                             "on all alike (a budget's rows are written when its last round ends)")
     bench.add_argument("--beams", default="", metavar="W,W,...",
-                       help="also run beam search at these widths with mira+p (e.g. 1,2,4,8)")
-    bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs (default 24GiB)")
-    bench.add_argument("--beam-new-tokens", type=int, default=64, help="new tokens per beam-search run (default 64)")
-    bench.add_argument("--offload-prompts", type=int, default=1,
+                       help="also run beam search at these widths with mira+p (e.g. 1,2,4,8), at --beam-budget, "
+                            "which must be one of --budgets")
+    bench.add_argument("--beam-budget", default="24GiB", help="the budget of the beam-search runs, one of --budgets "
+                                                                "(default 24GiB)")
+    bench.add_argument("--beam-new-tokens", type=positive_int, default=64,
+                       help="new tokens per beam-search run (default 64)")
+    bench.add_argument("--offload-prompts", type=positive_int, default=1,
                        help="prompts hf-offload runs (it is slow: every token reads the offloaded weights over PCIe); default 1")
-    bench.add_argument("--offload-new-tokens", type=int, default=4,
+    bench.add_argument("--offload-new-tokens", type=positive_int, default=4,
                        help="new tokens per hf-offload prompt (default 4; at least 3 for a decode figure)")
     bench.add_argument("--offload-budgets", metavar="B,B,...",
                        help="budgets hf-offload runs at (default: every budget of --budgets but 'all')")
@@ -110,7 +113,7 @@ def add_command(subparsers) -> None:
                             "it does (mira where the calibration has it pay, mira-cpu-all, mira-cpu-graph's lanes); "
                             "default: the torch threads less one")
     bench.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=output_file,
+    bench.add_argument("--out", metavar="FILE.json", default="mira-bench.json", type=_json_out,
                        help="the JSON result, written after every run (default mira-bench.json); the PNG goes beside it")
     bench.add_argument("--resume", action="store_true",
                        help="continue the run in --out: keep the runs it holds and measure only the missing ones "
@@ -128,16 +131,21 @@ def _bench(args: argparse.Namespace) -> None:
     from mira.bench.run import BASELINES, MIRA_CONFIGS, BenchSetup, run_bench
     from mira.bench.sources import open_source
     from mira.errors import MiraError
-    from mira.runtime.engine import default_device
+    from mira.runtime.engine import default_device, parse_device
 
-    if args.repeats < 1:
-        raise MiraError(f"--repeats must be at least 1, got {args.repeats}")
     for label in [*_names(args.budgets), args.beam_budget, *_names(args.offload_budgets or "")]:
         _check_budget(label)
-    configs = _names(args.configs)
-    if not configs or not _names(args.budgets):
+    configs, budgets = _names(args.configs), _names(args.budgets)
+    if not configs or not budgets:
         raise MiraError("--configs and --budgets each need at least one name, e.g. --configs mira,lru "
                         "--budgets 25%,all")
+    for flag, names in (("--configs", configs), ("--budgets", budgets)):
+        if len(set(names)) < len(names):
+            raise MiraError(f"{flag} names {', '.join(sorted({n for n in names if names.count(n) > 1}))} more than "
+                            "once; name each once")
+    if args.num_prompts is not None and not args.prompts:
+        raise MiraError("--num-prompts takes the first prompts of --prompts; pass --prompts FILE, or --fixed-count "
+                        "for the fixed setting")
     unknown = [c for c in configs if c not in MIRA_CONFIGS and c not in BASELINES]
     if unknown:
         raise MiraError(f"unknown configuration {', '.join(unknown)}; choose from "
@@ -150,18 +158,22 @@ def _bench(args: argparse.Namespace) -> None:
             inputs, outputs = (int(n) for n in args.fixed.lower().split("x"))
         except ValueError:
             raise MiraError(f"cannot read --fixed {args.fixed!r}; write INxOUT, e.g. 64x256") from None
-        if inputs < 1 or outputs < 1:
-            raise MiraError(f"--fixed {args.fixed!r} needs at least one prompt token and one new token, e.g. 64x256")
+        if inputs < 1 or outputs < 2:
+            raise MiraError(f"--fixed {args.fixed!r} needs at least one prompt token and two new tokens (decoding "
+                            "is timed after the first), e.g. 64x256")
         prompts = fixed_prompts(args.fixed_count, inputs, outputs)
         prompt_set = f"fixed {inputs} in / {outputs} out, random ids ({args.fixed_count} prompts)"
     schemes = _schemes(args.quant)
-    beams = [int(w) for w in args.beams.split(",") if w.strip()]
-    setup = BenchSetup(prompts, prompt_set, _names(args.budgets), configs, beams=beams, beam_budget=args.beam_budget,
+    beams = _beam_widths(args.beams)
+    if beams and args.beam_budget not in budgets:
+        raise MiraError(f"--beams runs at --beam-budget {args.beam_budget}, which is not one of --budgets {args.budgets}; "
+                        f"add it there or pass another --beam-budget")
+    setup = BenchSetup(prompts, prompt_set, budgets, configs, beams=beams, beam_budget=args.beam_budget,
                        beam_new_tokens=args.beam_new_tokens, offload_prompts=args.offload_prompts,
                        offload_new_tokens=args.offload_new_tokens,
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
                        profile=args.profile, repeats=args.repeats, interleave=args.interleave, schemes=schemes)
-    device = torch.device(args.device or default_device())
+    device = parse_device(args.device) if args.device else torch.device(default_device())
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
                          schemes=tuple(schemes))
     source.heads = args.heads
@@ -206,6 +218,34 @@ def _check_budget(label: str) -> None:
     except MiraError:
         raise MiraError(f"cannot read the budget {label!r}; pass a size like 24GiB, a share of the experts like "
                         "25%, or all") from None
+
+
+def _json_out(text: str) -> str:
+    """--out: a file to write, which the chart, written beside it as NAME.png, does not overwrite."""
+    from mira.cli_args import output_file
+
+    if Path(text).suffix.lower() == ".png":
+        raise argparse.ArgumentTypeError(f"{text} is the name the chart would take (NAME.png beside NAME.json); pass "
+                                         "a .json file")
+    return output_file(text)
+
+
+def _beam_widths(text: str) -> list[int]:
+    """--beams as distinct positive widths, in order.
+
+    Raises:
+        MiraError: a width that is not a positive whole number, or one named twice.
+    """
+    from mira.errors import MiraError
+
+    widths = []
+    for name in _names(text):
+        if not name.isdigit() or int(name) < 1:
+            raise MiraError(f"--beams {text}: {name!r} is not a beam width; pass whole numbers of at least 1, e.g. 1,2,4")
+        if int(name) in widths:
+            raise MiraError(f"--beams {text} names {name} twice; name each width once")
+        widths.append(int(name))
+    return widths
 
 
 def _schemes(text: str | None) -> list[str | None]:

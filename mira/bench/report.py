@@ -20,7 +20,7 @@ def format_table(result: dict) -> str:
         share = "/".join(f"{100 * served[t] / max(sum(served.values()), 1):.0f}" for t in ("hot", "stage", "miss")) \
             if served else ""
         precision, recall = row.get("prefetch_precision"), row.get("prefetch_recall")
-        bound = row.get("bound", {})
+        bound = {} if "figures_of" in row.get("bound", {}) else row.get("bound", {})  # another machine's limit
         lines.append([
             row["budget"], row["config"], row.get("quant", ""), str(row.get("num_beams", 1)), str(row.get("slots", "")),
             _num(row.get("ttft_s")), _median_range(row, "decode_tokens_per_s"), _num(row.get("e2e_tokens_per_s")),
@@ -84,7 +84,7 @@ def cpu_share_lines(result: dict) -> list[str]:
         speed, bound = row["decode_tokens_per_s"], row.get("bound", {}).get("bound_tokens_per_s")
         line = (f"{row['budget']}: {row['config']} {speed:.3g} tokens/s, "
                 f"{speed / gpu_only[0]['decode_tokens_per_s']:.3f}x {gpu_name} (GPU only)")
-        if bound:
+        if bound and "figures_of" not in row["bound"]:
             line += f", {speed / bound:.3f}x the caching bound"
         review = (row.get("cpu_experts") or {}).get("review")
         if review is not None:
@@ -206,7 +206,9 @@ def plot(result: dict, path: str) -> None:
         for config, scheme in sorted(series, key=lambda s: (_config_rank(s[0]), schemes.index(s[1]) if s[1] else 0)):
             chosen = [r for r in runs if r["config"] == config and r.get("quant") == scheme and r.get(key)]
             if config == "hf-gpu" and chosen:
-                axis.axhline(chosen[0][key], linestyle="--", color=colour["hf-gpu"], label="hf-gpu (bf16, all on GPU)")
+                where = "GPU" if chosen[0].get("device", "cuda") == "cuda" else chosen[0]["device"].upper()
+                axis.axhline(chosen[0][key], linestyle="--", color=colour["hf-gpu"],
+                             label=f"hf-gpu ({chosen[0].get('dtype', 'bfloat16')}, all on {where})")
                 continue
             chosen = sorted((r for r in chosen if r["budget"] in budgets), key=lambda r: budgets.index(r["budget"]))
             if not chosen:
@@ -221,7 +223,7 @@ def plot(result: dict, path: str) -> None:
         if key == "decode_tokens_per_s":
             for scheme in schemes:
                 bound = {r["budget"]: r["bound"]["bound_tokens_per_s"] for r in runs
-                         if r.get("bound") and r.get("quant") == scheme}
+                         if r.get("bound") and "figures_of" not in r["bound"] and r.get("quant") == scheme}
                 points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
                 if points:
                     axis.plot(*zip(*points), linestyle=":" if len(schemes) == 1 else style[scheme], color="black",

@@ -103,7 +103,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
               resume: bool = False) -> dict:
     every = setup.prompts + CALIBRATION
     max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
-        [p.max_new_tokens for p in every] + [setup.beam_new_tokens])
+        [p.max_new_tokens for p in every] + ([setup.beam_new_tokens] if setup.beams else []))
     vocab = source.config.vocab_size
     positions = getattr(source.config, "max_position_embeddings", None)
     if positions and max_context > positions:
@@ -162,7 +162,10 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
     all_bytes = reserve + total_experts * warm.store.blob_bytes
-    profile = Popularity.of_trace(RoutingTrace.load(setup.profile)) if setup.profile else calibrated
+    if setup.profile:
+        trace = RoutingTrace.load(setup.profile)
+        trace.check_profile_of(warm.store.num_layers, warm.store.num_experts, source.label)
+    profile = Popularity.of_trace(trace) if setup.profile else calibrated
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
     del warm
     free_memory(device)
@@ -277,7 +280,8 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
     run_offload = "hf-offload" in setup.configs and bool(offload_budgets)
     if not run_gpu and not run_offload:
         return
-    nbytes = hf.parameter_bytes(source.config, hf.compute_dtype(source.config, device))
+    dtype = hf.compute_dtype(source.config, device)
+    nbytes = hf.parameter_bytes(source.config, dtype)
     on_device = hf.fits_on_device(nbytes, device)
     if not on_device and not hf.fits_in_host(nbytes):
         rows.extend({"config": name, "budget": ALL, "skipped": f"the {format_size(nbytes)} model fits neither the "
@@ -285,12 +289,13 @@ def _baselines(source: Source, setup: BenchSetup, budgets: dict[str, int], devic
         return
     model = source.full_model(device if on_device else torch.device("cpu"))
     if run_gpu:
-        row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes}
+        row = {"config": "hf-gpu", "budget": ALL, "budget_bytes": nbytes, "device": device.type,
+               "dtype": str(dtype).removeprefix("torch.")}  # on the CPU, transformers alone there
         if on_device:
             row.update(repeated(lambda: time_generation(model.generate, setup.prompts, source.tokenizer, vocab, device,
                                 random_continuation=_random_continuation(source)), setup.repeats))
         else:
-            row["skipped"] = f"the {format_size(nbytes)} bf16 model does not fit in device memory"
+            row["skipped"] = f"the {format_size(nbytes)} {row['dtype']} model does not fit in device memory"
         rows.append(row)
         print(_brief(row), file=sys.stderr, flush=True)
         save()
@@ -410,7 +415,8 @@ def _key(config: str, budget: str, num_beams: int = 1, beam_search: bool = False
     return config, budget, num_beams, beam_search, quant
 
 
-SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device", "interleave")
+SAME_RUN = ("model", "routing", "decoding", "prompt_set", "prompts", "commit", "device", "interleave", "repeats",
+            "profile", "cpu_threads")
 
 
 def _resumed(path: Path, fresh: dict) -> dict:
@@ -423,6 +429,8 @@ def _resumed(path: Path, fresh: dict) -> dict:
     """
     try:
         previous = json.loads(path.read_text())
+        if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
+            raise ValueError("not a mira bench result")
     except (OSError, ValueError) as error:
         raise MiraError(f"cannot resume from {path}: {error}; pass another --out or drop --resume") from None
     for field_name in SAME_RUN:
@@ -495,6 +503,8 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "configs": setup.configs,
         "quant": [source.scheme_of(scheme) for scheme in setup.schemes],
         "repeats": setup.repeats,
+        **({"profile": setup.profile} if setup.profile else {}),
+        **({"cpu_threads": source.cpu_threads} if source.cpu_threads else {}),
         **({"interleave": True} if setup.interleave else {}),
         "runs": [],
     }

@@ -101,6 +101,6 @@ def parse_size(text: str) -> int:
         value = float(number) * units[unit]
     except ValueError:
         raise MiraError(f"cannot read the size {text!r}; write it like 24GiB, 512MiB or 8G") from None
-    if value <= 0:
-        raise MiraError(f"the size {text!r} must be positive")
+    if not math.isfinite(value) or value < 1:
+        raise MiraError(f"the size {text!r} must be a finite number of at least 1 byte, like 24GiB")
     return int(value)

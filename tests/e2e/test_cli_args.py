@@ -143,7 +143,22 @@ def test_options_that_cannot_act_are_refused_before_the_model_is_converted(argv,
     (("serve", "--max-queue", "-3"), 2, ("--max-queue", "-3 is negative")),
     (("bench", "--fixed", "8", "--configs", "mira"), 1, ("cannot read --fixed '8'", "e.g. 64x256")),
     (("bench", "--fixed", "0x4", "--configs", "mira"), 1, ("--fixed '0x4' needs at least one prompt token",)),
-    (("bench", "--fixed", "8x0", "--configs", "mira"), 1, ("one new token", "e.g. 64x256")),
+    (("bench", "--fixed", "8x0", "--configs", "mira"), 1, ("two new tokens", "e.g. 64x256")),
+    (("bench", "--fixed", "8x1", "--configs", "mira"), 1, ("two new tokens (decoding is timed after the first)",)),
+    (("bench", "--out", "chart.png"), 2, ("--out", "chart.png is the name the chart would take")),
+    (("bench", "--beams", "abc"), 1, ("--beams abc: 'abc' is not a beam width",)),
+    (("bench", "--beams", "0"), 1, ("'0' is not a beam width",)),
+    (("bench", "--beams", "2,2"), 1, ("--beams 2,2 names 2 twice",)),
+    (("bench", "--beams", "2", "--budgets", "50%"), 1, ("--beam-budget 24GiB, which is not one of --budgets 50%",)),
+    (("bench", "--beam-new-tokens", "0"), 2, ("--beam-new-tokens", "not positive")),
+    (("bench", "--fixed-count", "0"), 2, ("--fixed-count", "not positive")),
+    (("bench", "--repeats", "0"), 2, ("--repeats", "not positive")),
+    (("bench", "--budgets", "nanGiB"), 1, ("cannot read the budget 'nanGiB'",)),
+    (("bench", "--budgets", "0.5"), 1, ("cannot read the budget '0.5'",)),
+    (("bench", "--configs", "mira,lru,mira"), 1, ("--configs names mira more than once",)),
+    (("bench", "--budgets", "all,25%,all"), 1, ("--budgets names all more than once",)),
+    (("bench", "--num-prompts", "3"), 1, ("--num-prompts takes the first prompts of --prompts",)),
+    (("bench", "--device", "gpu"), 1, ("unknown device 'gpu'; pass --device cpu, cuda or cuda:N",)),
     (("train-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
     (("eval-predictor", "--traces", "/no/such/t.npz"), 2, ("--traces", "t.npz does not exist")),
     (("eval", "ppl", "--max-tokens", "0"), 2, ("--max-tokens", "not positive")),
@@ -415,3 +430,15 @@ def test_a_refused_rename_names_its_target_not_the_hidden_file_written_first(mon
     code, _, err = cli("simulate", "--trace", str(HELDOUT_TRACE))
     refused(code, err, 1, "Device or resource busy: /out/x.png; check the path")
     assert ".tmp" not in err
+
+
+def test_a_bench_resumes_only_a_bench_result_of_the_same_settings(tmp_path):
+    out = tmp_path / "b.json"
+    common = ("bench", "--device", "cpu", "--fixed", "8x2", "--configs", "lru", "--budgets", "all", "--out", str(out),
+              "--quiet", "--resume")
+    assert cli(*common, "--repeats", "1")[0] == 0  # nothing to resume yet: a fresh run
+    code, _, err = cli(*common, "--repeats", "2")
+    refused(code, err, 1, f"cannot resume {out}: it holds another run (repeats 1, this run 2)")
+    out.write_text("[1, 2]")
+    code, _, err = cli(*common, "--repeats", "1")
+    refused(code, err, 1, f"cannot resume from {out}: not a mira bench result")
