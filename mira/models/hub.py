@@ -46,10 +46,7 @@ def locate(model: str | os.PathLike) -> ModelSource:
             return _cached(_repo_id(path.parent.parent.name), path)
         return ModelSource(path, path.resolve().name)
     if not path.exists() and REPO_ID.match(str(model)):
-        from mira.store.manifest import stopped_conversion
-
-        if stopped_conversion(path) is None:  # else a local store whose conversion stopped: the caller says so
-            return _cached(str(model), _download_cached(str(model)))
+        return _cached(str(model), _download_cached(str(model)))
     return ModelSource(path, path.name)  # missing: the caller says so
 
 

@@ -26,7 +26,7 @@ from mira.cache.slots import SlotPool
 from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, CpuMoEFFN, make_moe_ffn
-from mira.models.hub import MODEL_OPTION, locate
+from mira.models.hub import MODEL_OPTION, ModelSource, locate
 from mira.models.loader import MoESite, build_model, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
@@ -354,7 +354,7 @@ def load(path: str | os.PathLike | None = None, config: RuntimeConfig | None = N
         if file is not None and not Path(file).is_file():
             raise MiraError(f"{flag} {file} is not a file; pass the path of an existing file")
     model_path = Path(path) if path is not None else BUNDLED_MODEL
-    directory = locate(model_path).directory  # a hub id or cache folder -> its snapshot
+    directory = _locate(model_path).directory  # a hub id or cache folder -> its snapshot
     _check_model_path(directory)
     positions = getattr(_model_config(directory), "max_position_embeddings", None)
     setup = resolve_setup(dataclasses.replace(config, device=str(torch_device)),
@@ -492,7 +492,7 @@ def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
     """The store for `path`: `path` itself if it is a store, else its conversion in the cache directory,
     converted on first use and again whenever the files of `path` changed (mira.store.cache). `path`
     may also be a hub id or a hub cache folder (mira.models.hub)."""
-    source = locate(path)  # a hub id or cache folder -> its snapshot, and a store named after the repo
+    source = _locate(path)  # a hub id or cache folder -> its snapshot, and a store named after the repo
     path = source.directory
     _check_model_path(path)
     if is_store(path):
@@ -502,6 +502,14 @@ def resolve_store(path: Path, quant: str | None, progress: bool) -> Path:
                             f"{manifest.scheme}, or convert the model again with --quant {quant}")
         return path
     return cache_store(path, quant or "int8-shared", progress, name=source.name)
+
+
+def _locate(path: Path) -> ModelSource:
+    """`locate`, but a missing path where a conversion into it stopped (an org/name-like one too) is
+    named as such rather than looked up in the Hugging Face cache."""
+    if not path.exists() and stopped_conversion(path) is not None:
+        _check_model_path(path)
+    return locate(path)
 
 
 def _check_model_path(path: Path) -> None:
