@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from mira.errors import MiraError
@@ -45,11 +46,24 @@ def cache_store(model_dir: Path, scheme: str, progress: bool = True, name: str |
     if is_store(target) and _current(target, model_dir):
         return target
     source = check_source(model_dir, scheme)  # an unusable model is refused before anything is said or written
+    _check_writable(target.parent)
     if not target.exists():
         print(f"mira: converting {model_dir} into the store {target} (first use; later runs reuse it)",
               file=sys.stderr)
     write_store(source, target, progress)
     return target
+
+
+def _check_writable(root: Path) -> None:
+    """Raises MiraError, naming MIRA_CACHE, where the cache directory cannot be made or written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as error:
+        raise MiraError(f"cannot write the store cache {root} ({error.strerror}); set MIRA_CACHE to a writable "
+                        "directory, or convert into one with `mira convert MODEL_DIR --out DIR` and pass --model "
+                        "DIR") from None
 
 
 def _current(store: Path, model_dir: Path) -> bool:

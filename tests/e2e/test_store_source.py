@@ -201,3 +201,13 @@ def test_mira_store_shows_and_removes_what_unfinished_conversions_left(tmp_path,
     assert "an unfinished conversion, not a store" in capsys.readouterr().out
     assert main(["store", "rm", "--all"]) == 0
     assert os.listdir(cache_dir()) == []
+
+
+def test_a_cache_that_cannot_be_written_names_mira_cache_before_converting(tmp_path, monkeypatch, capfd):
+    checkpoint = make_checkpoint("olmoe", tmp_path / "ckpt")
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("MIRA_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(MiraError, match=r"cannot write the store cache \S*afile/stores \(Not a directory\); set "
+                                        r"MIRA_CACHE to a writable directory"):
+        mira.load(checkpoint, device="cpu", progress=False)
+    assert "converting" not in capfd.readouterr().err
