@@ -175,7 +175,7 @@ def _bench(args: argparse.Namespace) -> None:
                        profile=args.profile, repeats=args.repeats, interleave=args.interleave, schemes=schemes)
     device = parse_device(args.device) if args.device else torch.device(default_device())
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
-                         schemes=tuple(schemes))
+                         schemes=tuple(schemes), configs=tuple(configs))
     source.heads = args.heads
     source.cpu_threads = args.cpu_expert_threads
     out = Path(args.out)

@@ -73,7 +73,7 @@ MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with
     "mira-token-first": dict(policy="mira", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
     "static-token-first": dict(policy="static", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
 }
-BASELINES = ("hf-gpu", "hf-offload")
+BASELINES = hf.BASELINES
 ALL = "all"
 UNLIMITED = 1 << 50  # a budget no model reaches: every expert gets a slot
 CALIBRATION = fixed_prompts(2, input_tokens=64, new_tokens=8)

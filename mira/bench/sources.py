@@ -160,18 +160,22 @@ class SyntheticSource(Source):
 
 
 def open_source(model: str | None, synthetic: str | None, device: torch.device, progress: bool,
-                routing: str | None = None, schemes: tuple[str | None, ...] = (None,)) -> Source:
+                routing: str | None = None, schemes: tuple[str | None, ...] = (None,),
+                configs: tuple[str, ...] = ()) -> Source:
     """The model to benchmark: `synthetic` (a preset name or a config.json) or `model` (a directory or
     store; None: the bundled model), replaying the routing trace `routing` if given, able to open a
-    store of each of `schemes` (None: int8-shared, or a store's own); none is open yet.
+    store of each of `schemes` (None: int8-shared, or a store's own) for `configs`; none is open yet.
 
     Raises:
-        MiraError: an unreadable trace or config, a trace of another shape than the model, or a
-            scheme the source cannot have (a Mira store has one).
+        MiraError: an unreadable trace or config, a trace of another shape than the model, a
+            scheme the source cannot have (a Mira store has one), or baselines of a store.
     """
     if model is not None and len(schemes) > 1 and is_store(Path(model)):
         raise MiraError(f"{model} is a Mira store, which holds one quantization scheme; pass the model directory "
                         "it was converted from to measure several")
+    if model is not None and is_store(Path(model)) and (baselines := [c for c in configs if c in hf.BASELINES]):
+        raise MiraError(f"the baselines ({', '.join(baselines)}) run the original checkpoint, which the store {model} "
+                        "does not keep; pass the model directory it was converted from, or leave them out of --configs")
     if routing is not None and not Path(routing).is_file():
         raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass an .npz of DESIGN.md 5")
     trace = RoutingTrace.load(routing) if routing is not None else None

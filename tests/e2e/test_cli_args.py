@@ -442,3 +442,10 @@ def test_a_bench_resumes_only_a_bench_result_of_the_same_settings(tmp_path):
     out.write_text("[1, 2]")
     code, _, err = cli(*common, "--repeats", "1")
     refused(code, err, 1, f"cannot resume from {out}: not a mira bench result")
+
+
+def test_a_bench_of_a_store_refuses_the_baselines_before_measuring(stores):
+    store = stores["mixtral", "int8-shared"]
+    code, _, err = cli("bench", "--model", str(store), "--configs", "mira,hf-gpu", "--fixed", "8x2", "--budgets", "all",
+                       "--device", "cpu", "--quiet")
+    refused(code, err, 1, f"the baselines (hf-gpu) run the original checkpoint, which the store {store} does not keep")
