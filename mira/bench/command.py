@@ -124,14 +124,12 @@ def add_command(subparsers) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    import torch
-
     from mira.bench.prompts import fixed_prompts, read_prompt_file
     from mira.bench.report import format_table, plot
     from mira.bench.run import BASELINES, MIRA_CONFIGS, BenchSetup, run_bench
     from mira.bench.sources import open_source
     from mira.errors import MiraError
-    from mira.runtime.engine import default_device, parse_device
+    from mira.runtime.engine import parse_device
 
     for label in [*_names(args.budgets), args.beam_budget, *_names(args.offload_budgets or "")]:
         _check_budget(label)
@@ -173,7 +171,7 @@ def _bench(args: argparse.Namespace) -> None:
                        offload_new_tokens=args.offload_new_tokens,
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
                        profile=args.profile, repeats=args.repeats, interleave=args.interleave, schemes=schemes)
-    device = parse_device(args.device) if args.device else torch.device(default_device())
+    device = parse_device(args.device)
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
                          schemes=tuple(schemes), configs=tuple(configs))
     source.heads = args.heads

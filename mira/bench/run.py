@@ -162,10 +162,11 @@ def _scheme_runs(source: Source, setup: BenchSetup, device: torch.device, max_co
     reserve = warm.plan.reserve_bytes if warm.plan else 0
     total_experts = warm.store.num_layers * warm.store.num_experts
     all_bytes = reserve + total_experts * warm.store.blob_bytes
-    if setup.profile:
-        trace = RoutingTrace.load(setup.profile)
-        trace.check_profile_of(warm.store.num_layers, warm.store.num_experts, source.label)
-    profile = Popularity.of_trace(trace) if setup.profile else calibrated
+    profile = calibrated
+    if setup.profile:  # refused before any cell runs where it routes over another model's experts
+        recorded = RoutingTrace.load(setup.profile)
+        recorded.check_profile_of(warm.store.num_layers, warm.store.num_experts, source.label)
+        profile = Popularity.of_trace(recorded)
     result["static_profile"] = setup.profile or "calibration prompts (random ids)"
     del warm
     free_memory(device)
