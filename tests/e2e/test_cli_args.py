@@ -450,3 +450,12 @@ def test_a_bench_of_a_store_refuses_the_baselines_before_measuring(stores):
     code, _, err = cli("bench", "--model", str(store), "--configs", "mira,hf-gpu", "--fixed", "8x2", "--budgets", "all",
                        "--device", "cpu", "--quiet")
     refused(code, err, 1, f"the baselines (hf-gpu) run the original checkpoint, which the store {store} does not keep")
+
+
+def test_a_bench_refuses_a_profile_of_another_model_before_its_cells(tmp_path):
+    mixtral = HELDOUT_TRACE.parent / "mixtral-8x7b-instruct-decode.npz"  # 32 layers x 8 experts
+    out = tmp_path / "b.json"
+    code, _, err = cli("bench", "--device", "cpu", "--fixed", "8x2", "--configs", "static", "--budgets", "50%",
+                       "--profile", str(mixtral), "--out", str(out), "--quiet")
+    assert code == 1 and "routes over 32 layers x 8 experts but mira-tiny-moe has 12 x 8" in err.splitlines()[-1]
+    assert not out.exists()
