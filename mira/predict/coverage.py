@@ -148,7 +148,8 @@ def format_coverage(result: dict) -> str:
         rows.append(row + [f"{value:.2f}" for value in decode[ks[min(1, len(ks) - 1)]]["layers"]])
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines += ["  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]) for row in rows]
-    lines.append("per-layer columns: Coverage@2 on decode steps; " + "; ".join(f"{s}: {SUBSETS[s]}" for s in subsets))
+    steps = "decode steps" if "decode" in subsets else "all steps (the traces have no decode step)"
+    lines.append(f"per-layer columns: Coverage@2 on {steps}; " + "; ".join(f"{s}: {SUBSETS[s]}" for s in subsets))
     return "\n".join(lines)
 
 

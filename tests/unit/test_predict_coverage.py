@@ -46,3 +46,22 @@ def test_bad_arguments_are_refused():
         coverage(_one([1, 2, 3, 4]), _one([1, 0, 0]), 1)
     with pytest.raises(ValueError, match="positive sum"):
         coverage(_one([1, 2, 3, 4]), _one([1, 0, 0, 0]), 1, weights=np.zeros(1))
+
+
+def test_the_coverage_table_says_which_steps_its_layer_columns_cover():
+    from mira.predict.coverage import format_coverage
+
+    def subset(layers):
+        return {"@1": {"layers": layers, "mean": sum(layers) / 2}, "@2": {"layers": layers, "mean": sum(layers) / 2}}
+
+    prompts_only = {"steps": 2, "decode_steps": 0, "tokens": 9,
+                    "coverage": {"gate": {"prefill": subset([0.5, 0.25]), "all": subset([0.5, 0.25])}}}
+    table = format_coverage(prompts_only)
+    row = table.splitlines()[-2]  # the predictor's, above the footer
+    assert row.startswith("gate speculation") and row.split()[-2:] == ["0.50", "0.25"]
+    assert "per-layer columns: Coverage@2 on all steps (the traces have no decode step)" in table
+    decoded = {**prompts_only, "decode_steps": 1,
+               "coverage": {"gate": {"decode": subset([1.0, 0.0]), **prompts_only["coverage"]["gate"]}}}
+    table = format_coverage(decoded)
+    assert "per-layer columns: Coverage@2 on decode steps;" in table and table.splitlines()[-2].split()[-2:] == ["1.00",
+                                                                                                          "0.00"]
