@@ -152,8 +152,9 @@ def load_predictions(source: str, trace: RoutingTrace, heads: str | os.PathLike 
     of a prompt step carrying its step's offer):
     gate (layer i+2's router on layer i's input, recorded while tracing), trained (the MixtureHeads
     in `heads`), previous (layer i+2's routing at the previous step), popularity (routed tokens
-    per expert in `profile`), oracle (the routing that layer i+2 then had, heaviest first: a perfect
-    predictor, yet not the best staging, since its first expert may be resident already).
+    per expert in `profile`), oracle (the experts layer i+2 then routed, by routed tokens, ties to the
+    lower id: a perfect predictor of the routed set, yet not the best staging, since its first expert
+    may be resident already).
 
     Args:
         source: one of `PREDICTORS`, or an .npz file holding `predictions`, int [T, L, P]: experts

@@ -275,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--predictions", metavar="PREDICTOR|FILE.npz",
                      help="replay prefetching into STAGE (mira policy; the best prediction per target layer is "
                           "staged, as at run time): gate, trained (needs --heads), previous, popularity (needs "
-                          "--profile) or oracle (layer i+2's actual routing, heaviest first: a perfect predictor, not "
-                          "the best staging, since its first expert may be resident already), computed per step from "
+                          "--profile) or oracle (layer i+2's routed experts, by routed tokens, ties to the lower id: "
+                          "a perfect predictor of the routed set, not the best staging, since its first expert may "
+                          "be resident already), computed per step from "
                           "the features beside the trace (`mira trace --features`); or an .npz with 'predictions', "
                           "int [tokens, layers, P], experts best first, -1 for none. PCIe bytes then count the "
                           "prefetch copies too")
