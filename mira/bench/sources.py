@@ -173,9 +173,6 @@ def open_source(model: str | None, synthetic: str | None, device: torch.device, 
     if model is not None and len(schemes) > 1 and is_store(Path(model)):
         raise MiraError(f"{model} is a Mira store, which holds one quantization scheme; pass the model directory "
                         "it was converted from to measure several")
-    if model is not None and is_store(Path(model)) and (baselines := [c for c in configs if c in hf.BASELINES]):
-        raise MiraError(f"the baselines ({', '.join(baselines)}) run the original checkpoint, which the store {model} "
-                        "does not keep; pass the model directory it was converted from, or leave them out of --configs")
     if routing is not None and not Path(routing).is_file():
         raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass an .npz of DESIGN.md 5")
     trace = RoutingTrace.load(routing) if routing is not None else None
@@ -183,6 +180,9 @@ def open_source(model: str | None, synthetic: str | None, device: torch.device, 
         Path(model) if model else None, device, progress, schemes[0])
     for scheme in schemes:
         source.scheme_of(scheme)  # every scheme refused before any store is made
+    if model is not None and is_store(Path(model)) and (baselines := [c for c in configs if c in hf.BASELINES]):
+        raise MiraError(f"the baselines ({', '.join(baselines)}) run the original checkpoint, which the store {model} "
+                        "does not keep; pass the model directory it was converted from, or leave them out of --configs")
     source.trace = trace
     return source
 
