@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from mira.errors import MiraError
-from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX
+from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX, written_store
 
 
 def add_command(subparsers) -> None:
@@ -103,7 +103,7 @@ def _rm(args: argparse.Namespace) -> None:
         raise MiraError("name the cached stores to remove (see `mira store ls`), or pass --all")
     paths = cached_stores() if args.all else [_store_path(name, must_be_cached=True) for name in args.stores]
     for path in paths:
-        with store_lock(path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))):  # as the conversion writing it
+        with store_lock(written_store(path)):  # the lock the conversion writing a .partial holds
             shutil.rmtree(path)
         print(f"removed {path}", file=sys.stderr)
     for leftover in cache_leftovers() if args.all else []:

@@ -62,8 +62,7 @@ class Manifest:
     def repair_command(self, store_dir: Path) -> str:
         """The command that checks this store and rewrites what is missing or corrupt (for what a stopped
         conversion or repair left, the store it was writing)."""
-        store = store_dir.with_name(store_dir.name.removesuffix(PARTIAL_SUFFIX)) if store_dir.name.endswith(
-            PARTIAL_SUFFIX) else store_dir
+        store = written_store(store_dir)
         return f"mira convert {shlex.quote(self.source)} --out {shlex.quote(str(store))} --quant {self.scheme}"
 
     def write(self, store_dir: Path) -> None:
@@ -105,11 +104,17 @@ class Manifest:
 
 def _again(store_dir: Path, source: object) -> str:
     model = shlex.quote(source) if isinstance(source, str) else "MODEL_DIR"
-    if store_dir.name.endswith(PARTIAL_SUFFIX):  # a stopped conversion, finished under the store's own name
-        store = store_dir.with_name(store_dir.name.removesuffix(PARTIAL_SUFFIX))
+    store = written_store(store_dir)
+    if store != store_dir:  # a stopped conversion, finished under the store's own name
         return (f"it is what a stopped conversion into {store} left; finish that with `mira convert {model} --out "
                 f"{shlex.quote(str(store))}`")
     return f"convert the model again with `mira convert {model} --out {shlex.quote(str(store_dir))}`"
+
+
+def written_store(store_dir: Path) -> Path:
+    """The store a `<store>.partial` directory was being written as; any other directory itself."""
+    name = store_dir.name
+    return store_dir.with_name(name.removesuffix(PARTIAL_SUFFIX)) if name.endswith(PARTIAL_SUFFIX) else store_dir
 
 
 def stopped_conversion(store_dir: Path) -> Path | None:
