@@ -45,6 +45,7 @@ from mira.store.sources import SAFETENSORS_INDEX, copied_files, record_sources
 from mira.store.verify import file_problems
 
 PROGRESS = "progress.json"
+FULL_DISK = "(os error 28)"  # how safetensors reports ENOSPC
 CONFIG = "config.json"
 NON_EXPERT_SHARD_BYTES = 2 << 30
 TMP_SUFFIX = ".tmp"  # files being written; never part of a store
@@ -181,11 +182,11 @@ def write_store(source: Source, out_dir: Path, progress: bool = True, force: boo
                 if manifest is not None:
                     return manifest
             return _write_store(out_dir, source, progress)
-        except (SafetensorError, OSError) as error:  # a full disk, mostly; what was written is kept to resume
-            if isinstance(error, OSError) and error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+        except OSError as error:  # a full disk; what was written is kept to resume
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise MiraError(f"cannot write the store {out_dir} ({error}); free space there, or pass another --out "
-                            "(MIRA_CACHE for a store made on first use), then run the same command again") from None
+            raise MiraError(f"cannot write the store {out_dir} ({error.strerror}); free space there, or pass another "
+                            "--out (MIRA_CACHE for a store made on first use), then run the same command again") from None
 
 
 def _check_existing(out_dir: Path, source: Source, force: bool) -> Manifest | None:
@@ -378,7 +379,12 @@ def _save_progress(partial: Path, key: dict, done: dict[str, str]) -> None:
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    except SafetensorError as error:  # its I/O errors carry the OS error's text only
+        if FULL_DISK not in str(error):
+            raise
+        raise OSError(errno.ENOSPC, str(error), str(tmp)) from None
     os.chmod(tmp, FILE_MODE)  # as open() would make it: safetensors writes it for its owner alone
     fsync_path(tmp)  # on disk before it is named a finished file
     digest = sha256_file(tmp)
