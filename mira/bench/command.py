@@ -179,7 +179,7 @@ def _bench(args: argparse.Namespace) -> None:
     out = Path(args.out)
     result = run_bench(source, setup, device, out, "mira " + shlex.join(args.argv), resume=args.resume)
     print(format_table(result))
-    for run in result["runs"]:  # the table cuts each reason short
+    for run in result["runs"]:  # the table marks a skipped row; its reason is here
         if run.get("skipped"):
             print(f"skipped {run['config']} at {run['budget']}: {run['skipped']}", file=sys.stderr)
     if all(run.get("skipped") for run in result["runs"]):

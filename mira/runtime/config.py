@@ -16,6 +16,7 @@ from mira.cache.budget import parse_size
 from mira.cache.config import POLICIES, CacheConfig
 from mira.cache.staging import ROWS as STAGING_ROWS
 from mira.errors import MiraError
+from mira.runtime.threads import usable_cpus
 from mira.store.layout import SCHEMES
 
 PREFETCH = ("auto", "trained", "gate", "off")
@@ -147,6 +148,9 @@ class RuntimeConfig:
         threads = self.hybrid.threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise MiraError(f"--cpu-threads {threads} is not a positive number of threads; pass 1 or more")
+        if threads is not None and threads > (cpus := len(usable_cpus())):  # as the CLI's parser refuses it
+            raise MiraError(f"--cpu-threads {threads} would share {cpus} CPUs and wait on each other; pass at most "
+                            f"{cpus}")
         lanes = self.hybrid.lanes
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
             raise MiraError(f"--cpu-lanes {lanes} is not a positive number of lanes; pass 1 or more")

@@ -92,3 +92,14 @@ def test_a_run_whose_calibration_left_autos_share_off_says_what_it_priced():
         "over PCIe 2 ms", "50%: the CPU's share stayed off in mira: calibrated, a CPU expert at one token 5 ms against "
         "its read over PCIe 2 ms"]
     assert share_off_lines({"runs": [unset, on]}) == []
+
+
+def test_a_skipped_row_is_marked_without_widening_the_other_rows_columns():
+    row = {"config": "mira", "budget": "25%", "num_beams": 1, "slots": 10, "ttft_s": 0.125,
+           "decode_tokens_per_s": 9.0, "e2e_tokens_per_s": 8.0, "repeats": [{"decode_tokens_per_s": 9.0}]}
+    skipped = {"config": "lru", "budget": "25%", "skipped": "the budget of 1.00 MiB is below the 17.87 MiB needed " * 2}
+    result = {"model": "m", "routing": "synthetic", "prompt_set": "fixed", "machine": "here", "runs": [row]}
+    alone = format_table(result).splitlines()
+    both = format_table({**result, "runs": [row, skipped]}).splitlines()
+    assert both[:3] == alone[:3]  # title, header and the measured row, column for column
+    assert both[3].split() == ["25%", "lru", "skipped"] and "below" not in format_table({**result, "runs": [skipped, row]})

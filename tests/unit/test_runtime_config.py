@@ -4,6 +4,7 @@ import pytest
 
 from mira.cache.config import CacheConfig
 from mira.errors import MiraError
+from mira.runtime.threads import usable_cpus
 from mira.runtime.config import (CPU_BF16_EXPERT_WEIGHTS, DEFAULT_MAX_CONTEXT, STAGING_ROWS, Decisions, Facts,
                                  PrefetchConfig, RuntimeConfig, default_dtype, resolve, resolve_setup)
 
@@ -100,6 +101,7 @@ def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     (dict(cpu_experts="some"), "unknown cpu_experts 'some'; choose one of auto, off, all, split"),
     (dict(cpu_threads=0), "--cpu-threads 0 is not a positive"), (dict(cpu_threads=-2), "--cpu-threads -2"),
     (dict(cpu_threads=1.5), "--cpu-threads 1.5"),
+    (dict(cpu_threads=len(usable_cpus()) + 1), f"would share {len(usable_cpus())} CPUs"),
     (dict(cpu_experts="all", residency="lagged"), "pass --residency inline"),
     (dict(cpu_experts="split", residency="lagged"), "--cpu-experts split needs each layer's misses"),
 ])
