@@ -116,7 +116,7 @@ def _store_path(name: str, must_be_cached: bool) -> Path:
     from mira.store.manifest import looks_like_store
 
     cached = cache_dir() / name
-    if "/" not in name and cached.is_dir() and cached in cached_stores():
+    if "/" not in name and cached in cached_stores():
         return cached
     path = Path(name)
     if not must_be_cached and looks_like_store(path):
