@@ -2,7 +2,7 @@
 
 Loads the bundled model, or a synthetic one at real shapes (`--synthetic mixtral-8x7b`), and for
 each budget and each `mira bench` configuration (mira+p, mira, lru, static, ...: the same names and
-settings, mira.bench.run.MIRA_CONFIGS) profiles one greedy `generate` call on one prompt from the
+settings, mira.bench.configs.MIRA_CONFIGS) profiles one greedy `generate` call on one prompt from the
 end of the prompt's forward on: a logits processor, called once the prompt's logits are ready,
 waits for the device and starts the profiler, so the figures are the call's own `--steps` decode
 steps: not the prompt's, whose expert kernels are grouped GEMMs that cost about ten decode layers
@@ -56,8 +56,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from mira.bench.measure import RandomContinuation
 from mira.bench.provenance import result_header
 from mira.runtime.config import PrefetchConfig, RuntimeConfig
+from mira.bench.configs import MIRA_CONFIGS
 from mira.bench.run import (
-    CALIBRATION_ROWS, MIRA_CONFIGS, UNLIMITED, _budget_bytes, calibration_placement, config_model, free_memory,
+    CALIBRATION_ROWS, UNLIMITED, _budget_bytes, calibration_placement, config_model, free_memory,
 )
 from mira.bench.sources import open_source
 from mira.cache.policy import Popularity

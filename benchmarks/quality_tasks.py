@@ -24,7 +24,7 @@ import mira.eval.lm_eval_backend  # noqa: E402,F401  (registers the model `mira`
 from mira.bench.provenance import result_header  # noqa: E402
 from mira.runtime.engine import default_device  # noqa: E402
 from mira.store.files import write_json_atomic  # noqa: E402
-from mira.store.layout import SCHEMES  # noqa: E402
+from mira.store.schemes import SCHEMES  # noqa: E402
 
 TASKS_DIR = ROOT / "tests" / "lm_eval_tasks"
 TASKS = ("mira_bigbench_anachronisms", "mira_bigbench_general_knowledge", "mira_bigbench_cause_and_effect_one_sentence")

@@ -13,7 +13,7 @@ from pathlib import Path
 from mira.cache.config import POLICIES
 from mira.errors import MiraError
 from mira.runtime.config import CPU_EXPERTS, DTYPES, PREFETCH, RESIDENCY, RuntimeConfig, refuse_split_off_cuda
-from mira.store.layout import SCHEMES
+from mira.store.schemes import SCHEMES
 
 QUANT_HELP = ("expert quantization: int8-shared (INT8, one bf16 scale vector per expert shared by its three "
               "matrices; the default), int8-row (INT8, one scale per row), int4 (4-bit, a bf16 scale and offset "

@@ -7,15 +7,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from mira.bench.synthetic import PRESETS
-from mira.store.layout import SCHEMES
+from mira.bench.configs import BASELINES, DEFAULT_CONFIGS, MIRA_CONFIGS
+from mira.bench.presets import PRESETS
+from mira.store.schemes import SCHEMES
 
 DEFAULT_BUDGETS = "8GiB,12GiB,24GiB,48GiB,all"
-DEFAULT_CONFIGS = "mira,lru,lru-lagged,lfu,static,hf-gpu,hf-offload"  # what `mira generate` does, and the baselines
 
 
 def add_command(subparsers) -> None:
-    from mira.bench.run import BASELINES, MIRA_CONFIGS
     from mira.cli_args import existing_file, positive_int, thread_count
 
     bench = subparsers.add_parser(
@@ -126,7 +125,7 @@ def add_command(subparsers) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from mira.bench.prompts import fixed_prompts, read_prompt_file
     from mira.bench.report import format_table, plot
-    from mira.bench.run import BASELINES, MIRA_CONFIGS, BenchSetup, run_bench
+    from mira.bench.run import BenchSetup, run_bench
     from mira.bench.sources import open_source
     from mira.errors import MiraError
     from mira.runtime.engine import parse_device

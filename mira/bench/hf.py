@@ -22,8 +22,6 @@ from mira.models.registry import adapter_for
 from mira.runtime.config import default_dtype
 from mira.store.layout import ExpertLayout
 
-BASELINES = ("hf-gpu", "hf-offload")  # the configurations these are, in mira bench
-
 HOST_MARGIN = 8 << 30  # host memory left to the process and the system
 DEVICE_MARGIN = 2 << 30
 

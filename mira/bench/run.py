@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from mira.bench import hf
+from mira.bench.configs import BASELINES, MIRA_CONFIGS
 from mira.bench.measure import merged_turns, repeated, run_mira, time_generation
 from mira.bench.report import stolen_note
 from mira.bench.prompts import BenchPrompt, fixed_prompts, prompt_ids
@@ -50,30 +51,6 @@ from mira.runtime.config import RuntimeConfig
 from mira.runtime.experts import MiraExperts
 from mira.store.files import write_json_atomic
 
-MIRA_CONFIGS = {  # name -> its settings (mira.runtime.config.RuntimeConfig.with_overrides)
-    "mira+p": dict(policy="mira", prefetch="auto", residency="inline"),  # staging through STAGE slots
-    "mira+p-lagged": dict(policy="mira", prefetch="auto", residency="lagged"),  # staging on the device
-    "mira+gate": dict(policy="mira", prefetch="gate", residency="inline"),
-    "mira": dict(policy="mira", prefetch="off", residency="auto"),  # what `mira generate` does
-    "mira-gpu": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="off"),  # no CPU share
-    "mira-device-calibrated": dict(policy="mira", prefetch="off", residency="auto", device_pace=False),  # an A/B
-    "mira-cpu-all": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="all"),  # every miss on the CPU
-    "mira-cpu-split": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="split"),  # auto's rule ignored
-    "mira-cpu-graph": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="graph"),  # lanes, replayed
-    "mira-cpu-graph-1": dict(policy="mira", prefetch="off", residency="auto", cpu_experts="graph", cpu_lanes=1),
-    "mira-inline": dict(policy="mira", prefetch="off", residency="inline"),
-    "mira-lagged": dict(policy="mira", prefetch="off", residency="lagged"),
-    "mira-eager": dict(policy="mira", prefetch="off", residency="inline", cuda_graphs=False),  # every step eager
-    "lru": dict(policy="lru", prefetch="off", residency="inline"),  # mixtral-offloading's way
-    "lru-lagged": dict(policy="lru", prefetch="off", residency="lagged"),
-    "lfu": dict(policy="lfu", prefetch="off", residency="inline"),
-    "static": dict(policy="static", prefetch="off", residency="auto"),  # lagged: it never admits a miss
-    "mira-settle-now": dict(policy="mira", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
-    "static-settle-now": dict(policy="static", prefetch="off", residency="auto", deferred_settle=False),  # an A/B
-    "mira-token-first": dict(policy="mira", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
-    "static-token-first": dict(policy="static", prefetch="off", residency="auto", decode_ahead=False),  # an A/B
-}
-BASELINES = hf.BASELINES
 ALL = "all"
 UNLIMITED = 1 << 50  # a budget no model reaches: every expert gets a slot
 CALIBRATION = fixed_prompts(2, input_tokens=64, new_tokens=8)

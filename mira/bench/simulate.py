@@ -21,17 +21,15 @@ import numpy as np
 
 from mira.cache.belady import warm_belady_misses
 from mira.charts import save_png
-from mira.kernels.machine import machine
 from mira.cache.policy import Access, Policy, Popularity, Tier, make_policy
 from mira.cache.config import CacheConfig
 from mira.store.trace import RoutingTrace
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand", "belady")
 RESIDENCY = ("inline", "lagged")  # when the policy acts: before each layer, or after each step
-# Defaults: a Mixtral-8x7B expert in int8-shared (w1|w3 and w2 int8 [14336 x 4096] each, one bf16
-# scale vector [4096]), and the reference machine's pinned host-to-device bandwidth.
+# The default expert: Mixtral-8x7B's in int8-shared (w1|w3 and w2 int8 [14336 x 4096] each, one bf16
+# scale vector [4096]).
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 + 2 * 4096
-BANDWIDTH_GBPS = machine().pcie_bytes_per_s / 1e9  # the reference machine's (mira.kernels.machine)
 
 
 class PolicyContractError(RuntimeError):
@@ -44,7 +42,7 @@ def simulate(
     slots: int,
     stage_slots: int | None = None,
     expert_bytes: int = MIXTRAL_EXPERT_BYTES,
-    bandwidth_gbps: float = BANDWIDTH_GBPS,
+    bandwidth_gbps: float | None = None,
     config: CacheConfig = CacheConfig(),
     profile: RoutingTrace | None = None,
     check: bool = False,
@@ -59,7 +57,8 @@ def simulate(
         slots: expert slots.
         stage_slots: STAGE size of the mira policy (default: from `config`); other policies ignore it.
         expert_bytes: bytes of one expert blob, the PCIe cost of a miss.
-        bandwidth_gbps: host-to-device bandwidth in GB/s (1e9 bytes per second).
+        bandwidth_gbps: host-to-device bandwidth in GB/s (1e9 bytes per second); None: the reference
+            machine's pinned copy rate (mira.kernels.machine).
         config: the cache configuration of the mira policy.
         profile: the trace whose routed-token counts choose the static placement and the mira
             policy's prior; None uses the replayed trace itself (an oracle profile, labelled so in
@@ -120,6 +119,10 @@ def simulate(
     else:  # inline, an admission is its miss's own copy, but not that of an expert served from a stage row
         copies += counts.get("prefetch_admitted", 0)
     pcie_bytes = copies * expert_bytes
+    if bandwidth_gbps is None:
+        from mira.kernels.machine import machine  # here: mira.kernels loads torch, which `--help` need not
+
+        bandwidth_gbps = machine().pcie_bytes_per_s / 1e9
     if "prefetch_issued" in counts:
         counts["prefetch_bytes"] = counts["prefetch_issued"] * expert_bytes
     return {

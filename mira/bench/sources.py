@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mira.bench import hf
+from mira.bench.configs import BASELINES
 from mira.cache.policy import Popularity
 from mira.bench.replay import RoutingReplay
 from mira.bench.synthetic import synthetic_config, synthetic_skeleton, synthetic_store
@@ -180,7 +181,7 @@ def open_source(model: str | None, synthetic: str | None, device: torch.device, 
         Path(model) if model else None, device, progress, schemes[0])
     for scheme in schemes:
         source.scheme_of(scheme)  # every scheme refused before any store is made
-    if model is not None and is_store(Path(model)) and (baselines := [c for c in configs if c in hf.BASELINES]):
+    if model is not None and is_store(Path(model)) and (baselines := [c for c in configs if c in BASELINES]):
         raise MiraError(f"the baselines ({', '.join(baselines)}) run the original checkpoint, which the store {model} "
                         "does not keep; pass the model directory it was converted from, or leave them out of --configs")
     source.trace = trace

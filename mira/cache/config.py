@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("mira", "lru", "lfu", "static", "on-demand")
+STAGING_ROWS = 3  # target layers staged at once (mira.cache.staging): i (being computed), i+1 and i+2
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mira.cache.config import STAGING_ROWS as ROWS
 from mira.cache.tables import ISSUED, PLACED, UID, USED, ExpertTables
 from mira.cache.transfer import Transfer
 from mira.store.store import ExpertStore
-
-ROWS = 3  # target layers staged at once: i (being computed), i+1 and i+2
 
 
 @dataclass

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mira.bench.command import add_command as add_bench_command
-from mira.bench.simulate import BANDWIDTH_GBPS, MIXTRAL_EXPERT_BYTES
+from mira.bench.simulate import MIXTRAL_EXPERT_BYTES
 from mira.bench.simulate import POLICIES as SIMULATED_POLICIES
 from mira.bench.simulate import RESIDENCY as SIMULATED_RESIDENCY
 from mira.cli_args import (QUANT_HELP, CommandParser, MiraArgumentParser, add_model_options,
@@ -20,7 +20,7 @@ from mira.cli.predictor import add_commands as add_predictor_commands
 from mira.serve.command import add_command as add_serve_command
 from mira.store.command import add_command as add_store_command
 from mira.cli.models import add_command as add_models_command
-from mira.store.layout import SCHEMES
+from mira.store.schemes import SCHEMES
 
 def _convert(args: argparse.Namespace) -> None:
     from mira.models.hub import locate
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="STAGE slots of the mira policy (default: from the cache config)")
     sim.add_argument("--expert-bytes", type=positive_int, default=MIXTRAL_EXPERT_BYTES,
                      help="bytes of one expert, the PCIe cost of a miss (default: a Mixtral-8x7B int8-shared expert)")
-    sim.add_argument("--bandwidth", type=positive_float, default=BANDWIDTH_GBPS, metavar="GBPS",
+    sim.add_argument("--bandwidth", type=positive_float, metavar="GBPS",
                      help="host-to-device bandwidth in GB/s (default: the pinned copy rate measured on the reference GPU)")
     sim.add_argument("--profile", metavar="TRACE", type=existing_file,
                      help="trace placing the static policy's experts and giving the mira policy its prior "

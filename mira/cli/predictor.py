@@ -50,8 +50,9 @@ def _store(model: str | None, quant: str | None) -> Path:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from mira.predict.heads import HEADS_FILE, HeadConfig, predictor_file, save_heads
-    from mira.predict.train import TrainConfig, load_training_data, train_heads
+    from mira.predict.config import HeadConfig, TrainConfig
+    from mira.predict.heads import HEADS_FILE, predictor_file, save_heads
+    from mira.predict.train import load_training_data, train_heads
     from mira.store.manifest import Manifest
 
     store = _store(args.model, args.quant)
@@ -116,10 +117,8 @@ def add_commands(subparsers) -> None:
         subparsers: what `ArgumentParser.add_subparsers` returned; each command sets `run`.
     """
     from mira.cli_args import existing_file, output_dir, output_file, positive_int
-    from mira.predict.features import HISTORY_WINDOW
-    from mira.predict.heads import HeadConfig
-    from mira.predict.train import TrainConfig
-    from mira.store.layout import SCHEMES
+    from mira.predict.config import HISTORY_WINDOW, HeadConfig, TrainConfig
+    from mira.store.schemes import SCHEMES
 
     model_help = "the Mira store or Hugging Face directory the traces were recorded on (default: the bundled model)"
     quant_help = ("with a Hugging Face directory: the scheme of its store, whose heads these are, as `mira generate "

@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from mira.store.layout import SCHEMES
+from mira.store.schemes import SCHEMES
 
 DEFAULT_CONTEXT = 512  # the bundled model's training context
 

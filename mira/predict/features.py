@@ -41,12 +41,6 @@ from mira.errors import MiraError
 from mira.store.files import write_npz_atomic
 from mira.store.trace import RoutingTrace, _read_npz
 
-# Steps of target-layer routing the history feature averages. On the validation split of
-# benchmarks/predictor.py's training traces, W made no difference to the MixtureHead (decode
-# Coverage@2 0.883, 0.882, 0.884 for W = 1, 4, 16) and HistHead alone was best at W = 1 (0.620,
-# 0.607, 0.595): the last step says the most about the next.
-HISTORY_WINDOW = 1
-
 
 def features_path(trace_path: str | os.PathLike) -> Path:
     """Where the features of the trace `T.npz` live: `T.features.npz` beside it."""

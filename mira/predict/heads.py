@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,7 +31,8 @@ from torch import nn
 
 from mira.errors import MiraError
 from mira.predict.baselines import GateSpeculation
-from mira.predict.features import HISTORY_WINDOW, HeadInputs, RoutingHistory, routed_mass
+from mira.predict.config import HeadConfig
+from mira.predict.features import HeadInputs, RoutingHistory, routed_mass
 from mira.store.files import temporary_beside
 from mira.store.manifest import Manifest
 
@@ -39,31 +40,6 @@ PREDICTOR_DIR = "predictor"
 HEADS_FILE = "heads.safetensors"
 FORMAT_VERSION = 1
 FEATURES = ("hidden", "logits", "speculation", "selected", "top", "history")
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """Shapes and sizes of one model's heads.
-
-    num_layers: L MoE layers (heads for 0..L-3); num_experts: E; top_k: K; hidden_size: H;
-    width: D units of each branch's hidden layer; gate_width: units of the gating network;
-    dropout: dropped share of the ActHead's input while training; history_window: W steps of the
-    history feature. The defaults were chosen on the validation split of benchmarks/predictor.py's
-    training traces.
-    """
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    width: int = 256
-    gate_width: int = 16
-    dropout: float = 0.1
-    history_window: int = HISTORY_WINDOW
-
-    def __post_init__(self) -> None:
-        if self.num_layers < 3:
-            raise MiraError(f"the model has {self.num_layers} MoE layers; i -> i+2 predictor heads need at least 3")
 
 
 class HeadOutput(NamedTuple):

@@ -23,24 +23,10 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from mira.errors import MiraError
+from mira.predict.config import TrainConfig
 from mira.predict.coverage import coverage
 from mira.predict.features import HeadInputs, load_features
 from mira.predict.heads import HeadConfig, MixtureHead, PredictorHeads
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation settings. The defaults were chosen on the validation split of the bundled model's
-    training traces (benchmarks/predictor.py records them and measures the result)."""
-
-    epochs: int = 60  # most epochs per head
-    batch_size: int = 256  # steps per update
-    learning_rate: float = 1e-3
-    weight_decay: float = 1e-4
-    patience: int = 5  # epochs without a better validation loss before a head stops
-    validation_fraction: float = 0.1  # share of sequences held out
-    branch_loss: float = 0.5  # weight of each branch's own cross-entropy
-    seed: int = 0
 
 
 @dataclass(frozen=True)

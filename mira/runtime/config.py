@@ -13,11 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mira.cache.budget import parse_size
-from mira.cache.config import POLICIES, CacheConfig
-from mira.cache.staging import ROWS as STAGING_ROWS
+from mira.cache.config import POLICIES, STAGING_ROWS, CacheConfig
 from mira.errors import MiraError
 from mira.runtime.threads import usable_cpus
-from mira.store.layout import SCHEMES
+from mira.store.schemes import SCHEMES
 
 PREFETCH = ("auto", "trained", "gate", "off")
 RESIDENCY = ("auto", "lagged", "inline")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from mira.errors import MiraError
-from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX, written_store
 
 
 def add_command(subparsers) -> None:
@@ -36,7 +35,7 @@ def add_command(subparsers) -> None:
 
 def _ls(args: argparse.Namespace) -> None:
     from mira.store.cache import cache_dir, cached_stores
-    from mira.store.manifest import Manifest
+    from mira.store.manifest import PARTIAL_SUFFIX, Manifest
     from mira.store.sources import sources_match
 
     stores = cached_stores()
@@ -68,7 +67,7 @@ def _size(path: Path) -> int:
 
 def _verify(args: argparse.Namespace) -> None:
     from mira.store.cache import cached_stores
-    from mira.store.manifest import Manifest
+    from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX, Manifest
     from mira.store.verify import file_problems
 
     paths = [_store_path(name, must_be_cached=False) for name in args.stores] or cached_stores()
@@ -98,6 +97,7 @@ def _verify(args: argparse.Namespace) -> None:
 def _rm(args: argparse.Namespace) -> None:
     from mira.store.cache import cache_leftovers, cached_stores
     from mira.store.lock import store_lock
+    from mira.store.manifest import written_store
 
     if args.all == bool(args.stores):
         raise MiraError("name the cached stores to remove (see `mira store ls`), or pass --all")

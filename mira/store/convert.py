@@ -37,10 +37,11 @@ from mira.models.registry import adapter_for
 from mira.store.dequant import checkpoint_quant_method, dequantize_fp8
 from mira.store.expert_reader import ExpertReader
 from mira.store.files import FILE_MODE, fsync_path, sha256_file, write_json_atomic
-from mira.store.layout import SCHEMES, ExpertLayout
+from mira.store.layout import ExpertLayout
 from mira.store.lock import store_lock
 from mira.store.manifest import MANIFEST, PARTIAL_SUFFIX, Manifest, format_version, looks_like_store
 from mira.store.quant import quantize_expert
+from mira.store.schemes import SCHEMES
 from mira.store.sources import SAFETENSORS_INDEX, copied_files, record_sources
 from mira.store.verify import file_problems
 

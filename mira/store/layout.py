@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mira.store import int4
+from mira.store.schemes import SCHEMES
 
-SCHEMES = ("int8-shared", "int8-row", "int4", "none")
 ALIGN = 128  # bytes; every section starts on this boundary (vectorised loads on the GPU)
 
 _DTYPES = {"int8": torch.int8, "uint8": torch.uint8, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -70,6 +70,37 @@ def test_help_explains_every_command():
         assert flag in gen.stdout
 
 
+_HELP_OF_EVERY_COMMAND = """
+import argparse, contextlib, io, sys
+from mira.cli import build_parser, main
+
+def commands(parser, path=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name)
+                yield from commands(sub, (*path, name))
+
+harness = ("eval", "lm-eval")  # its --help is lm-evaluation-harness's own, which loads torch
+helps = [[*c, "--help"] for c in commands(build_parser()) if c != harness]
+for argv in [["--help"], *helps, ["generate", "--top-p", "2"]]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(" ".join(m for m in ("torch", "transformers") if m in sys.modules) or "none")
+"""
+
+
+def test_help_and_refused_arguments_load_neither_torch_nor_transformers():
+    # they would take seconds to start: the commands load the machinery when they run, not to parse
+    loaded = subprocess.run([sys.executable, "-c", _HELP_OF_EVERY_COMMAND], capture_output=True, text=True,
+                            timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["none"]
+
+
 def test_trace_then_simulate_replays_the_recorded_routing(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "sort a list"}\nhello there\n')
