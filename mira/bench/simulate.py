@@ -412,7 +412,6 @@ def format_table(results: Sequence[dict]) -> str:
               "STAGE hits", "admissions", "prefetches", "PCIe GB", "PCIe ms/token", "x Belady")
     rows = [header]
     for row in results:
-        best = bound.get(row["slots"])
         rows.append((
             row["policy"],
             row["residency"] if row["policy"] != "belady" else "-",
@@ -428,10 +427,20 @@ def format_table(results: Sequence[dict]) -> str:
             str(row.get("prefetch_issued", "-")),
             f"{row['pcie_bytes'] / 1e9:.2f}",
             f"{row['pcie_seconds_per_token'] * 1e3:.3f}",
-            f"{row['copies'] / best:.2f}" if best else "-",
+            _times(row["copies"], bound.get(row["slots"])),
         ))
     widths = [max(len(line[column]) for line in rows) for column in range(len(header))]
     return "\n".join("  ".join(_align(line, widths)) for line in rows)
+
+
+def _times(copies: int, best: int | None) -> str:
+    """`copies` as a multiple of Belady's `best`: "-" without Belady's row, "inf" where Belady copies
+    nothing and the policy does."""
+    if best is None:
+        return "-"
+    if best == 0:
+        return "1.00" if copies == 0 else "inf"
+    return f"{copies / best:.2f}"
 
 
 def _align(cells: Sequence[str], widths: Sequence[int]) -> list[str]:

@@ -62,6 +62,13 @@ def _simulate(args: argparse.Namespace) -> None:
     from mira.bench.simulate import format_table, load_predictions, plot_sweep, simulate
     from mira.store.trace import RoutingTrace
 
+    policies = args.policy or SIMULATED_POLICIES
+    if args.profile and not {"static", "mira"} & set(policies):
+        raise MiraError(f"--profile places static's experts and primes mira's; --policy {', '.join(policies)} read "
+                        "none of it: add --policy static or --policy mira, or leave out --profile")
+    if args.predictions and "mira" not in policies:
+        raise MiraError("--predictions stages through the mira policy's STAGE rows; add --policy mira, or leave out "
+                        "--predictions")
     recorded = trace = RoutingTrace.load(args.trace)
     profile = RoutingTrace.load(args.profile) if args.profile else None
     start = args.calibrate or 0
@@ -77,7 +84,6 @@ def _simulate(args: argparse.Namespace) -> None:
     if args.stage_slots is not None and args.stage_slots > min(slot_counts):
         raise MiraError(f"--stage-slots {args.stage_slots} is more than the {min(slot_counts)} slots simulated; "
                         "pass at most that many (STAGE rows are part of the slots)")
-    policies = args.policy or SIMULATED_POLICIES
     # predictions come from the whole recording (its features, or a file made for it), then lose the profile's part
     predictions = load_predictions(args.predictions, recorded, args.heads, profile)[start:] if args.predictions \
         else None

@@ -240,6 +240,15 @@ def test_sweep_and_table():
     assert table[2].split()[-1] == "1.00"
 
 
+def test_the_table_tells_a_policy_that_copies_where_belady_copies_nothing():
+    alternating = _trace([[[0]], [[1]], [[0]], [[1]]], 2)  # both experts fit: Belady (warm) never misses
+    table = format_table(sweep(alternating, [1, 2], ["lru", "static", "belady"])).splitlines()
+    cells = {(line.split()[0], line.split()[2]): line.split()[-1] for line in table[1:]}
+    assert cells[("lru", "2")] == "inf"  # LRU starts empty: 2 cold misses against none
+    assert cells[("static", "2")] == cells[("belady", "2")] == "1.00"
+    assert cells[("lru", "1")] == "2.00"  # 1 slot: LRU misses all 4; Belady keeps 0 and bypasses both 1s
+
+
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "sweep.png"
     plot_sweep(_small_sweep(), str(path), title="random routing")
