@@ -476,7 +476,8 @@ def _header(source: Source, setup: BenchSetup, device: torch.device, command: st
         "decoding": _decoding(source),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "prompt_set": setup.prompt_set,
-        "prompts": [{"input_tokens": p.input_tokens, "max_new_tokens": p.max_new_tokens} for p in setup.prompts],
+        "prompts": [{"input_tokens": _input_tokens(source, p), "max_new_tokens": p.max_new_tokens}  # as encoded
+                    for p in setup.prompts],
         "budgets": setup.budgets,
         "configs": setup.configs,
         "quant": [source.scheme_of(scheme) for scheme in setup.schemes],

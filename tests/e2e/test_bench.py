@@ -181,6 +181,19 @@ def test_a_resumed_bench_keeps_what_was_measured_and_runs_only_the_rest(tmp_path
     assert json.loads(out.read_text()) == resumed  # a refused resume leaves the file as it was
 
 
+def test_a_bench_records_a_prompt_file_s_prompts_at_the_length_the_model_reads(tmp_path):
+    from mira.cli import main
+
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "bench.json"
+    prompts.write_text('{"prompt": "How do I sort a list?", "input_tokens": 999, "max_new_tokens": 3}\n')
+    assert main(["bench", "--prompts", str(prompts), "--configs", "mira", "--budgets", "all", "--repeats", "1",
+                 "--out", str(out), "--quiet"]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["runs"]
+    assert result["prompts"] == [{"input_tokens": row["prompt_tokens"], "max_new_tokens": 3}]  # not the file's 999
+    assert 5 < row["prompt_tokens"] < 100
+
+
 def test_an_interleaved_bench_times_the_configurations_in_turns_each_on_a_fresh_model(tmp_path, monkeypatch, capsys):
     from mira.bench import run as bench_run
     from mira.cli import main
