@@ -149,10 +149,14 @@ def format_table(result: dict) -> str:
 
 
 def harness_argv(argv: list[str], cuda: bool) -> list[str]:
-    """The harness's command line for `argv`: a run that names no --device gets the device Mira would
-    pick (the harness's own default is cuda:0, even on a machine without one)."""
+    """The harness's command line for `argv`: a run that names no device (--device, or device= in
+    --model_args) gets the device Mira would pick (the harness's own default is cuda:0, even on a
+    machine without one)."""
+    model_args = [value for flag, value in zip(argv, argv[1:]) if flag == "--model_args"] + [
+        a.split("=", 1)[1] for a in argv if a.startswith("--model_args=")]
+    device_arg = any(part.strip().startswith("device=") for value in model_args for part in value.split(","))
     if not argv or argv[:1] in (["ls"], ["validate"]) or any(a == "--device" or a.startswith("--device=") for a in argv) \
-            or "-h" in argv or "--help" in argv:
+            or device_arg or "-h" in argv or "--help" in argv:
         return argv
     return [*argv, "--device", "cuda" if cuda else "cpu"]
 
@@ -178,5 +182,9 @@ def _lm_eval(args: argparse.Namespace) -> None:
             raise
         raise MiraError(f"lm-evaluation-harness refused the run: {error}; `mira eval lm-eval ls tasks` lists "
                         "the tasks") from None
+    except ConnectionError as error:  # a task's dataset, fetched from the Hugging Face Hub on first use
+        raise MiraError(f"lm-evaluation-harness could not fetch a task's data ({error}); run it once where the "
+                        "Hugging Face Hub can be reached (the datasets library caches it), or give local tasks "
+                        "with --include_path") from None
     finally:
         sys.argv = saved

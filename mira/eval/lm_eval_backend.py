@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from mira.errors import MiraError
@@ -53,6 +54,20 @@ class MiraLM(TemplateLM):
         self.tokenizer = self.model.tokenizer
         self.max_length = self.model.max_context
         self._log_probs = model_log_probs(self.model)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MiraLM:
+        """The harness's constructor from --model_args, where a setting given there and on the harness's
+        own command line (--device, --batch_size) is taken once, and refused if the two differ."""
+        args = simple_parse_args_string(arg_string)
+        for name, value in (additional_config or {}).items():
+            if value is None:
+                continue
+            if name in args and str(args[name]) != str(value):
+                raise MiraError(f"{name} is given twice, {args[name]} in --model_args and {value} on the command "
+                                f"line; give it once")
+            args[name] = args.get(name, value)
+        return cls(**args)
 
     @property
     def eot_token_id(self) -> int:

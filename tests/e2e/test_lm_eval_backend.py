@@ -179,6 +179,29 @@ def test_a_run_that_names_no_device_gets_the_one_mira_picks_not_the_harness_cuda
         assert harness_argv([*run, *named], cuda=False) == [*run, *named]
     for other in ([], ["ls", "tasks"], ["validate", "--tasks", "hellaswag"], ["run", "--help"]):
         assert harness_argv(other, cuda=False) == other  # no run, or one that only shows its help
+    for named in (["--model_args", "quant=int4,device=cpu"], ["--model_args=device=cuda:0"]):
+        assert harness_argv([*run, *named], cuda=True) == [*run, *named]  # the model's own device
+
+
+def test_a_device_in_the_model_args_and_on_the_command_line_is_one_setting():
+    model_args = f"pretrained={BUNDLED_MODEL},device=cpu"
+    model = MiraLM.create_from_arg_string(model_args, {"device": "cpu", "batch_size": 1, "max_batch_size": None})
+    assert model.model.device.type == "cpu"
+    with pytest.raises(MiraError, match=r"device is given twice, cpu in --model_args and cuda on the command line"):
+        MiraLM.create_from_arg_string(model_args, {"device": "cuda"})
+
+
+def test_a_task_whose_data_cannot_be_fetched_is_named_not_reported_as_a_fault(monkeypatch, capsys):
+    from lm_eval._cli import HarnessCLI
+
+    def offline(self, args):  # what the datasets library raises without the network or a cached copy
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(HarnessCLI, "execute", offline)
+    assert main(["eval", "lm-eval", "--model", "mira", "--tasks", "hellaswag"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("mira: error: lm-evaluation-harness could not fetch a task's data (Couldn't reach "
+                            "'Rowan/hellaswag'") and "--include_path" in error and "internal error" not in error
 
 
 def test_mira_eval_lm_eval_names_a_task_the_harness_does_not_know(capsys):
