@@ -226,7 +226,7 @@ def plot(result: dict, path: str) -> None:
                 points = [(budgets.index(b), bound[b]) for b in budgets if b in bound]
                 if points:
                     axis.plot(*zip(*points), linestyle=":" if len(schemes) == 1 else style[scheme], color="black",
-                              marker="_", label=f"bound, {scheme} (DESIGN.md 4)" if len(schemes) > 1 else "bound (DESIGN.md 4)")
+                              marker="_", label=f"bound, {scheme}" if len(schemes) > 1 else "bound")
         axis.set_xticks(range(len(budgets)), budgets)
         axis.set_xlabel("VRAM budget")
         axis.set_ylabel(label)

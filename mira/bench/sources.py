@@ -175,7 +175,8 @@ def open_source(model: str | None, synthetic: str | None, device: torch.device, 
         raise MiraError(f"{model} is a Mira store, which holds one quantization scheme; pass the model directory "
                         "it was converted from to measure several")
     if routing is not None and not Path(routing).is_file():
-        raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass an .npz of DESIGN.md 5")
+        raise MiraError(f"no routing trace at {routing}; record one with `mira trace` or pass the path of an existing "
+                        "one")
     trace = RoutingTrace.load(routing) if routing is not None else None
     source = SyntheticSource(synthetic, device, progress) if synthetic is not None else CheckpointSource(
         Path(model) if model else None, device, progress, schemes[0])

@@ -13,7 +13,7 @@ from mira.errors import MiraError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 REPO_FOLDER_PREFIX = "models--"
-MODEL_OPTION = "--model (mira.load's path, lm-eval's pretrained=)"  # where each front end takes the model
+MODEL_OPTION = "--model (convert's MODEL_DIR, mira.load's path, lm-eval's pretrained=)"  # where each front end takes the model
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ class RoutingTrace:
         arrays = _read_npz(source)
         for name in ("topk_ids", "num_experts"):
             if name not in arrays:
-                raise TraceError(f"trace {source}: missing array {name!r} (DESIGN.md 5 requires it)")
+                raise TraceError(f"trace {source}: missing array {name!r}, which every trace holds (topk_ids int16 "
+                                 "[tokens, layers, top-k] and num_experts); record one with `mira trace`")
         num_experts = arrays["num_experts"]
         if num_experts.shape != () or num_experts.dtype.kind not in "iu":
             raise TraceError(

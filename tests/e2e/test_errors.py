@@ -15,7 +15,7 @@ from mira.store.convert import convert
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(MiraError, match=r"does not exist; pass --model \(mira.load's path, lm-eval's pretrained=\)"):
+    with pytest.raises(MiraError, match=r"does not exist; pass --model \(convert's MODEL_DIR, mira.load's path, lm-eval's pretrained=\)"):
         mira.load(tmp_path / "nowhere", device="cpu")
 
 
