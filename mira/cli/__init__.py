@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -164,13 +165,18 @@ def _generate(args: argparse.Namespace) -> None:
         review = stats["cpu_experts"].get("review")
         if review is not None and not review["kept"]:
             experts += f" (not after decode step {review['after_decode_steps']}: it did not pay)"
-    print(f"\n[mira] TTFT {report.ttft_s:.3f} s | decode {report.decode_tokens_per_s:.1f} tokens/s "
+    # a rate needs two new tokens, a TTFT one: with fewer the report holds NaN, which JSON has no word for
+    measured = {name: None if math.isnan(value) else value
+                for name, value in (("ttft_s", report.ttft_s), ("decode_tokens_per_s", report.decode_tokens_per_s))}
+    ttft = "-" if measured["ttft_s"] is None else f"{report.ttft_s:.3f} s"
+    decode = "-" if measured["decode_tokens_per_s"] is None else f"{report.decode_tokens_per_s:.1f} tokens/s"
+    print(f"\n[mira] TTFT {ttft} | decode {decode} "
           f"({report.new_tokens} new tokens, prompt {report.prompt_tokens}) | {stats['device']} {stats['dtype']}, "
           f"{stats['quant']}, "
           f"{experts}", file=sys.stderr)
     if args.stats_json:
-        stats["generation"] = {name: getattr(report, name) for name in
-                               ("prompt_tokens", "new_tokens", "ttft_s", "decode_tokens_per_s", "finish_reason")}
+        stats["generation"] = {**{name: getattr(report, name) for name in ("prompt_tokens", "new_tokens",
+                                                                           "finish_reason")}, **measured}
         stats["cpu_threads"] = args.cpu_threads
         write_json_atomic(Path(args.stats_json), json.loads(json.dumps(stats, default=str)))
 

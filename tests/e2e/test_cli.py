@@ -49,6 +49,20 @@ def test_generate_in_bf16_on_the_cpu_says_so(stores):
     assert generated.stdout.strip() and "cpu bfloat16, int8-shared" in generated.stderr
 
 
+def test_one_new_token_has_no_decode_rate_and_its_stats_are_strict_json(tmp_path):
+    stats = tmp_path / "stats.json"
+    run = _mira("generate", "--prompt", "Hi", "--max-new-tokens", "1", "--device", "cpu", "--stats-json", str(stats),
+                env={"MIRA_CACHE": str(tmp_path / "cache")})
+    assert run.returncode == 0, run.stderr
+    assert "| decode - (1 new tokens" in run.stderr and "nan" not in run.stderr
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    generation = json.loads(stats.read_text(), parse_constant=refuse)["generation"]
+    assert generation["new_tokens"] == 1 and generation["decode_tokens_per_s"] is None and generation["ttft_s"] > 0
+
+
 def test_errors_are_one_line_with_exit_code_1(tmp_path):
     missing = _mira("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi", "--device", "cpu")
     assert missing.returncode == 1
