@@ -129,7 +129,10 @@ class RuntimeConfig:
                 raise MiraError(f"unknown {name} {value!r}; choose one of {', '.join(a for a in allowed if a)}")
         budget = self.vram_budget
         if isinstance(budget, str) and budget_share(budget) is None and not budget.strip().endswith("%"):
-            budget = parse_size(budget)  # a size such as "24GiB", as --vram-budget takes it
+            try:  # a size such as "24GiB", as --vram-budget takes it
+                budget = parse_size(budget)
+            except MiraError as error:
+                raise MiraError(f"{error}, or a share of the experts like 25%") from None
             object.__setattr__(self, "vram_budget", budget)
         if budget is not None and not (isinstance(budget, str) and budget_share(budget) is not None) and (
                 isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):

@@ -98,6 +98,7 @@ def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     (dict(policy="fifo"), "unknown policy 'fifo'"), (dict(residency="late"), "choose one of auto, lagged, inline"),
     (dict(quant="int3"), "unknown quant"), (dict(vram_budget=0), "not a positive number of bytes"),
     (dict(vram_budget="150%"), "or a share like 25%"), (dict(max_context=0), "not a positive number of tokens"),
+    (dict(vram_budget="lots"), "cannot read the size 'lots'; write it like 24GiB, .*, or a share of the experts like 25%"),
     (dict(cpu_experts="some"), "unknown cpu_experts 'some'; choose one of auto, off, all, split"),
     (dict(cpu_threads=0), "--cpu-threads 0 is not a positive"), (dict(cpu_threads=-2), "--cpu-threads -2"),
     (dict(cpu_threads=1.5), "--cpu-threads 1.5"),
