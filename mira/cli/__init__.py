@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+from mira import __version__
 from mira.bench.command import add_command as add_bench_command
 from mira.bench.simulate import MIXTRAL_EXPERT_BYTES
 from mira.bench.simulate import POLICIES as SIMULATED_POLICIES
@@ -199,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "quantized into a host-memory store and cached in GPU memory under a byte budget.",
     )
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=CommandParser)
 

@@ -75,6 +75,13 @@ def test_errors_are_one_line_with_exit_code_1(tmp_path):
         assert bad_budget.stderr.startswith(f"mira: error: cannot read the budget '{label}'")
 
 
+def test_version_is_the_installed_package_s():
+    from importlib.metadata import version
+
+    shown = _mira("--version")
+    assert shown.returncode == 0 and shown.stdout.split() == ["mira", version("mira")]
+
+
 def test_help_explains_every_command():
     top = _mira("--help")
     assert top.returncode == 0 and "convert" in top.stdout and "generate" in top.stdout
@@ -97,7 +104,7 @@ def commands(parser, path=()):
 
 harness = ("eval", "lm-eval")  # its --help is lm-evaluation-harness's own, which loads torch
 helps = [[*c, "--help"] for c in commands(build_parser()) if c != harness]
-for argv in [["--help"], *helps, ["generate", "--top-p", "2"]]:
+for argv in [["--help"], ["--version"], *helps, ["generate", "--top-p", "2"]]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             main(argv)
