@@ -32,7 +32,8 @@ def format_table(result: dict) -> str:
     title = f"{result['model']}, {result['routing']} routing, prompts: {result['prompt_set']}, {result['machine']}"
     body = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines]
     compared = [f"{budget}: mira {c['mira']:.3g} tokens/s, {c['mira_over_best_baseline']:.3f}x the fastest baseline "
-                f"({c['best_baseline']}, {c['best_baseline_tokens_per_s']:.3g}); achieved/bound "
+                f"({c['best_baseline']}{' on ' + c['best_baseline_ran_on'] if 'best_baseline_ran_on' in c else ''}, "
+                f"{c['best_baseline_tokens_per_s']:.3g}); achieved/bound "
                 f"{_num(c['mira_achieved_over_bound']) or '-'}" for budget, c in result.get("comparison", {}).items()]
     steady = [row for row in result["runs"] if row.get("decode_route_changes", {}).get("low")]
     if steady:

@@ -328,6 +328,8 @@ def compare(rows: list[dict]) -> dict:
                          "best_baseline_tokens_per_s": here[best]["decode_tokens_per_s"],
                          "mira_over_best_baseline": round(mira / here[best]["decode_tokens_per_s"], 3),
                          "mira_achieved_over_bound": here["mira"].get("achieved_over_bound")}
+            if here[best].get("device") == "cpu":  # hf-gpu where there is no GPU: transformers on the CPU
+                out[cell]["best_baseline_ran_on"] = f"cpu, {here[best]['dtype']}"
             if scheme is not None:
                 out[cell]["quant"] = scheme
     return out

@@ -86,6 +86,17 @@ def test_mira_is_compared_with_the_fastest_baseline_of_each_budget_ignoring_beam
     }
 
 
+def test_hf_gpu_that_ran_on_the_cpu_is_named_so_in_the_comparison():
+    from mira.bench.report import format_table
+
+    rows = [_row("mira", "all", 88.0), _row("hf-gpu", "all", 83.0, device="cpu", dtype="float32")]
+    cell = compare(rows)["all"]
+    assert cell["best_baseline"] == "hf-gpu" and cell["best_baseline_ran_on"] == "cpu, float32"
+    result = {"model": "m", "routing": "real", "prompt_set": "p", "machine": "vm", "runs": rows,
+              "comparison": compare(rows)}
+    assert "1.060x the fastest baseline (hf-gpu on cpu, float32, 83)" in format_table(result)
+
+
 def test_with_two_schemes_each_gets_its_own_cells_and_their_ratio_per_budget():
     rows = [
         _row("mira", "12GiB", 4.0, quant="int8-shared", achieved_over_bound=2.0),
