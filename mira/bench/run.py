@@ -46,6 +46,7 @@ from mira.bench.sources import Source
 from mira.cache.budget import BudgetTooSmall, format_size, parse_size, share_shortfall, share_slots
 from mira.cache.policy import Popularity
 from mira.errors import MiraError
+from mira.models.loader import routed_per_token
 from mira.store.trace import RoutingTrace
 from mira.runtime.config import RuntimeConfig
 from mira.runtime.experts import MiraExperts
@@ -81,7 +82,7 @@ def run_bench(source: Source, setup: BenchSetup, device: torch.device, out: Path
     every = setup.prompts + CALIBRATION
     max_context = max([_input_tokens(source, p) for p in every] + [64]) + max(
         [p.max_new_tokens for p in every] + ([setup.beam_new_tokens] if setup.beams else []))
-    vocab = source.config.vocab_size
+    vocab = _vocab_size(source)
     positions = getattr(source.config, "max_position_embeddings", None)
     if positions and max_context > positions:
         raise MiraError(f"the longest prompt with its new tokens needs {max_context} tokens of context, beyond the "
@@ -202,10 +203,10 @@ def calibration_placement(source: Source, model, device: torch.device) -> Popula
     """The calibration prompts generated on `model` (which also compiles its kernels; with a trace,
     replaying its rows from `source.replay_from`) and the routing they gave: the static policy's
     placement and the mira policy's prior where no profile is given."""
-    time_generation(model.generate, CALIBRATION, None, source.config.vocab_size, device,
+    time_generation(model.generate, CALIBRATION, None, _vocab_size(source), device,
                     random_continuation=_random_continuation(source))
     return Popularity.of_routing(model.cache.telemetry.counts[:, :, 0].reshape(-1),
-                                 source.config.num_experts_per_tok, model.store.num_layers)
+                                 routed_per_token(source.config.get_text_config()), model.store.num_layers)
 
 
 def config_model(source: Source, name: str, budget: int, profile: Popularity, max_context: int):
@@ -447,7 +448,12 @@ def _budget_bytes(label: str, reserve: int, total_experts: int, blob_bytes: int,
 
 
 def _input_tokens(source: Source, prompt: BenchPrompt) -> int:
-    return prompt_ids(prompt, source.tokenizer, source.config.vocab_size, 0).shape[1]
+    return prompt_ids(prompt, source.tokenizer, _vocab_size(source), 0).shape[1]
+
+
+def _vocab_size(source: Source) -> int:
+    """The model's vocabulary (a multimodal config keeps it in its text config)."""
+    return source.config.get_text_config().vocab_size
 
 
 def free_memory(device: torch.device) -> None:

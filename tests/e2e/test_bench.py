@@ -194,6 +194,21 @@ def test_a_bench_records_a_prompt_file_s_prompts_at_the_length_the_model_reads(t
     assert 5 < row["prompt_tokens"] < 100
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_text", "aria_text"])
+def test_a_bench_runs_families_that_name_top_k_and_the_vocabulary_their_own_way(family, tmp_path):
+    # Gemma 4 and Aria name the routed experts top_k_experts and moe_topk; Gemma 4's multimodal config
+    # keeps the vocabulary in its text config
+    from mira.cli import main
+    from tiny_families import family_checkpoint
+
+    checkpoint, out = family_checkpoint(family, tmp_path / family), tmp_path / "bench.json"
+    assert main(["bench", "--model", str(checkpoint), "--fixed", "8x3", "--configs", "mira,static", "--budgets",
+                 "50%", "--repeats", "1", "--out", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["runs"]
+    assert [r["config"] for r in rows] == ["mira", "static"] and not any(r.get("skipped") for r in rows)
+    assert all(r["new_tokens"] == 3 for r in rows)
+
+
 def test_an_interleaved_bench_times_the_configurations_in_turns_each_on_a_fresh_model(tmp_path, monkeypatch, capsys):
     from mira.bench import run as bench_run
     from mira.cli import main
