@@ -17,7 +17,7 @@ from mira.errors import MiraError
 from mira.store.trace import RoutingTrace
 from mira.store.files import read_text
 from mira.runtime.engine import MiraModel
-from mira.predict.baselines import GateSpeculation
+from mira.predict.baselines import GateSpeculation, speculates
 from mira.predict.features import FeatureSet
 from mira.runtime.experts import MiraExperts, model_routers
 from mira.runtime.generate import encode_prompt
@@ -145,6 +145,11 @@ class FeatureRecorder:
         self._experts = sorted((m for m in model.hf_model.modules() if isinstance(m, MiraExperts)),
                                key=lambda m: m.layer_position)
         self._routers = model_routers(model.hf_model)
+        unknown = sorted({type(r).__name__ for r in self._routers if not speculates(r)})
+        if unknown:  # the features' gate speculation needs each router's rule (mira.predict.baselines)
+            raise MiraError(f"--features records gate speculation, which Mira cannot compute for this model's "
+                            f"routers ({', '.join(unknown)}); record the trace without --features (predictor heads "
+                            "cannot be trained for this family)")
         self._speculation = GateSpeculation(self._routers, model.store.num_experts)
         self._logits: dict[int, torch.Tensor] = {}
         self._layer: dict[int, tuple[torch.Tensor, ...]] = {}

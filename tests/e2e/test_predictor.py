@@ -182,3 +182,15 @@ def test_feature_recording_switches_cuda_graphs_off_meanwhile_and_back_on(store,
     with FeatureRecorder(model):
         assert switches == [False]
     assert switches == [False, True]
+
+
+@pytest.mark.parametrize("family", ["longcat_flash", "inkling_text"])
+def test_features_of_a_router_gate_speculation_cannot_follow_are_refused_by_name(family, tmp_path):
+    from tiny_families import family_checkpoint
+
+    from mira.runtime.tracing import FeatureRecorder
+
+    model = mira.load(family_checkpoint(family, tmp_path / family), device="cpu", progress=False)
+    with pytest.raises(MiraError, match=r"--features records gate speculation, which Mira cannot compute for this "
+                                        r"model's routers \(\w+\); record the trace without --features"):
+        FeatureRecorder(model)
