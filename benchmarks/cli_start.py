@@ -80,7 +80,7 @@ def main() -> None:
         if args.baseline:
             figures[case]["over_baseline"] = round(statistics.median(by_tree["this tree"])
                                                    / statistics.median(by_tree["baseline"]), 3)
-    result = {**result_header(" ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])),
+    result = {**result_header(" ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]])),
               **({"baseline_commit": _commit(args.baseline)} if args.baseline else {}),
               "repeats": args.repeats, "how": "wall time of a fresh `python -c` running mira.cli.main, "
                                               "after one untimed run per case and tree", "cases": figures}
