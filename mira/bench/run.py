@@ -206,7 +206,7 @@ def calibration_placement(source: Source, model, device: torch.device) -> Popula
     time_generation(model.generate, CALIBRATION, None, _vocab_size(source), device,
                     random_continuation=_random_continuation(source))
     return Popularity.of_routing(model.cache.telemetry.counts[:, :, 0].reshape(-1),
-                                 routed_per_token(source.config.get_text_config()), model.store.num_layers)
+                                 routed_per_token(source.config), model.store.num_layers)
 
 
 def config_model(source: Source, name: str, budget: int, profile: Popularity, max_context: int):

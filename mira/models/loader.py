@@ -36,8 +36,9 @@ INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_interme
 
 def routed_per_token(config) -> int | None:
     """Experts each token is routed to, by the names the families' configs give it (Aria's
-    moe_topk, DBRX's ffn_config.moe_top_k, Gemma 4's top_k_experts); None where the config sets none."""
-    for holder in (config, getattr(config, "ffn_config", None)):
+    moe_topk, DBRX's ffn_config.moe_top_k, Gemma 4's top_k_experts, in a multimodal config's text
+    config); None where the config sets none."""
+    for holder in (config, config.get_text_config(), getattr(config, "ffn_config", None)):
         for name in ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k_experts"):
             value = getattr(holder, name, None)
             if isinstance(value, int) and value > 0:
