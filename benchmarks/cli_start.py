@@ -3,7 +3,7 @@
 Each case runs `python -c "...main(ARGS)"` in the tree measured (its mira first on sys.path), `--repeats`
 times after one untimed run (which warms the file cache), and reports the median and range of the
 wall time. With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base
-5b31c43`) every case runs there too, in turns with this tree, and the table gives this tree's
+COMMIT`) every case runs there too, in turns with this tree, and the table gives this tree's
 median over the baseline's.
 
     python benchmarks/cli_start.py --baseline /tmp/base --out benchmarks/results/cli-start.json

@@ -66,7 +66,7 @@ class MiraLM(TemplateLM):
             if name in args and str(args[name]) != str(value):
                 raise MiraError(f"{name} is given twice, {args[name]} in --model_args and {value} on the command "
                                 f"line; give it once")
-            args[name] = args.get(name, value)
+            args.setdefault(name, value)
         return cls(**args)
 
     @property
