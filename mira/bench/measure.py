@@ -27,6 +27,7 @@ from mira.runtime import hostcpu
 from mira.runtime.engine import MiraModel
 from mira.runtime.tracing import RoutingRecorder
 from mira.models.kvcache import kv_values_per_token
+from mira.models.loader import looped_layers
 
 
 class _Clock:
@@ -192,9 +193,10 @@ def _rounded(share: float | None) -> float | None:
 def run_mira(model: MiraModel, prompts: list[BenchPrompt], vocab_size: int, num_beams: int = 1,
              random_continuation: bool = False, repeats: int = 3) -> dict:
     """Time `model` over `prompts` (`repeated`) and report its cache figures and the bound (batch 1
-    runs only) of the last repeat; `random_continuation` as for time_generation (greedy only)."""
+    runs only, not for a looped model, whose routing no trace holds) of the last repeat;
+    `random_continuation` as for time_generation (greedy only)."""
     before: dict = {}
-    recorder = RoutingRecorder(model) if num_beams == 1 else None
+    recorder = RoutingRecorder(model) if num_beams == 1 and looped_layers(model.hf_model.config) is None else None
 
     def run() -> Timing:
         before.update(_cache_figures(model))

@@ -46,6 +46,16 @@ def routed_per_token(config) -> int | None:
     return None
 
 
+def looped_layers(config) -> tuple[range, int] | None:
+    """The decoder layers a looped model runs again within one forward, and how many times it runs
+    them (Inkling2-Loop's loop_layer_index_start/end and loop_num_passes); None where each runs once."""
+    text = config.get_text_config()
+    passes = getattr(text, "loop_num_passes", None)
+    if not isinstance(passes, int) or passes < 2:
+        return None
+    return range(text.loop_layer_index_start, text.loop_layer_index_end), passes
+
+
 class ExpertsPlaceholder(nn.Module):
     """Stands where the Experts module was while the model is built; replaced before first use.
 

@@ -250,6 +250,8 @@ class Facts:
     has_heads: trained predictor heads are at hand (beside the store, or given).
     speculates: gate speculation recomputes the model's routers (mira.predict.baselines.speculates);
         both predictors need it.
+    runs_once: every MoE layer runs once a forward (not so in a looped model's core); staging two
+        layers ahead needs it.
     cpu_pays: by the calibrated cost model, a CPU share pays for running layers inline
         (mira.cache.costmodel.cpu_pays; False where nothing was calibrated).
     """
@@ -262,6 +264,7 @@ class Facts:
     stage_slots: int
     has_heads: bool
     speculates: bool = True
+    runs_once: bool = True
     cpu_pays: bool = False
 
 
@@ -294,8 +297,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     from pinned memory (no host sync, so decode steps replay as CUDA graphs), and on the CPU only
     for policies that never admit a miss, which lose nothing by it. Staging
     needs STAGE slots and a predictor; lagged, "auto" prefetching stages only when residency is
-    "lagged" by name, since under "auto" residency decoding measured faster without it, and only
-    for routers gate speculation recomputes.
+    "lagged" by name, since under "auto" residency decoding measured faster without it, only
+    for routers gate speculation recomputes, and only where each MoE layer runs once a forward.
 
     Missed experts go to the CPU with cpu_experts "all" or "split", and with "auto" on CUDA where
     the calibration says the CPU pays, unless residency is "lagged" by name. A layer must then know
@@ -306,7 +309,7 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
 
     Raises:
         MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
-            gate speculation does not recompute; cpu_experts "split" off CUDA; "graph" on CUDA
+            gate speculation does not recompute or for a looped model; cpu_experts "split" off CUDA; "graph" on CUDA
             without the fused kernels.
     """
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
@@ -326,6 +329,12 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
         if prefetch != "auto":
             raise MiraError(f"--prefetch {prefetch} needs gate speculation, which does not recompute this model's "
                             "routers; pass --prefetch off (or auto)")
+        stages = False
+    if stages and not facts.runs_once:
+        if prefetch != "auto":
+            raise MiraError(f"--prefetch {prefetch} stages experts two layers ahead, which needs each MoE layer to run "
+                            "once a forward, and this model runs a looped core of layers several times; pass "
+                            "--prefetch off (or auto)")
         stages = False
     if stages and prefetch == "trained" and not facts.has_heads:
         raise MiraError("the store has no trained predictor heads; run `mira train-predictor` with this --model and "

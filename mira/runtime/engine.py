@@ -27,7 +27,7 @@ from mira.cache.telemetry import Telemetry
 from mira.errors import MiraError
 from mira.kernels import DECODE_TOKENS, CpuMoEFFN, make_moe_ffn
 from mira.models.hub import MODEL_OPTION, ModelSource, locate
-from mira.models.loader import MoESite, build_model, read_config, routed_per_token
+from mira.models.loader import MoESite, build_model, looped_layers, read_config, routed_per_token
 from mira.models.registry import adapter_for
 from mira.predict.baselines import GateSpeculation, Predictor, speculates
 from mira.predict.heads import TrainedPredictor, load_heads, load_predictor, predictor_file
@@ -412,6 +412,7 @@ def assemble(hf_model, sites: list[MoESite], store: ExpertStore, tokenizer: PreT
                   stage_slots=stage_slots(config.cache.policy, capacity, total_experts, config.cache),
                   has_heads=heads is not None or predictor_file(store.path).is_file(),
                   speculates=config.prefetch.mode == "off" or speculates(sites[0].router),  # one Experts class
+                  runs_once=looped_layers(hf_model.config) is None,
                   cpu_pays=costs is not None and top_k is not None and share_pays(costs, worker))
     try:
         decided = resolve(config, facts)

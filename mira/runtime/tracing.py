@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from mira.errors import MiraError
+from mira.models.loader import looped_layers
 from mira.store.trace import RoutingTrace
 from mira.store.files import read_text
 from mira.runtime.engine import MiraModel
@@ -27,9 +28,16 @@ class RoutingRecorder:
     """Collects top-k ids and weights of every token at every MoE layer while active.
 
     Use as a context manager around forward passes or `generate`; `trace()` returns what was seen.
+
+    Raises:
+        MiraError: a looped model, which routes each token more than once at some layers.
     """
 
     def __init__(self, model: MiraModel):
+        if (looped := looped_layers(model.hf_model.config)) is not None:
+            layers, passes = looped
+            raise MiraError(f"this model runs decoder layers {layers.start} to {layers.stop - 1} {passes} times a "
+                            "token, and a trace holds one routing per MoE layer and token; Mira cannot record it")
         self.model = model
         self._layers = [m for m in model.hf_model.modules() if isinstance(m, MiraExperts)]
         self._step: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -23,12 +23,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import mira
+from mira.errors import MiraError
 from mira.kernels import glu_of
 from mira.kernels.reference import moe_ffn_reference
 from mira.models.interface import is_experts_class
 from mira.models.kvcache import kv_values_per_token
 from mira.models.registry import adapter_for
 from mira.models.spec import GluForm
+from mira.runtime.tracing import RoutingRecorder
 from mira.store.convert import convert
 from mira.store.quant import dequantize_expert
 from mira.store.store import ExpertStore
@@ -265,6 +267,26 @@ def test_a_budget_with_prefetch_auto_runs_with_or_without_gate_speculation(famil
     assert model.cache.policy.capacity < total
     assert (model.cache.staging is not None) == (family == "gpt_oss")
     assert torch.equal(model.hf_model.generate(ids, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("family", [f for f in ("inkling2_loop_text",) if f in OFFERED])
+def test_a_looped_model_under_a_budget_keeps_its_text_and_refuses_staging_and_traces(family, family_store):
+    """Inkling2-Loop runs its core layers three times a forward, which staging two layers ahead and a
+    trace's one routing per layer cannot follow: under a budget that forces misses prefetch auto
+    stages nothing and the text is the one with every expert resident; staging and traces are refused."""
+    _, store = family_store(family, "none")
+    ids = _prompt(length=8)
+    greedy = {**GREEDY, "max_new_tokens": 24}
+    resident = mira.load(store, device="cpu", progress=False)
+    expected = resident.generate(ids, **greedy)
+    model = mira.load(store, device="cpu", progress=False, vram_budget="50%")
+    assert model.cache.policy.capacity < resident.store.num_layers * resident.store.num_experts
+    assert model.cache.staging is None
+    assert torch.equal(model.generate(ids, **greedy), expected)
+    with pytest.raises(MiraError, match="looped core of layers several times; pass --prefetch off"):
+        mira.load(store, device="cpu", progress=False, vram_budget="50%", prefetch="gate")
+    with pytest.raises(MiraError, match="runs decoder layers 1 to 2 3 times a token"):
+        RoutingRecorder(model)
 
 
 @pytest.mark.parametrize("family", [f for f in ("gpt_oss", "ergo") if f in OFFERED])

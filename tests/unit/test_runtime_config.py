@@ -85,6 +85,15 @@ def test_routers_gate_speculation_cannot_recompute_get_no_staging_unless_asked()
     assert _decide(prefetch="gate", capacity=96, speculates=False).predictor is None  # all resident: nothing staged
 
 
+def test_a_looped_model_gets_no_staging_unless_asked_and_then_a_refusal():
+    inline = dict(residency="inline", device_type="cpu", runs_once=False)
+    assert _decide(prefetch="auto", has_heads=True, **inline) == Decisions("mira", False, None, 40)
+    assert _decide(prefetch="auto", has_heads=True, residency="inline", device_type="cpu").predictor == "trained"
+    for prefetch in ("gate", "trained"):
+        with pytest.raises(MiraError, match="looped core.*--prefetch off"):
+            _decide(prefetch=prefetch, has_heads=True, **inline)
+
+
 def test_overrides_reach_the_nested_settings_and_unknown_names_are_refused():
     config = RuntimeConfig().with_overrides(policy="lru", prefetch="gate", heads="h.safetensors", residency="inline",
                                             cuda_graphs=False, vram_budget="25%")
