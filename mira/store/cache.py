@@ -50,8 +50,20 @@ def cache_store(model_dir: Path, scheme: str, progress: bool = True, name: str |
     if not target.exists():
         print(f"mira: converting {model_dir} into the store {target} (first use; later runs reuse it)",
               file=sys.stderr)
-    write_store(source, target, progress)
+    stale = _fingerprint(target) not in (None, source.fingerprint)
+    if stale:  # the cache's place for this directory: a store of it before its config or shards changed
+        print(f"mira: the config or shards of {model_dir} changed since {target} was made from them; converting "
+              "again", file=sys.stderr)
+    write_store(source, target, progress, force=stale)
     return target
+
+
+def _fingerprint(store: Path) -> str | None:
+    """The source fingerprint a readable store's manifest records; None elsewhere."""
+    try:
+        return Manifest.read(store).source_fingerprint if is_store(store) else None
+    except MiraError:
+        return None
 
 
 def _check_writable(root: Path) -> None:

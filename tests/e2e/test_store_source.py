@@ -4,6 +4,7 @@ and the repair a corruption error names gives back the files of a clean conversi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -54,6 +55,21 @@ def test_a_checkpoint_overwritten_with_new_weights_generates_from_the_new_weight
     assert new == greedy(tmp_path / "reference") and new != old
     assert tree(cache_store_path(checkpoint, "int8-shared"))["experts/layer-000.safetensors"] == \
         reference.files["experts/layer-000.safetensors"]
+
+
+def test_an_edited_config_converts_the_cached_store_again_and_generates_from_it(tmp_path, capfd):
+    """The cache's store of a directory whose config.json was edited (its fingerprint changed) is the
+    cache's own: it is converted again, not refused as another model's."""
+    checkpoint = make_checkpoint("mixtral", tmp_path / "ckpt")
+    old = greedy(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["num_experts_per_tok"] = 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    shutil.copytree(checkpoint, tmp_path / "fresh")
+    capfd.readouterr()
+    new = greedy(checkpoint)
+    assert "the config or shards of" in capfd.readouterr().err
+    assert new == greedy(tmp_path / "fresh") and new != old
 
 
 def test_a_touched_checkpoint_is_hashed_once_and_not_converted_again(tmp_path, capfd):
