@@ -21,7 +21,17 @@ def chat(model: MiraModel, sampling: SamplingConfig, system: str | None = None,
 
     Returns:
         The conversation as it stood at the end (system message first, when given).
+
+    Raises:
+        MiraError: the model has no tokenizer, or one without a chat template, which a conversation
+            of several turns goes through.
     """
+    if model.tokenizer is None:
+        raise MiraError(f"{model.store.path} has no tokenizer files, which chat needs; use the Python API with "
+                        "token ids")
+    if not model.tokenizer.chat_template:
+        raise MiraError(f"the tokenizer of {model.store.path} has no chat template, which chat sends every turn "
+                        "through; use `mira generate --prompt TEXT` for one prompt at a time")
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     turn = 0

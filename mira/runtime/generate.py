@@ -339,7 +339,8 @@ def encode_messages(model: MiraModel, messages: Sequence[Message], raw: bool = F
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     if len(messages) > 1 or messages[0]["role"] != "user":
         reason = "--raw was asked for" if raw else f"the tokenizer of {model.store.path} has no chat template"
-        raise MiraError(f"{reason}, so only one user message can be given; pass a plain prompt, or drop --raw")
+        fix = "pass a plain prompt, or drop --raw" if raw else "send a single user message"
+        raise MiraError(f"{reason}, so only one user message can be given; {fix}")
     if not raw:
         print("mira: the tokenizer has no chat template; using the prompt as raw text", file=sys.stderr)
     return tokenizer(messages[0]["content"], return_tensors="pt").input_ids

@@ -11,6 +11,8 @@ import time
 import httpx
 import openai
 
+from tiny_models import make_checkpoint
+
 DEADLINE_S = 120
 
 
@@ -53,6 +55,18 @@ def test_chat_keeps_the_conversation_across_turns(tmp_path):
                                         {"role": "user", "content": "Who made it?"}]))
     second = _mira("generate", "--messages", str(conversation), *common)
     assert second.stdout == replies[1] + "\n"
+
+
+def test_chat_refuses_a_model_without_a_chat_template_or_a_tokenizer_before_reading_a_turn(tmp_path):
+    checkpoint = make_checkpoint("mixtral", tmp_path / "ckpt")  # a tokenizer without a chat template
+    common = ("--model", str(checkpoint), "--device", "cpu", "--quiet")
+    untemplated = _mira("chat", *common, stdin="Hello\nAgain\n")
+    assert untemplated.returncode == 1 and untemplated.stdout == ""
+    assert "mira: error: the tokenizer of" in untemplated.stderr and "mira generate --prompt" in untemplated.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (checkpoint / name).unlink()
+    bare = _mira("chat", *common, stdin="Hello\n")
+    assert bare.returncode == 1 and "has no tokenizer files, which chat needs" in bare.stderr
 
 
 def test_serve_binds_loopback_and_answers_the_openai_client():
