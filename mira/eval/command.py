@@ -15,7 +15,7 @@ DEFAULT_CONTEXT = 512  # the bundled model's training context
 
 
 def add_command(subparsers) -> None:
-    from mira.cli_args import output_file, positive_int
+    from mira.cli_args import output_file, positive_int, size_or_share
 
     evaluate = subparsers.add_parser(
         "eval", help="what quantized experts cost in quality: perplexity, KL and agreement; lm-eval-harness tasks",
@@ -37,18 +37,19 @@ def add_command(subparsers) -> None:
     ppl.add_argument("--data", metavar="FILE.txt|FILE.jsonl",
                      help="the text: a .txt file, or JSON lines with a \"text\" field, one document each (documents "
                           "are scored one after another); default: the bundled model's held-out ShareGPT text")
-    ppl.add_argument("--quant", default=",".join(SCHEMES), metavar="SCHEME,...",
-                     help=f"comma-separated expert schemes out of {', '.join(SCHEMES)} (default: all); none, the "
-                          f"reference, is always run")
+    ppl.add_argument("--quant", metavar="SCHEME,...",
+                     help=f"comma-separated expert schemes out of {', '.join(SCHEMES)} (default: every one the "
+                          f"model's expert shapes allow); none, the reference, is always run")
     ppl.add_argument("--max-tokens", type=positive_int, metavar="N", help="score only the first N tokens of the text")
     ppl.add_argument("--context", type=positive_int, metavar="N",
-                     help=f"tokens per window (default {DEFAULT_CONTEXT}, or the model's positions if fewer)")
+                     help=f"tokens per window (default {DEFAULT_CONTEXT}, or the model's positions or the text's tokens "
+                          "if fewer)")
     ppl.add_argument("--stride", type=positive_int, metavar="N",
                      help="tokens a window advances (default: half the context)")
     ppl.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    ppl.add_argument("--vram-budget", metavar="SIZE",
-                     help="device memory each scheme's model may use, e.g. 12GiB (default on CUDA: the free memory "
-                          "less 1 GiB, shared evenly by the models)")
+    ppl.add_argument("--vram-budget", type=size_or_share, metavar="SIZE",
+                     help="device memory each scheme's model may use, e.g. 12GiB, or 25%% for slots for a quarter of "
+                          "its experts (default on CUDA: the free memory less 1 GiB, shared evenly by the models)")
     ppl.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     ppl.add_argument("--out", metavar="FILE.json", type=output_file,
                      help="also write the JSON result to FILE (with command, commit, machine and date)")
@@ -63,6 +64,28 @@ def add_command(subparsers) -> None:
                     "'mira[eval]'), with the model `mira` registered.")
     harness.add_argument("harness_args", nargs=argparse.REMAINDER)
     harness.set_defaults(run=_lm_eval)
+
+
+def storable_schemes(directory: Path) -> list[str]:
+    """Every scheme the checkpoint's expert shapes allow (int4 needs whole tiles), `none` first; each
+    left out is named on stderr."""
+    from mira.eval.ppl import REFERENCE
+    from mira.models.loader import read_config
+    from mira.models.registry import adapter_for
+    from mira.store.layout import ExpertLayout
+
+    spec = adapter_for(read_config(directory), str(directory)).spec
+    schemes = [REFERENCE]
+    for scheme in SCHEMES:
+        if scheme == REFERENCE:
+            continue
+        try:
+            ExpertLayout(scheme, spec.hidden, spec.intermediate, gated=spec.gated, bias=spec.bias)
+        except ValueError as error:
+            print(f"mira: leaving out {scheme}: {error}", file=sys.stderr)
+            continue
+        schemes.append(scheme)
+    return schemes
 
 
 def parse_schemes(text: str) -> list[str]:
@@ -85,7 +108,6 @@ def _ppl(args: argparse.Namespace) -> None:
     import torch
 
     from mira.bench.provenance import result_header
-    from mira.cache.budget import parse_size
     from mira.errors import MiraError
     from mira.eval.data import HELDOUT_TEXT, read_documents, token_stream
     from mira.eval.ppl import measure, model_log_probs, windows
@@ -96,26 +118,35 @@ def _ppl(args: argparse.Namespace) -> None:
     from mira.store.files import write_json_atomic
     from mira.store.manifest import is_store
 
-    schemes = parse_schemes(args.quant)
     model_path = Path(args.model) if args.model else BUNDLED_MODEL
     if is_store(model_path):
         raise MiraError(f"{model_path} is a store of one scheme; mira eval ppl compares schemes of one checkpoint, so "
                         "pass --model with the Hugging Face model directory it was converted from")
+    directory = locate(model_path).directory
+    schemes = parse_schemes(args.quant) if args.quant else storable_schemes(directory)
     data = Path(args.data) if args.data else HELDOUT_TEXT
     documents = read_documents(data)
-    positions = getattr(read_config(locate(model_path).directory), "max_position_embeddings", None)
+    positions = getattr(read_config(directory), "max_position_embeddings", None)
     if positions and args.context and args.context > positions:
         raise MiraError(f"--context {args.context} is beyond the {positions} positions this model was made for; "
                         f"pass --context {positions} or less")
     context = args.context or min(DEFAULT_CONTEXT, positions or DEFAULT_CONTEXT)
     device = torch.device(args.device or default_device())
-    budget = parse_size(args.vram_budget) if args.vram_budget else None
+    budget = args.vram_budget
     if budget is None and device.type == "cuda" and torch.cuda.is_available():
         budget = (torch.cuda.mem_get_info(device)[0] - FREE_MEMORY_MARGIN) // len(schemes)
     models = {scheme: load(model_path, device=str(device), vram_budget=budget, quant=scheme, progress=not args.quiet,
                            max_context=context, cuda_graphs=False)
               for scheme in schemes}
     ids = token_stream(models[schemes[0]].tokenizer, documents, args.max_tokens)
+    if len(ids) < 2:
+        raise MiraError(f"{data} gives {len(ids)} tokens, and scoring needs at least 2; pass a longer text")
+    rows = models[schemes[0]].hf_model.get_input_embeddings().num_embeddings
+    if int(ids.max()) >= rows:
+        raise MiraError(f"the tokenizer of {model_path} gives token id {int(ids.max())}, beyond the model's {rows} "
+                        "embeddings: its tokenizer files are another model's; put the model's own beside its weights")
+    if args.context is None:
+        context = min(context, len(ids))  # a short text (or --max-tokens) is one window
     stride = args.stride or max(1, context // 2)
     spans = windows(len(ids), context, stride)
     figures = measure({scheme: model_log_probs(model) for scheme, model in models.items()}, ids, spans,

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mira.cli import main
 from mira.eval.ppl import windows
+from mira.runtime.engine import BUNDLED_MODEL
 from tiny_models import TEXT
 
 
@@ -70,6 +72,35 @@ def test_ppl_table_and_scheme_subset(checkpoints, text_file, capsys):
     table = capsys.readouterr().out
     assert "| none (reference) |" in table and "| int8-row |" in table and "int8-shared" not in table
     assert "59 tokens of text.jsonl scored in 4 windows of 24 (stride 12)" in table
+
+
+def test_ppl_defaults_fit_the_checkpoint_and_the_text_and_a_budget_changes_no_figure(checkpoints, text_file, capsys):
+    """Experts int4 cannot tile are scored in every other scheme, with a note; a text shorter than the
+    default context is one window of its length; a budget of a share of the experts gives the figures
+    of every expert in place."""
+    common = ["eval", "ppl", "--model", str(checkpoints["mixtral"]), "--data", str(text_file), "--max-tokens", "40",
+              "--device", "cpu", "--quiet", "--json"]
+    assert main(common) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert list(result["schemes"]) == ["none", "int8-shared", "int8-row"]
+    assert "mira: leaving out int4: int4 stores tiles of 64 rows" in err
+    assert (result["context"], result["stride"], result["windows"], result["scored_tokens"]) == (40, 20, 1, 39)
+    assert main(common + ["--vram-budget", "50%"]) == 0
+    budgeted = json.loads(capsys.readouterr().out)
+    for scheme, figures in result["schemes"].items():
+        assert budgeted["schemes"][scheme] == pytest.approx(figures, rel=1e-5, abs=1e-7)
+
+
+def test_ppl_refuses_a_tokenizer_beyond_the_embeddings(checkpoints, text_file, tmp_path, capsys):
+    checkpoint = shutil.copytree(checkpoints["mixtral"], tmp_path / "mixtral")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer of 50 times the vocabulary
+        shutil.copy(BUNDLED_MODEL / name, checkpoint / name)
+    argv = ["eval", "ppl", "--model", str(checkpoint), "--data", str(text_file), "--quant", "int8-shared",
+            "--device", "cpu", "--quiet"]
+    assert main(argv) == 1
+    assert re.search(r"mira: error: the tokenizer of \S+ gives token id \d+, beyond the model's 320 embeddings: its "
+                     r"tokenizer files are another model's", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("setup,extra,message", [
