@@ -171,6 +171,9 @@ def _bench(args: argparse.Namespace) -> None:
                        offload_budgets=_names(args.offload_budgets) if args.offload_budgets else None,
                        profile=args.profile, repeats=args.repeats, interleave=args.interleave, schemes=schemes)
     device = parse_device(args.device)
+    if args.cpu_expert_threads is not None and not any(_cpu_share_runs(name, device.type) for name in configs):
+        raise MiraError(f"--cpu-threads sets the threads of the CPU that computes missed experts, which none of --configs "
+                        f"{args.configs} has on {device.type}; add mira-cpu-all, or leave out --cpu-threads")
     source = open_source(args.model, args.synthetic, device, progress=not args.quiet, routing=args.routing,
                          schemes=tuple(schemes), configs=tuple(configs))
     source.heads = args.heads
@@ -189,6 +192,19 @@ def _bench(args: argparse.Namespace) -> None:
     except ImportError:
         print("mira: matplotlib is not installed; no PNG written (pip install matplotlib)", file=sys.stderr)
     print(f"results: {out} and {out.with_suffix('.png')}", file=sys.stderr)
+
+
+def _cpu_share_runs(config: str, device_type: str) -> bool:
+    """Whether configuration `config` may compute missed experts on the CPU worker: on CUDA unless it
+    turns the share off or auto's is off (lagged residency by name); on the CPU only where it asks for
+    one (auto stays off there)."""
+    settings = MIRA_CONFIGS.get(config)
+    if settings is None:
+        return False
+    mode = settings.get("cpu_experts", "auto")
+    if device_type != "cuda":
+        return mode in ("all", "graph")
+    return mode != "off" and not (mode == "auto" and settings["residency"] == "lagged")
 
 
 def _check_budget(label: str) -> None:

@@ -103,3 +103,13 @@ def test_a_skipped_row_is_marked_without_widening_the_other_rows_columns():
     both = format_table({**result, "runs": [row, skipped]}).splitlines()
     assert both[:3] == alone[:3]  # title, header and the measured row, column for column
     assert both[3].split() == ["25%", "lru", "skipped"] and "below" not in format_table({**result, "runs": [skipped, row]})
+
+
+def test_the_cpu_share_runs_where_a_configuration_can_have_it():
+    from mira.bench.command import _cpu_share_runs
+
+    on_cuda = [name for name in ("mira", "mira-gpu", "mira-lagged", "mira+p-lagged", "mira-cpu-all", "lru", "hf-gpu")
+               if _cpu_share_runs(name, "cuda")]
+    assert on_cuda == ["mira", "mira-cpu-all", "lru"]  # lru's share is auto, as mira's
+    assert [name for name in ("mira", "mira-cpu-all", "mira-cpu-graph", "mira-cpu-split")
+            if _cpu_share_runs(name, "cpu")] == ["mira-cpu-all", "mira-cpu-graph"]
