@@ -466,9 +466,9 @@ def free_memory(device: torch.device) -> None:
 def _brief(row: dict) -> str:
     name = f"{row['config']}/{row['quant']}" if row.get("quant") else row["config"]
     if row.get("skipped"):
-        return f"{name:>10} {row['budget']:>7}: skipped ({row['skipped']})"
+        return f"{name} at {row['budget']}: skipped ({row['skipped']})"
     beams = f" beams={row['num_beams']}" if row.get("num_beams", 1) > 1 else ""
-    return (f"{name:>10} {row['budget']:>7}{beams}: TTFT {row.get('ttft_s')} s, decode "
+    return (f"{name} at {row['budget']}{beams}: TTFT {row.get('ttft_s')} s, decode "
             f"{row.get('decode_tokens_per_s')} tok/s, e2e {row.get('e2e_tokens_per_s')} tok/s{stolen_note(row)}")
 
 
