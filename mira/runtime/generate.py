@@ -26,6 +26,7 @@ from mira.runtime.run_ahead import HostCriterion
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MIN_REPETITION_PENALTY = 1e-2  # smaller ones divide seen tokens' logits past any use, and overflow them near 1e-37
 SEEDS = (-2**63, 2**64 - 1)  # the seeds torch's generator takes (torch.manual_seed)
 GREEDY_BELOW = 1e-5  # a smaller temperature decodes greedily: its samples are the argmax all but surely, and
 # logits divided by it overflow to inf
@@ -57,8 +58,8 @@ class SamplingConfig:
             (self.temperature is None or self.temperature >= 0, f"temperature must be >= 0, not {self.temperature}"),
             (self.top_p is None or 0 < self.top_p <= 1, f"top-p must be in (0, 1], not {self.top_p}"),
             (self.top_k is None or self.top_k >= 0, f"top-k must be >= 0 (0: off), not {self.top_k}"),
-            (self.repetition_penalty is None or self.repetition_penalty > 0,
-             f"repetition penalty must be > 0 (1: off), not {self.repetition_penalty}"),
+            (self.repetition_penalty is None or self.repetition_penalty >= MIN_REPETITION_PENALTY,
+             f"repetition penalty must be at least {MIN_REPETITION_PENALTY} (1: off), not {self.repetition_penalty}"),
             (all(self.stop), "a stop string must not be empty"),
             (self.seed is None or SEEDS[0] <= self.seed <= SEEDS[1],
              f"the seed must be between {SEEDS[0]} and {SEEDS[1]}, not {self.seed}"),

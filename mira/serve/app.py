@@ -29,7 +29,7 @@ from mira.serve.metrics import Metrics
 from mira.serve.relay import STREAM_INTERVAL_S
 from mira.serve.token_texts import TokenTexts
 from mira.serve.tools import ToolReply, ToolsUnusable, check_tools, read_reply
-from mira.serve.worker import STREAMED, DeviceWorker, Job, QueueFull
+from mira.serve.worker import STREAMED, DeviceWorker, Job, QueueFull, ShuttingDown
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
@@ -76,6 +76,7 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             worker.close()
 
     app = FastAPI(title="Mira", lifespan=lifespan)
+    app.state.stop_generating = worker.stop  # for the server's signal handler: the first Ctrl-C ends generations
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -200,6 +201,8 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
             raise ApiError(429, "the server is busy: every place in its queue is taken; retry later",
                            kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(full.retry_after)}) from None
+        except ShuttingDown as stopping:
+            raise ApiError(503, str(stopping), kind="server_error") from None
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         reply = Reply(request_id, int(time.time()), model_id, endpoint == "chat",
                       model.tokenizer if body.requested_logprobs() is not None else None,
@@ -369,4 +372,6 @@ async def collect(job: Job, request: Request) -> GenerationReport | None:
         if kind == "error":
             if isinstance(value, MiraError):
                 raise ApiError(400, str(value))
+            if isinstance(value, ShuttingDown):
+                raise ApiError(503, str(value), kind="server_error")
             raise ApiError(500, f"generation failed: {value}", kind="server_error")

@@ -89,6 +89,7 @@ def _serve(args: argparse.Namespace) -> None:
         import uvicorn
 
         from mira.serve.app import create_app
+        from mira.serve.stopping import StoppingServer
         from mira.serve.tools import load_response_template
     except ImportError as error:
         raise MiraError(f"mira serve needs FastAPI and uvicorn ({error}); pip install 'mira[serve]'") from None
@@ -111,4 +112,4 @@ def _serve(args: argparse.Namespace) -> None:
                      stream_interval_s=args.stream_interval / 1000)
     shown = f"[{host}]" if ":" in host else host
     print(f"mira: serving {name} at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning" if args.quiet else "info")).run(sockets=[sock])
+    StoppingServer(uvicorn.Config(app, log_level="warning" if args.quiet else "info")).run(sockets=[sock])

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from mira.runtime.generate import MAX_TOP_LOGPROBS, SEEDS, TokenLogprob
+from mira.runtime.generate import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SEEDS, TokenLogprob
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_COMPLETION_LOGPROBS = 5  # likewise, for the completions endpoint's most likely tokens
@@ -25,14 +25,18 @@ class _Strict(BaseModel):
 # is refused rather than answered as if it had not (each value here is what leaves the field unset).
 UNSERVED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""), "parallel_tool_calls": (None, True),
-    "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}), "functions": (None, []), "function_call": (None, "none"),
 }
+
+LEGACY = {"functions": "give them as tools, OpenAI's newer form of them",
+          "function_call": "give tools, with tool_choice \"auto\" or \"none\""}
 
 
 def _refuse_unserved(value: Any, info: ValidationInfo) -> Any:
     if any(value == unset and type(value) is type(unset) for unset in UNSERVED[info.field_name]):
         return value
-    raise ValueError(f"mira serve does not support {info.field_name}; leave it out of the request")
+    fix = LEGACY.get(info.field_name, "leave it out of the request")
+    raise ValueError(f"mira serve does not support {info.field_name}; {fix}")
 
 
 class StreamOptions(_Strict):
@@ -48,7 +52,7 @@ class SamplingRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # not in OpenAI's API (clients pass it as an extra); 0 is off
-    repetition_penalty: float | None = Field(None, gt=0)  # likewise; transformers' multiplicative penalty
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY)  # likewise; transformers' multiplicative one
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     stop: str | list[str] | None = Field(None, validate_default=True)  # a list after validation
@@ -178,8 +182,11 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None  # "auto" (the default with tools) or "none" (the tools are not shown)
     parallel_tool_calls: Any = None
     response_format: Any = None
+    functions: Any = None  # the older form of tools and tool_choice
+    function_call: Any = None
 
-    _unserved_chat = field_validator("parallel_tool_calls", "response_format")(_refuse_unserved)
+    _unserved_chat = field_validator("parallel_tool_calls", "response_format", "functions", "function_call")(
+        _refuse_unserved)
 
     @field_validator("tool_choice")
     @classmethod

@@ -22,6 +22,13 @@ from mira.serve.relay import Relay
 STREAMED = ("text", "logprob")  # a streaming job's events before its last
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: the job was cancelled, or refused before it queued."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down; send the request again once it is back")
+
+
 class QueueFull(Exception):
     """Every place in the queue is taken; `retry_after` seconds is a guess at when one frees."""
 
@@ -66,6 +73,7 @@ class DeviceWorker:
         self._pending = 0  # submitted and not finished: the one running plus those waiting
         self._mean_job_s = 1.0  # running mean of how long a job holds the device, for Retry-After
         self._current: Job | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mira-device", daemon=True)
 
     @property
@@ -75,13 +83,19 @@ class DeviceWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        """Cancel what waits or runs and stop the thread once the current step ends."""
+    def stop(self) -> None:
+        """Refuse new jobs and cancel what waits or runs, each ending in ShuttingDown at its next step
+        (the server is stopping; callable from a signal handler)."""
+        self._stopping = True
         with self._jobs.mutex:
             jobs = [*self._jobs.queue, self._current]
         for job in jobs:
             if job is not None:
                 job.cancel.set()
+
+    def close(self) -> None:
+        """`stop`, then end the thread once the current step ends."""
+        self.stop()
         self._jobs.put(None)
         self._thread.join()
 
@@ -90,7 +104,10 @@ class DeviceWorker:
 
         Raises:
             QueueFull: `max_waiting` jobs already wait behind the running one.
+            ShuttingDown: the server is stopping.
         """
+        if self._stopping:
+            raise ShuttingDown()
         with self._lock:
             if self._pending > self.max_waiting:
                 raise QueueFull(max(1, math.ceil(self._mean_job_s * (self._pending - self.max_waiting))))
@@ -104,7 +121,9 @@ class DeviceWorker:
             self._current = job
             started = time.perf_counter()
             try:
-                event = ("done", self._generate(job))
+                report = self._generate(job)
+                event = ("error", ShuttingDown()) if self._stopping and report.finish_reason == "cancelled" \
+                    else ("done", report)
             except Exception as error:  # noqa: BLE001 - the request fails; the server keeps serving
                 event = ("error", error)
             self._current = None

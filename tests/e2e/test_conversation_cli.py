@@ -4,6 +4,7 @@ fresh processes on the bundled model (CPU), loopback only."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -95,3 +96,39 @@ def test_serve_binds_loopback_and_answers_the_openai_client():
     finally:
         server.terminate()
         server.wait(DEADLINE_S)
+
+
+def test_ctrl_c_ends_a_running_generation_and_the_server_at_once():
+    """uvicorn alone waits for every connection to close; mira serve's first SIGINT also ends the
+    generation that runs (its stream gets an error event) and the server exits within seconds."""
+    server = subprocess.Popen(_command("serve", "--device", "cpu", "--port", "0", "--quiet"),
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "MIRA_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        line = ""
+        while "serving" not in line:
+            assert time.monotonic() < deadline and server.poll() is None, "mira serve did not start"
+            line = server.stderr.readline()
+        url = line.split(" at ")[1].split()[0]
+        while True:
+            try:
+                httpx.get(url.removesuffix("/v1") + "/health")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1800, "min_tokens": 1800,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=DEADLINE_S) as answer:
+            lines = answer.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # generating
+            server.send_signal(signal.SIGINT)
+            stopped = time.monotonic()
+            rest = list(lines)
+        assert server.wait(30) in (0, 130) and time.monotonic() - stopped < 30  # 130: the SIGINT, re-raised
+        assert any("shutting down" in line for line in rest) and "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(DEADLINE_S)

@@ -458,6 +458,13 @@ BAD = {
     "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
                      "logit_bias"),
     "a seed beyond 64 bits": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}), "seed"),
+    "functions, the older form of tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "functions": [
+        {"name": "f", "parameters": {"type": "object", "properties": {}}}]}), "give them as tools"),
+    "a forced function call": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                           "function_call": {"name": "f"}}), "function_call"),
+    "a repetition penalty that would overflow the logits": (
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 1, "repetition_penalty": 1e-300}),
+        "repetition_penalty"),
 }
 
 
@@ -484,7 +491,7 @@ def test_bad_input_through_the_openai_client_raises_its_errors(client):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=2, logprobs=6)
     assert error.value.param == "logprobs" and "5" in error.value.message
     unset = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
-             "response_format": {"type": "text"}, "logit_bias": {}}
+             "response_format": {"type": "text"}, "logit_bias": {}, "functions": [], "function_call": "none"}
     reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            **unset)
     assert reply.choices[0].finish_reason in ("stop", "length")
