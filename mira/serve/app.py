@@ -300,13 +300,23 @@ class Reply:
         return protocol.completion_logprobs(entries, texts, offsets)
 
     def opening(self) -> str | None:
-        """The stream's first chunk: a chat's role, or an echoed prompt's text and its first token."""
+        """The stream's first chunk: a chat's role, or an echoed prompt's text and its first token
+        where its other tokens' log-probabilities are not asked for (`echoed` sends them with it)."""
         if self.chat:
             return _event(protocol.chat_chunk(self.request_id, self.created, self.model_id,
                                               {"role": "assistant", "content": ""}))
-        if self.echo is not None:
+        if self.echo is not None and not self.echo_owes:
             return self.chunk(self.echo[0], entries=[self.echo[1][0]])
         return None
+
+    @property
+    def echo_owes(self) -> int:
+        """The log-probabilities of echoed prompt tokens that the prefill gives before the echo goes out."""
+        return len(self.echo[1]) - 1 if self.echo is not None and self._texts is not None else 0
+
+    def echoed(self, prompt_entries: Sequence[TokenLogprob]) -> str:
+        """The echoed prompt's chunk: its text, with each of its tokens' log-probabilities."""
+        return self.chunk(self.echo[0], entries=[self.echo[1][0], *prompt_entries])
 
     def usage(self, report: GenerationReport) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -332,10 +342,14 @@ async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[s
         if opening:
             yield opening
         held: list[TokenLogprob] = []  # log-probabilities of tokens whose text has not come out yet
+        owed = reply.echo_owes  # the prompt's, first of all, which go out with the echoed prompt
         while True:
             events = await job.events.take()  # what came since the last chunk goes in one chunk
             text = "".join(value for kind, value in events if kind == "text")
             held += [value for kind, value in events if kind == "logprob"]
+            if owed and len(held) >= owed:
+                yield reply.echoed(held[:owed])
+                held, owed = held[owed:], 0
             if text:
                 yield reply.chunk(text, entries=held)
                 held = []

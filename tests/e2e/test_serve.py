@@ -276,6 +276,9 @@ def test_an_echoed_prompt_of_token_ids_comes_back_with_its_logprobs(client, mode
     parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
     assert [lp for part in parts for lp in part.token_logprobs] == logprobs.token_logprobs
     assert [o for part in parts for o in part.text_offset] == logprobs.text_offset
+    for chunk in chunks:  # a chunk's tokens are its own text's: the echoed prompt's go out with it
+        part = chunk.choices[0].logprobs
+        assert "".join(part.tokens if part else []) == chunk.choices[0].text
     echoed = client.completions.create(model=NAME, prompt="Once upon", max_tokens=3, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("Once upon") and echoed.choices[0].logprobs is None
 
