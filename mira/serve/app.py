@@ -131,6 +131,11 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
     async def models() -> dict:
         return protocol.model_list(model_id, created)
 
+    @api.get("/v1/models/{name:path}")  # a repo id has a slash
+    async def one_model(name: str) -> dict:
+        check_model(name)
+        return protocol.model_entry(model_id, created)
+
     @api.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         check_model(body.model)
@@ -179,9 +184,10 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         if prompt_tokens == 0:  # refused here, before a stream starts, rather than by the generation
             raise ApiError(400, "the prompt is empty (no tokens); give a prompt", param=prompt)
         if room < 1 or (wanted is not None and wanted > room):
+            asked = f"{wanted} more were asked for: shorten the prompt or lower max_tokens" if wanted is not None \
+                else "no token is left to generate: shorten the prompt"
             raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
-                                f"{prompt_tokens} and {wanted or 1} more were asked for: shorten the prompt or "
-                                f"lower max_tokens", param=prompt, code="context_length_exceeded")
+                                f"{prompt_tokens} and {asked}", param=prompt, code="context_length_exceeded")
         if body.min_tokens > (wanted or room):
             raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({wanted or room})",
                            param="min_tokens")

@@ -133,7 +133,7 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise ValueError(f"{'an' if self.role == 'assistant' else 'a'} {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
@@ -254,8 +254,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def model_entry(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mira"}
+
+
 def model_list(model_id: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mira"}]}
+    return {"object": "list", "data": [model_entry(model_id, created)]}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: Sequence[tuple[str, list[str]]]) -> dict:

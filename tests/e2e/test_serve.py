@@ -92,6 +92,9 @@ def _alone(model, messages=None, prompt=None, **settings):
 
 def test_models_lists_the_one_model(client):
     assert [m.id for m in client.models.list()] == [NAME]
+    assert client.models.retrieve(NAME) == client.models.list().data[0]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_chat_uses_the_template_with_the_system_and_every_message(client, model):
@@ -461,6 +464,8 @@ BAD = {
     "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
                      "logit_bias"),
     "a seed beyond 64 bits": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}), "seed"),
+    "an assistant message without content": (json.dumps({"messages": [{"role": "assistant"}]}),
+                                             "an assistant message needs content"),
     "functions, the older form of tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "functions": [
         {"name": "f", "parameters": {"type": "object", "properties": {}}}]}), "give them as tools"),
     "a forced function call": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
@@ -501,6 +506,10 @@ def test_bad_input_through_the_openai_client_raises_its_errors(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=NAME, prompt="word " * 3000, max_tokens=5)
     assert error.value.code == "context_length_exceeded" and error.value.param == "prompt"
+    assert "5 more were asked for: shorten the prompt or lower max_tokens" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 3000}])
+    assert "no token is left to generate: shorten the prompt" in error.value.message
 
 
 def test_null_fields_take_their_defaults(url):
