@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from mira.errors import MiraError
 
 GiB = 1 << 30
+UNITLESS_BELOW = 1 << 10  # a budget of fewer bytes was most likely meant in GiB or MiB, written without a unit
 
 
 class BudgetTooSmall(MiraError):
@@ -25,7 +26,7 @@ class BudgetTooSmall(MiraError):
         super().__init__(
             f"{shortfall}; pass --vram-budget of at least {format_size(needed, up=True)}"
             + (" or a smaller --max-context" if smaller_context else "")
-            + ("; a size without a unit is bytes: write 12GiB, not 12" if budget < 1 << 20 else ""))
+            + ("; a size without a unit is bytes: write 12GiB, not 12" if budget < UNITLESS_BELOW else ""))
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     With cpu_experts "graph" the device chooses the CPU's misses inside decode steps, which lag.
 
     Raises:
-        MiraError: prefetch "trained" where there are no heads; "gate" or "trained" for routers
+        MiraError: prefetch "gate" or "trained" for a policy without STAGE slots; "trained" where there are no heads; "gate" or "trained" for routers
             gate speculation does not recompute or for a looped model; cpu_experts "split" off CUDA; "graph" on CUDA
             without the fused kernels.
     """
@@ -323,6 +323,11 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     lagged = possible and mode != "inline" and (cpu_experts == "graph" or cpu_experts is None and (
         mode == "lagged" or not facts.admits_misses or facts.device_type == "cuda"))
     prefetch = config.prefetch.mode
+    if prefetch in ("gate", "trained") and facts.stage_slots == 0:
+        policy = config.cache.policy
+        lacking = f"the {policy} policy has none" if policy != "mira" else "a budget of one slot leaves none"
+        raise MiraError(f"--prefetch {prefetch} stages experts through the mira policy's STAGE slots, and {lacking}; "
+                        "pass --policy mira, or leave out --prefetch")
     stages = facts.stage_slots > 0 and prefetch != "off" and (
         prefetch != "auto" or mode == "lagged" or (not lagged and cpu_experts != "split"))
     if stages and not facts.speculates:
@@ -338,7 +343,8 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
         stages = False
     if stages and prefetch == "trained" and not facts.has_heads:
         raise MiraError("the store has no trained predictor heads; run `mira train-predictor` with this --model and "
-                        "--quant, or pass --heads FILE or --prefetch gate")
+                        "--quant, or pass --prefetch gate (mira bench --heads and mira.load(heads=) take them from a "
+                        "file)")
     predictor = ("trained" if prefetch == "trained" or (prefetch == "auto" and facts.has_heads) else "gate") \
         if stages else None
     slots = facts.capacity - STAGING_ROWS if stages else facts.capacity

@@ -39,7 +39,7 @@ def _ls(args: argparse.Namespace) -> None:
     from mira.store.sources import sources_match
 
     stores = cached_stores()
-    print(f"{cache_dir()}: {len(stores)} stores")
+    print(f"{cache_dir()}: {len(stores)} store{'' if len(stores) == 1 else 's'}")
     for path in stores:
         size = f"{_size(path) / 2**20:.1f} MiB"
         if path.name.endswith(PARTIAL_SUFFIX):
@@ -99,7 +99,9 @@ def _rm(args: argparse.Namespace) -> None:
     from mira.store.lock import store_lock
     from mira.store.manifest import written_store
 
-    if args.all == bool(args.stores):
+    if args.all and args.stores:
+        raise MiraError("--all removes every cached store and takes no names; pass either the names or --all")
+    if not args.all and not args.stores:
         raise MiraError("name the cached stores to remove (see `mira store ls`), or pass --all")
     paths = cached_stores() if args.all else [_store_path(name, must_be_cached=True) for name in args.stores]
     for path in paths:

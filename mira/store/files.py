@@ -76,14 +76,21 @@ def write_npz_atomic(path: Path, arrays: dict) -> None:
 
 
 def _write_atomic(path: Path, mode: str, write: Callable[[IO], None]) -> None:
-    """`write` into a temporary file beside `path`, flushed to the disk, then renamed over it."""
-    fd, tmp = temporary_beside(path)
+    """`write` into a temporary file beside `path`, flushed to the disk, then renamed over it. A link
+    is written through (its target is replaced, not the link), and what is not a regular file (a
+    pipe, /dev/stdout) is written in place: nothing may be renamed over it."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        with open(target, mode) as f:
+            write(f)
+        return
+    fd, tmp = temporary_beside(target)
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -66,7 +66,7 @@ def _with_untrained_heads(store: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("policy", "prefetch"), [("mira", "gate"), ("mira", "trained"), ("mira", "off"),
-                                                 ("lru", "gate"), ("lfu", "off"), ("static", "off"),
+                                                 ("lru", "off"), ("lfu", "off"), ("static", "off"),
                                                  ("on-demand", "off")])
 @pytest.mark.parametrize("slots", [8, 12])
 def test_greedy_output_is_identical_for_every_policy_budget_and_prefetch(stores, tmp_path, policy, prefetch, slots):

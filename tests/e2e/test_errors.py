@@ -89,13 +89,14 @@ def test_budget_below_the_non_expert_weights_and_kv_cache_says_how_much_is_neede
         mira.load(stores["mixtral", "int8-shared"], device="cpu", vram_budget=1000, progress=False)
 
 
-def test_only_a_budget_under_a_mebibyte_is_taken_for_a_missing_unit():
+def test_only_a_budget_under_a_kibibyte_is_taken_for_a_missing_unit():
     # 3 MiB of weights, 1 MiB of KV cache, 8 slots of 1 MiB: 12 MiB needed
     plan = dict(non_expert_bytes=3 << 20, kv_bytes=1 << 20, workspace_bytes=0, blob_bytes=1 << 20,
                 experts_per_layer=8, total_experts=64, max_context=256)
-    with pytest.raises(MiraError, match=r"budget of 2.00 MiB is below the 12.00 MiB needed .* or a smaller "
-                                        r"--max-context$"):
-        plan_slots(2 << 20, **plan)
+    for budget in (2 << 20, 200 << 10):  # 2MiB, 200KiB: sizes with units
+        with pytest.raises(MiraError, match=r"budget of .* is below the 12.00 MiB needed .* or a smaller "
+                                            r"--max-context$"):
+            plan_slots(budget, **plan)
     with pytest.raises(MiraError, match=r"budget of 12 B .*; a size without a unit is bytes: write 12GiB, not 12$"):
         plan_slots(12, **plan)
 

@@ -182,6 +182,7 @@ def test_mira_store_lists_verifies_and_removes_the_cached_stores(tmp_path, monke
     capsys.readouterr()
     assert main(["store", "ls"]) == 0
     listing = capsys.readouterr().out
+    assert listing.startswith(f"{cache_dir()}: 1 store\n")
     assert f"{cached.name}\t" in listing and "int8-shared\tcurrent\t" + str(checkpoint) in listing
     assert main(["store", "list"]) == 0 and capsys.readouterr().out == listing  # the word the help uses
     assert main(["store", "verify"]) == 0 and f"{cached}: ok" in capsys.readouterr().out
@@ -191,6 +192,8 @@ def test_mira_store_lists_verifies_and_removes_the_cached_stores(tmp_path, monke
     assert "experts/layer-001.safetensors does not match its checksum" in out and f"--out {cached}" in out
     assert err.startswith("mira: error: 1 of 1 stores failed verification") and err.count("\n") == 1
     assert main(["store", "rm", "nonesuch"]) == 1 and "see `mira store ls`" in capsys.readouterr().err
+    assert main(["store", "rm", "--all", cached.name]) == 1 and "--all removes every cached store and takes no " \
+        "names" in capsys.readouterr().err and cached.exists()
     assert main(["store", "remove", cached.name]) == 0
     assert not cached.exists() and os.listdir(cache_dir()) == []
 

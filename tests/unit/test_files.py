@@ -1,7 +1,10 @@
 """Atomic writes (mira.store.files): the file a reader finds has the mode a file made by open() has."""
 
+import io
 import json
+import os
 import stat
+import threading
 
 import numpy as np
 
@@ -29,3 +32,19 @@ def test_the_mode_is_set_on_the_file_not_left_to_the_temporary_files_default(tmp
     files.write_json_atomic(path, {"b": 2})
     assert _mode(path) == 0o640
     assert not list(tmp_path.glob(".b.json.*"))  # no temporary left behind
+
+
+def test_a_link_is_written_through_and_a_pipe_in_place(tmp_path):
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("{}")
+    link.symlink_to(target.name)
+    files.write_json_atomic(link, {"c": 3})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"c": 3}
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(pipe.read_bytes()))
+    reader.start()
+    files.write_npz_atomic(pipe, {"x": np.arange(4)})
+    reader.join(10)
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and np.load(io.BytesIO(read[0]))["x"].tolist() == [0, 1, 2, 3]

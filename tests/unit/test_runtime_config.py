@@ -62,7 +62,10 @@ def test_inline_models_stage_whenever_a_predictor_may_run(residency):
     assert _decide(prefetch="auto", **inline).predictor == "gate"
     assert _decide(prefetch="auto", has_heads=True, **inline).predictor == "trained"
     assert _decide(prefetch="off", **inline).predictor is None
-    assert _decide(prefetch="gate", stage_slots=0, **inline).predictor is None  # LRU, static: no STAGE
+    assert _decide(prefetch="auto", stage_slots=0, **inline).predictor is None  # LRU, static: no STAGE
+    for policy in ("lru", "static"):
+        with pytest.raises(MiraError, match=f"and the {policy} policy has none; pass --policy mira"):
+            _decide(prefetch="gate", policy=policy, stage_slots=0, **inline)
     assert _decide(prefetch="gate", **inline).policy_slots == 40 - STAGING_ROWS  # staging keeps its rows
 
 
