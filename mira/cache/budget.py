@@ -48,8 +48,11 @@ def plan_slots(budget: int, non_expert_bytes: int, kv_bytes: int, workspace_byte
     reserve = non_expert_bytes + kv_bytes + workspace_bytes
     needed = reserve + experts_per_layer * blob_bytes
     if budget < needed:
+        given, wanted = format_size(budget), format_size(needed, up=True)
+        if given == wanted:  # two decimals cannot tell them apart
+            given, wanted = f"{budget} B", f"{needed} B"
         raise BudgetTooSmall(
-            f"the budget of {format_size(budget)} is below the {format_size(needed)} needed "
+            f"the budget of {given} is below the {wanted} needed "
             f"({format_size(non_expert_bytes)} non-expert weights, {format_size(kv_bytes)} KV cache for "
             f"{max_context} tokens, {format_size(workspace_bytes)} workspaces, {experts_per_layer} expert slots of "
             f"{format_size(blob_bytes)})", needed, budget, smaller_context=kv_bytes > 0)

@@ -134,6 +134,9 @@ def _messages(args: argparse.Namespace) -> str | list[dict]:
                             "text content")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise MiraError("the prompt is empty" + (" (nothing came on standard input)" if args.prompt == "-" else "")
+                        + "; give some text with --prompt")
     if args.system is None:
         return prompt
     return [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}]

@@ -99,6 +99,8 @@ def test_only_a_budget_under_a_kibibyte_is_taken_for_a_missing_unit():
             plan_slots(budget, **plan)
     with pytest.raises(MiraError, match=r"budget of 12 B .*; a size without a unit is bytes: write 12GiB, not 12$"):
         plan_slots(12, **plan)
+    with pytest.raises(MiraError, match=r"budget of 12582911 B is below the 12582912 B needed"):  # both 12.00 MiB
+        plan_slots((12 << 20) - 1, **plan)
 
 
 def test_a_policy_or_prefetch_with_no_slots_to_act_on_is_refused(stores):
