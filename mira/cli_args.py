@@ -177,8 +177,11 @@ def check_model_options(args: argparse.Namespace) -> None:
 
     device = parse_device(args.device)
     if device.type == "cpu" and args.vram_budget is None:
-        for flag, value in (("--policy", args.policy), ("--prefetch", args.prefetch), ("--residency", args.residency)):
-            if value is not None:
+        defaults = RuntimeConfig()
+        for flag, value, default in (("--policy", args.policy, defaults.cache.policy),
+                                     ("--prefetch", args.prefetch, defaults.prefetch.mode),
+                                     ("--residency", args.residency, defaults.residency.mode)):
+            if value not in (None, default):  # the default, named, changes nothing
                 raise MiraError(f"{flag} {value} has no effect on the CPU without --vram-budget (every expert is read "
                                 f"in place from host memory); pass --vram-budget (e.g. 25%) or leave out {flag}")
     if args.cpu_expert_threads is not None and args.cpu_experts == "off":
@@ -199,16 +202,14 @@ def check_model_options(args: argparse.Namespace) -> None:
 
 
 def check_sampling(args: argparse.Namespace) -> None:
-    """Refuse sampling options that greedy decoding ignores, and a prompt with no text.
+    """Refuse sampling options that greedy decoding ignores.
 
     Raises:
-        MiraError: such an option or prompt, and the fix.
+        MiraError: such an option, and the fix.
     """
     if args.temperature == 0 and args.top_p is not None:
         raise MiraError("--top-p has no effect with --temperature 0 (greedy decoding); pass a positive "
                         "--temperature or leave out --top-p")
-    if args.raw and not args.prompt and not getattr(args, "messages", None):
-        raise MiraError("--prompt is empty and --raw gives the model no other text; pass a prompt")
 
 
 def end_quietly_on_broken_pipe() -> int:

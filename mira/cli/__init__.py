@@ -75,9 +75,12 @@ def _simulate(args: argparse.Namespace) -> None:
     profile = RoutingTrace.load(args.profile) if args.profile else None
     start = args.calibrate or 0
     if args.calibrate:
-        if args.profile or not 0 < args.calibrate < trace.num_tokens:
+        if args.profile:
+            raise MiraError("--calibrate takes the profile from the trace's first tokens, and --profile gives another; "
+                            "pass one of them")
+        if not 0 < args.calibrate < trace.num_tokens:
             raise MiraError(f"--calibrate takes a token count between 1 and {trace.num_tokens - 1} (the trace has "
-                            f"{trace.num_tokens}), and no --profile")
+                            f"{trace.num_tokens})")
         profile, trace = trace.tokens(0, start), trace.tokens(start, trace.num_tokens)
     if args.heads and args.predictions != "trained":
         raise MiraError("--heads is read by --predictions trained alone; pass --predictions trained, or leave out "

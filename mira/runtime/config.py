@@ -158,7 +158,7 @@ class RuntimeConfig:
             raise MiraError(f"--cpu-lanes {lanes} is not a positive number of lanes; pass 1 or more")
         if self.hybrid.mode == "graph" and self.residency.mode == "inline":
             raise MiraError("--cpu-experts graph chooses the CPU's misses inside lagged decode steps; pass "
-                            "--residency lagged (or auto), or --cpu-experts split for the inline share")
+                            "--residency lagged (or auto), or on CUDA --cpu-experts split for the inline share")
         if self.hybrid.mode in ("all", "split") and self.residency.mode == "lagged":
             raise MiraError(f"--cpu-experts {self.hybrid.mode} needs each layer's misses before its kernel, which "
                             "lagged residency settles only after the step; pass --residency inline (or auto), or "
