@@ -1,6 +1,7 @@
 """`mira serve`, `mira chat` and `mira generate --system / --messages / --prompt -` as a user runs them:
 fresh processes on the bundled model (CPU), loopback only."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -70,7 +71,9 @@ def test_chat_refuses_a_model_without_a_chat_template_or_a_tokenizer_before_read
     assert bare.returncode == 1 and "has no tokenizer files, which chat needs" in bare.stderr
 
 
-def test_serve_binds_loopback_and_answers_the_openai_client():
+@contextlib.contextmanager
+def _server():
+    """`mira serve` on the bundled model at a free loopback port: (process, its /v1 URL) once it answers."""
     server = subprocess.Popen(_command("serve", "--device", "cpu", "--port", "0", "--quiet"),
                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                               env={**os.environ, "MIRA_API_KEY": ""})
@@ -81,7 +84,6 @@ def test_serve_binds_loopback_and_answers_the_openai_client():
             assert time.monotonic() < deadline and server.poll() is None, "mira serve did not start"
             line = server.stderr.readline()
         url = line.split(" at ")[1].split()[0]
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         while True:  # the socket listens before uvicorn runs: wait for its first answer
             try:
                 assert httpx.get(url.removesuffix("/v1") + "/health").json()["model"] == "mira-tiny-moe"
@@ -89,35 +91,26 @@ def test_serve_binds_loopback_and_answers_the_openai_client():
             except httpx.TransportError:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+        yield server, url
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(DEADLINE_S)
+
+
+def test_serve_binds_loopback_and_answers_the_openai_client():
+    with _server() as (_, url):
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
         reply = client.chat.completions.create(model="mira-tiny-moe", max_tokens=4,
                                                messages=[{"role": "user", "content": "Hi"}])
         assert reply.usage.completion_tokens >= 1 and reply.choices[0].message.content is not None
-    finally:
-        server.terminate()
-        server.wait(DEADLINE_S)
 
 
 def test_ctrl_c_ends_a_running_generation_and_the_server_at_once():
     """uvicorn alone waits for every connection to close; mira serve's first SIGINT also ends the
     generation that runs (its stream gets an error event) and the server exits within seconds."""
-    server = subprocess.Popen(_command("serve", "--device", "cpu", "--port", "0", "--quiet"),
-                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                              env={**os.environ, "MIRA_API_KEY": ""})
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        line = ""
-        while "serving" not in line:
-            assert time.monotonic() < deadline and server.poll() is None, "mira serve did not start"
-            line = server.stderr.readline()
-        url = line.split(" at ")[1].split()[0]
-        while True:
-            try:
-                httpx.get(url.removesuffix("/v1") + "/health")
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+    with _server() as (server, url):
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1800, "min_tokens": 1800,
                 "stream": True}
         with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=DEADLINE_S) as answer:
@@ -128,7 +121,3 @@ def test_ctrl_c_ends_a_running_generation_and_the_server_at_once():
             rest = list(lines)
         assert server.wait(30) in (0, 130) and time.monotonic() - stopped < 30  # 130: the SIGINT, re-raised
         assert any("shutting down" in line for line in rest) and "Traceback" not in server.stderr.read()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(DEADLINE_S)
