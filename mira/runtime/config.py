@@ -308,9 +308,9 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     With cpu_experts "graph" the device chooses the CPU's misses inside decode steps, which lag.
 
     Raises:
-        MiraError: prefetch "gate" or "trained" for a policy without STAGE slots; "trained" where there are no heads; "gate" or "trained" for routers
-            gate speculation does not recompute or for a looped model; cpu_experts "split" off CUDA; "graph" on CUDA
-            without the fused kernels.
+        MiraError: prefetch "gate" or "trained" without STAGE slots, for routers gate speculation
+            does not recompute, or for a looped model; "trained" where there are no heads;
+            cpu_experts "split" off CUDA; "graph" on CUDA without the fused kernels.
     """
     if facts.capacity >= facts.total_experts:  # all resident for good: nothing to decide inside a step
         return Decisions("static", True, None, facts.capacity)
@@ -325,9 +325,10 @@ def resolve(config: RuntimeConfig, facts: Facts) -> Decisions:
     prefetch = config.prefetch.mode
     if prefetch in ("gate", "trained") and facts.stage_slots == 0:
         policy = config.cache.policy
-        lacking = f"the {policy} policy has none" if policy != "mira" else "a budget of one slot leaves none"
+        lacking, fix = (f"the {policy} policy has none", "pass --policy mira") if policy != "mira" else \
+            ("a budget of one slot leaves none", "pass a larger --vram-budget")
         raise MiraError(f"--prefetch {prefetch} stages experts through the mira policy's STAGE slots, and {lacking}; "
-                        "pass --policy mira, or leave out --prefetch")
+                        f"{fix}, or leave out --prefetch")
     stages = facts.stage_slots > 0 and prefetch != "off" and (
         prefetch != "auto" or mode == "lagged" or (not lagged and cpu_experts != "split"))
     if stages and not facts.speculates:

@@ -84,14 +84,13 @@ class DeviceWorker:
         self._thread.start()
 
     def stop(self) -> None:
-        """Refuse new jobs and cancel what waits or runs, each ending in ShuttingDown at its next step
-        (the server is stopping; callable from a signal handler)."""
-        self._stopping = True
-        with self._jobs.mutex:
-            jobs = [*self._jobs.queue, self._current]
-        for job in jobs:
-            if job is not None:
-                job.cancel.set()
+        """Refuse new jobs and end what waits or runs, each in ShuttingDown, the running one at its next
+        step (the server is stopping). Takes no lock: a signal handler calls it, perhaps while the
+        thread it interrupted holds the queue's."""
+        self._stopping = True  # before reading the running job: one that starts later sees it
+        running = self._current
+        if running is not None:
+            running.cancel.set()
 
     def close(self) -> None:
         """`stop`, then end the thread once the current step ends."""
@@ -133,7 +132,7 @@ class DeviceWorker:
             job.send(*event)
 
     def _generate(self, job: Job) -> GenerationReport:
-        if job.cancel.is_set():  # its client left while it waited
+        if job.cancel.is_set() or self._stopping:  # its client left while it waited, or the server stops
             self.metrics.cancelled()
             return GenerationReport("", job.input_ids.shape[1], (), math.nan, math.nan, "cancelled")
         waited = time.perf_counter() - job.submitted
