@@ -17,8 +17,9 @@ LEAST_LOGPROB = -9999.0  # a log-probability that underflowed to -inf is sent as
 
 
 class _Strict(BaseModel):
-    # strict: a string is not a number and a number is not a string; fields Mira does not know are ignored
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: a string is not a number and a number is not a string; fields Mira does not know are ignored;
+    # NaN and infinity are no number either
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 # Fields of OpenAI's API that would change the answer and that Mira does not serve: a request that sets one
@@ -72,6 +73,13 @@ class SamplingRequest(_Strict):
             return data
         return {name: value for name, value in data.items()
                 if value is not None or name not in cls.model_fields or cls.model_fields[name].default is None}
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options go with \"stream\": true; set it, or leave out stream_options")
+        return options
 
     @field_validator("stop")
     @classmethod

@@ -464,6 +464,10 @@ BAD = {
     "a logit bias": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 100}}),
                      "logit_bias"),
     "a seed beyond 64 bits": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}), "seed"),
+    "stream options without a stream": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                    "stream_options": {"include_usage": True}}), "stream_options"),
+    "a temperature that is not a number": ('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+                                           "finite number"),
     "an assistant message without content": (json.dumps({"messages": [{"role": "assistant"}]}),
                                              "an assistant message needs content"),
     "functions, the older form of tools": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "functions": [
