@@ -53,8 +53,9 @@ def test_an_echoed_completion_names_each_token_where_it_stands(tokenizer, prompt
     assert choice["text"] == prompt + report.text
 
     streamed = Reply("cmpl-1", 0, "m", chat=False, tokenizer=tokenizer, echo=(prompt, prompt_ids))
-    events = [streamed.opening()] + [streamed.chunk("", entries=[entry])
-                                     for entry in (*report.prompt_logprobs, *report.logprobs)]
+    assert streamed.opening() is None and streamed.echo_owes == len(prompt_ids) - 1  # the echo waits for them
+    events = [streamed.echoed(report.prompt_logprobs)] + [streamed.chunk("", entries=[entry])
+                                                          for entry in report.logprobs]
     parts = [json.loads(event.removeprefix("data: "))["choices"][0]["logprobs"] for event in events]
     assert [t for part in parts for t in part["tokens"]] == texts
     assert [o for part in parts for o in part["text_offset"]] == offsets
