@@ -107,8 +107,9 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         elif not where and "json" not in content_type:
             message = (f"the request body must be JSON, sent with the header 'Content-Type: application/json' (it "
                        f"came as {content_type or 'no content type'})")
-        else:
-            message = f"{'.'.join(where) or 'body'}: {problem['msg']}"
+        else:  # a validator's own message goes out as it was written, without pydantic's "Value error, "
+            said = problem["ctx"]["error"] if problem.get("type") == "value_error" else problem["msg"]
+            message = f"{'.'.join(where) or 'body'}: {said}"
         return await api_error(request, ApiError(400, message, param=".".join(where) or None))
 
     @app.exception_handler(HTTPException)

@@ -26,7 +26,7 @@ def add_command(subparsers) -> None:
                     "temperature and the other sampling settings; a completion's echo returns the prompt (its token "
                     "ids may stand for it) with its logprobs. Tools go to the model through its chat template and "
                     "its calls come back through its tokenizer's response template (or --response-template). "
-                    "Response formats, logit bias, suffix, best_of and parallel_tool_calls false are refused "
+                    "Images, response formats, logit bias, suffix, best_of and parallel_tool_calls false are refused "
                     "(400). Generations run one at a time on the device; others wait in a bounded queue. Needs "
                     "`pip install mira[serve]`.")
     add_model_options(serve, raw=False)

@@ -40,6 +40,14 @@ def _refuse_unserved(value: Any, info: ValidationInfo) -> Any:
     raise ValueError(f"mira serve does not support {info.field_name}; {fix}")
 
 
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(item) is int for item in value)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -80,6 +88,14 @@ class SamplingRequest(_Strict):
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options go with \"stream\": true; set it, or leave out stream_options")
         return options
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_form(cls, stop: Any) -> Any:
+        """Checked before the union's members, whose own errors would name pydantic's types."""
+        if stop is None or isinstance(stop, str) or _strings(stop):
+            return stop
+        raise ValueError(f"give a string or a list of at most {MAX_STOP_STRINGS} strings")
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +153,24 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None  # None only in an assistant's message of tool calls
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """Checked before the union's members, whose own errors would name pydantic's types."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("give a string or a list of text parts ({\"type\": \"text\", \"text\": ...})")
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                named = f"of type {json.dumps(kind)}" if isinstance(kind, str) else "not a text part"
+                raise ValueError(f"part {index} is {named}; mira serve takes text parts only "
+                                 "({\"type\": \"text\", \"text\": ...})")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {index} needs its text as a string")
+        return content
 
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
@@ -239,6 +273,15 @@ class CompletionRequest(SamplingRequest):
 
     def requested_prompt_logprobs(self) -> bool:
         return bool(self.echo) and self.logprobs is not None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, prompt: Any) -> Any:
+        """Checked before the union's members, whose own errors would name pydantic's types."""
+        if isinstance(prompt, str) or _token_ids(prompt) or _strings(prompt) or (
+                isinstance(prompt, list) and all(_token_ids(ids) for ids in prompt)):
+            return prompt
+        raise ValueError("give a string or a list of token ids (integers), or a list of one of them")
 
     @field_validator("prompt")
     @classmethod

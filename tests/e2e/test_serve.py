@@ -474,6 +474,10 @@ BAD = {
         {"name": "f", "parameters": {"type": "object", "properties": {}}}]}), "give them as tools"),
     "a forced function call": (json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                            "function_call": {"name": "f"}}), "function_call"),
+    "an image in a message": (json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}), 'of type "image_url"'),
+    "a stop that is a number": (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": 5}),
+                                "a string or a list of at most 4 strings"),
     "a repetition penalty that would overflow the logits": (
         json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 1, "repetition_penalty": 1e-300}),
         "repetition_penalty"),
@@ -488,6 +492,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body_and_the_server_keeps_servi
     assert 400 <= answer.status_code < 500, answer.text
     error = answer.json()["error"]
     assert says in error["message"] or says == error["param"], error
+    assert "Value error" not in error["message"] and "str" not in (error["param"] or "").split("."), error
     assert error["type"] == "invalid_request_error"
     assert client.completions.create(model=NAME, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
