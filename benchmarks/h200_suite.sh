@@ -170,16 +170,19 @@ case "${1:-}" in
   tests)
     # the GPU machine has neither openai, lm_eval nor pydantic: leave out the modules that import them (no gpu tests
     # there); every family under a budget (test_gpu_families.py) is its own part
-    # a test still running after 150 s fails with every thread's stack in the log (pytest-timeout, on the GPU
-    # machine's image), and the rest go on
-    timeout 400 python -m pytest -q -s -m gpu tests -p no:cacheprovider --timeout 150 \
+    # a test still running after 120 s has every thread's stack written to the log (faulthandler, which needs
+    # no Python bytecode to run: a thread stuck in CUDA or a join still shows); after 150 s it fails
+    # (pytest-timeout, on the GPU machine's image), and the rest go on
+    timeout 400 python -m pytest -q -s -m gpu tests -p no:cacheprovider --timeout 150 -o faulthandler_timeout=120 \
       --ignore=tests/e2e/test_conversation_cli.py \
       --ignore=tests/e2e/test_lm_eval_backend.py --ignore=tests/e2e/test_serve.py \
       --ignore=tests/unit/test_serve_tools.py --ignore=tests/unit/test_serve_reply.py \
+      --ignore=tests/unit/test_serve_protocol.py \
       --ignore=tests/e2e/test_gpu_families.py 2>&1 \
       | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-e2e-h200.log" ;;
   families)
-    timeout 500 python -m pytest -q -s -m gpu tests/e2e/test_gpu_families.py -p no:cacheprovider 2>&1 \
+    timeout 500 python -m pytest -q -s -m gpu tests/e2e/test_gpu_families.py -p no:cacheprovider \
+      -o faulthandler_timeout=120 2>&1 \
       | grep -v "Loading weights\|Writing model" | tee "$OUT/gpu-families-h200.log" ;;
   pipeline)
     timeout 200 python benchmarks/copy_overlap.py --out "$OUT/copy-overlap-h200.json"
