@@ -8,6 +8,7 @@ and the timings a user asks about: TTFT and decode tokens/s.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ class SamplingConfig:
     """What one generation asks for. None leaves a setting to whatever sits under it: `with_defaults`,
     then the checkpoint's generation_config.json, then off (temperature 1, top-p 1, no top-k)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: nothing is generated; the prompt's log-probabilities are still read if asked
     min_new_tokens: int = 0  # the end-of-sequence token is held off until this many were generated
     temperature: float | None = None  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float | None = None
@@ -52,7 +53,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_new_tokens >= 1, f"max new tokens must be at least 1, not {self.max_new_tokens}"),
+            (self.max_new_tokens >= 0, f"max new tokens must be at least 0, not {self.max_new_tokens}"),
             (0 <= self.min_new_tokens <= self.max_new_tokens,
              f"min new tokens must be between 0 and max new tokens, not {self.min_new_tokens}"),
             (self.temperature is None or self.temperature >= 0, f"temperature must be >= 0, not {self.temperature}"),
@@ -359,6 +360,9 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     when `sampling.logprobs` asks for them, each new token's log-probabilities to `on_logprob` (after
     the prompt's, when `sampling.prompt_logprobs` asks for those too).
 
+    With `sampling.max_new_tokens` 0 nothing is generated: one forward reads the prompt's
+    log-probabilities if they are asked for (scoring a prompt).
+
     Seeds torch's generator from `sampling.seed` first, so a seeded call gives the same text whatever
     ran before it; the caller runs one generation at a time on the device. Setting `cancel` ends the
     generation after its current step.
@@ -367,6 +371,8 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
         MiraError: a setting out of range, or the prompt plus max new tokens longer than the context.
     """
     tokenizer = _tokenizer(model)
+    if sampling.max_new_tokens == 0:
+        return _score_prompt(model, input_ids, sampling, on_logprob)
     cancel = cancel or threading.Event()
     stream = TextStream(tokenizer, sampling.stop, on_text)
     tap = None if sampling.logprobs is None else LogprobTap(
@@ -409,6 +415,27 @@ def stream_generate(model: MiraModel, input_ids: torch.Tensor, sampling: Samplin
     return GenerationReport(stream.text, input_ids.shape[1], new_ids, ttft, decode, finish,
                             tuple(tap.taken) if tap is not None else (),
                             tuple(tap.prompt_taken) if tap is not None else ())
+
+
+def _score_prompt(model: MiraModel, input_ids: torch.Tensor, sampling: SamplingConfig,
+                  on_logprob: Callable[[TokenLogprob], None]) -> GenerationReport:
+    """A generation of no new tokens: one forward over the prompt [1, T] when its log-probabilities
+    are asked for (`sampling.prompt_logprobs`), none otherwise."""
+    prompt_tokens = input_ids.shape[1]
+    if prompt_tokens == 0:
+        raise MiraError("the prompt is empty (no tokens); pass a prompt")
+    if prompt_tokens > model.max_context:
+        raise MiraError(f"the prompt of {prompt_tokens} tokens is longer than the context of {model.max_context} "
+                        "tokens; shorten it")
+    taken: tuple[TokenLogprob, ...] = ()
+    if sampling.prompt_logprobs:
+        with torch.no_grad():  # as generate: buffers made on a first call stay usable by later generations
+            logits = model(input_ids=input_ids.to(model.device), use_cache=False).logits[0]  # [T, V]
+        model.finish_step()  # the step's routing goes to the policy now, as after a generation
+        taken = tuple(token_logprobs(logits[:-1], input_ids[0, 1:].tolist(), sampling.logprobs))
+        for entry in taken:
+            on_logprob(entry)
+    return GenerationReport("", prompt_tokens, (), math.nan, math.nan, "length", (), taken)
 
 
 def generate_text(model: MiraModel, prompt: str | Sequence[Message], sampling: SamplingConfig, raw: bool = False,

@@ -161,6 +161,9 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         check_model(body.model)
         if model.tokenizer is None:
             raise ApiError(400, f"{model.store.path} has no tokenizer files")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 generates nothing; ask for at least 1, or set echo to true (with "
+                                "logprobs to score the prompt)", param="max_tokens")
         if isinstance(body.prompt, str):
             input_ids, text = model.tokenizer(body.prompt, return_tensors="pt").input_ids, body.prompt
         else:
@@ -184,16 +187,17 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         prompt = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
         if prompt_tokens == 0:  # refused here, before a stream starts, rather than by the generation
             raise ApiError(400, "the prompt is empty (no tokens); give a prompt", param=prompt)
-        if room < 1 or (wanted is not None and wanted > room):
+        if (wanted is None and room < 1) or (wanted is not None and wanted > room):
             asked = f"{wanted} more were asked for: shorten the prompt or lower max_tokens" if wanted is not None \
                 else "no token is left to generate: shorten the prompt"
             raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
                                 f"{prompt_tokens} and {asked}", param=prompt, code="context_length_exceeded")
-        if body.min_tokens > (wanted or room):
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({wanted or room})",
+        most = room if wanted is None else wanted
+        if body.min_tokens > most:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({most})",
                            param="min_tokens")
         sampling = SamplingConfig(
-            max_new_tokens=wanted or room, min_new_tokens=body.min_tokens, temperature=body.temperature,
+            max_new_tokens=most, min_new_tokens=body.min_tokens, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, repetition_penalty=body.repetition_penalty,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=tuple(body.stop),
             seed=body.seed, logprobs=body.requested_logprobs(), prompt_logprobs=body.requested_prompt_logprobs())

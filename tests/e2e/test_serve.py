@@ -286,6 +286,37 @@ def test_an_echoed_prompt_of_token_ids_comes_back_with_its_logprobs(client, mode
     assert echoed.choices[0].text.startswith("Once upon") and echoed.choices[0].logprobs is None
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, model):
+    """The older way of scoring a text through OpenAI's completions (vLLM takes it too): the prompt back
+    with its logprobs and no new token; without echo there is nothing to answer, and it is refused."""
+    text = "Once upon a time, in a land"
+    ids = model.tokenizer(text).input_ids
+    reference = _reference_logprobs(model, torch.tensor([ids[:1]]), ids[1:])  # [T - 1, V]
+    settings = dict(model=NAME, prompt=text, max_tokens=0, echo=True, logprobs=2)
+    reply = client.completions.create(**settings)
+    choice = reply.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 0)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == token_texts(model.tokenizer, ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([reference[i, t].item() for i, t in enumerate(ids[1:])],
+                                                        abs=2e-3)
+    for step, top in enumerate(logprobs.top_logprobs[1:]):
+        likeliest = reference[step].topk(2)
+        assert top == pytest.approx({alternative_text(model.tokenizer, ids[:step + 1], i): v for i, v in
+                                     zip(likeliest.indices.tolist(), likeliest.values.tolist())}, abs=2e-3)
+    chunks = list(client.completions.create(**settings, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "length"
+    assert [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs] \
+        == logprobs.token_logprobs
+    plain = client.completions.create(model=NAME, prompt=text, max_tokens=0, echo=True)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=NAME, prompt=text, max_tokens=0)
+    assert error.value.param == "max_tokens" and "echo" in error.value.message
+
+
 def test_lm_evals_completions_api_model_scores_through_the_server(url, model):
     """lm-eval's own client of an OpenAI-compatible server (`--model local-completions`): its log-
     likelihoods of continuations, read from echoed prompts' logprobs, are the model's."""
