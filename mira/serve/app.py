@@ -188,8 +188,9 @@ def create_app(model: MiraModel, model_id: str, api_key: str | None = None, max_
         if prompt_tokens == 0:  # refused here, before a stream starts, rather than by the generation
             raise ApiError(400, "the prompt is empty (no tokens); give a prompt", param=prompt)
         if (wanted is None and room < 1) or (wanted is not None and wanted > room):
-            asked = f"{wanted} more were asked for: shorten the prompt or lower max_tokens" if wanted is not None \
-                else "no token is left to generate: shorten the prompt"
+            asked = ("no token is left to generate: shorten the prompt" if wanted is None
+                     else "does not fit: shorten it" if wanted == 0
+                     else f"{wanted} more were asked for: shorten the prompt or lower max_tokens")
             raise ApiError(400, f"this model's context is {model.max_context} tokens; the prompt takes "
                                 f"{prompt_tokens} and {asked}", param=prompt, code="context_length_exceeded")
         most = room if wanted is None else wanted

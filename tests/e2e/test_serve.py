@@ -315,6 +315,9 @@ def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, 
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=NAME, prompt=text, max_tokens=0)
     assert error.value.param == "max_tokens" and "echo" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=NAME, prompt="word " * 3000, max_tokens=0, echo=True, logprobs=0)
+    assert error.value.code == "context_length_exceeded" and "does not fit: shorten it" in error.value.message
 
 
 def test_lm_evals_completions_api_model_scores_through_the_server(url, model):
