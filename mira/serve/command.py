@@ -24,8 +24,9 @@ def add_command(subparsers) -> None:
                     "and POST /v1/completions (streamed as server-sent events with \"stream\": true), GET /health "
                     "and GET /metrics (Prometheus). Log probabilities (logprobs) are the model's own, before "
                     "temperature and the other sampling settings; a completion's echo returns the prompt (its token "
-                    "ids may stand for it) with its logprobs, and with max_tokens 0 scores the prompt alone. Tools go to the model through its chat template and "
-                    "its calls come back through its tokenizer's response template (or --response-template). "
+                    "ids may stand for it) with its logprobs, and with max_tokens 0 scores the prompt alone. Tools go "
+                    "to the model through its chat template and its calls come back through its tokenizer's response "
+                    "template (or --response-template). "
                     "Images, response formats, logit bias, suffix, best_of and parallel_tool_calls false are refused "
                     "(400). Generations run one at a time on the device; others wait in a bounded queue. Needs "
                     "`pip install mira[serve]`.")
