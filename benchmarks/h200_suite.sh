@@ -55,7 +55,8 @@
 #                                           # printed; THREADS=8 adds --cpu-threads 8; CONFIGS=mira,mira-device-
 #                                           # calibrated,mira-gpu adds the device's side at its calibration, an
 #                                           # A/B of the device's pace in one run (~5 min, ~7 with it);
-#                                           # INTERLEAVE=1 as for replay (~7 min)
+#                                           # INTERLEAVE=1 as for replay (~7 min); BUDGETS=8GiB runs one budget
+#                                           # (about half the time), and a rerun resumes with the other
 #   bash benchmarks/h200_suite.sh hybrid-24 # the same replay at 24 GiB: mira (auto's rule decides on the CPU's share),
 #                                           # mira-gpu and mira-cpu-split (the split regardless of the rule) in one
 #                                           # run (~4 min)
@@ -245,7 +246,7 @@ case "${1:-}" in
       --out "$OUT/bench-mixtral-8x7b-replay${INTERLEAVE:+-interleaved}.json" --quiet --resume ;;
   hybrid)
     timeout "$LIMIT" python -m mira.cli bench --synthetic mixtral-8x7b \
-      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets 8GiB,12GiB \
+      --routing benchmarks/results/traces/mixtral-8x7b-instruct-decode.npz --fixed 64x64 --budgets "${BUDGETS:-8GiB,12GiB}" \
       --configs "${CONFIGS:-mira,mira-gpu}" ${THREADS:+--cpu-threads "$THREADS"} --repeats 3 ${INTERLEAVE:+--interleave} \
       --out "$OUT/bench-mixtral-8x7b-hybrid-budgets${THREADS:+-${THREADS}threads}${INTERLEAVE:+-interleaved}.json" --resume ;;
   hybrid-24)
