@@ -216,21 +216,10 @@ class MiraModel:
             MiraError: the prompt plus max_new_tokens (or max_length) does not fit in max_context.
         """
         prompt_tokens = input_ids.shape[-1]
-        if prompt_tokens == 0:
-            raise MiraError("the prompt is empty (no tokens); pass a prompt")
         new_tokens = kwargs.get("max_new_tokens")
         if new_tokens is None:  # max_length is a total length, as transformers takes it
             new_tokens = kwargs["max_length"] - prompt_tokens if kwargs.get("max_length") is not None else 0
-        total = prompt_tokens + new_tokens
-        if total > self.max_context:
-            positions = getattr(self.hf_model.config, "max_position_embeddings", None)
-            if positions is not None and positions <= self.max_context:
-                fix = f"shorten the prompt or lower --max-new-tokens (the model holds at most {positions} positions)"
-            else:
-                fix = ("shorten the prompt, lower --max-new-tokens or pass a larger --max-context"
-                       + (f" (up to {positions})" if positions else ""))
-            raise MiraError(f"the prompt of {prompt_tokens} tokens plus {new_tokens} new tokens "
-                            f"is longer than the context of {self.max_context} tokens; {fix}")
+        self.check_fits(prompt_tokens, new_tokens)
         kwargs.setdefault("disable_compile", True)
         if self.hybrid is not None or self.graph_share is not None:
             free_idle_team()  # this thread's: beside it the CPU share's threads would sleep between operations
@@ -253,6 +242,20 @@ class MiraModel:
         finally:
             self._two_steps = False
             self.finish_step()
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
+        """Raise MiraError, naming the fix, when the prompt is empty or it and `new_tokens` exceed max_context."""
+        if prompt_tokens == 0:
+            raise MiraError("the prompt is empty (no tokens); pass a prompt")
+        if prompt_tokens + new_tokens > self.max_context:
+            positions = getattr(self.hf_model.config, "max_position_embeddings", None)
+            if positions is not None and positions <= self.max_context:
+                fix = f"shorten the prompt or lower --max-new-tokens (the model holds at most {positions} positions)"
+            else:
+                fix = ("shorten the prompt, lower --max-new-tokens or pass a larger --max-context"
+                       + (f" (up to {positions})" if positions else ""))
+            raise MiraError(f"the prompt of {prompt_tokens} tokens plus {new_tokens} new tokens "
+                            f"is longer than the context of {self.max_context} tokens; {fix}")
 
     def _static_decoding(self, input_ids: torch.Tensor, kwargs: dict) -> bool:
         """Whether this generate call can decode on a static KV cache, which CUDA graphs need to replay

@@ -422,11 +422,7 @@ def _score_prompt(model: MiraModel, input_ids: torch.Tensor, sampling: SamplingC
     """A generation of no new tokens: one forward over the prompt [1, T] when its log-probabilities
     are asked for (`sampling.prompt_logprobs`), none otherwise."""
     prompt_tokens = input_ids.shape[1]
-    if prompt_tokens == 0:
-        raise MiraError("the prompt is empty (no tokens); pass a prompt")
-    if prompt_tokens > model.max_context:
-        raise MiraError(f"the prompt of {prompt_tokens} tokens is longer than the context of {model.max_context} "
-                        "tokens; shorten it")
+    model.check_fits(prompt_tokens, 0)
     taken: tuple[TokenLogprob, ...] = ()
     if sampling.prompt_logprobs:
         with torch.no_grad():  # as generate: buffers made on a first call stay usable by later generations
